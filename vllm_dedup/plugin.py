@@ -1,0 +1,22 @@
+"""vLLM plugin entry point (group ``vllm.general_plugins``).
+
+vLLM calls `register` once in every process it starts (front end, engine core, each worker).
+The load format must be known in the worker, where the loader is built; vLLM's CLI accepts any
+``--load-format`` string and only the worker checks it (DESIGN.md, "Plugin").
+"""
+
+from __future__ import annotations
+
+LOAD_FORMAT = "dedup"
+
+
+def register() -> None:
+    """Register `DedupModelLoader` as load format ``dedup``.  Idempotent."""
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
+
+    from .loader import DedupModelLoader
+
+    # register_model_loader warns when a format is registered twice; plugins may load more
+    # than once per process (LLM() in a process that already imported them).
+    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not DedupModelLoader:
+        register_model_loader(LOAD_FORMAT)(DedupModelLoader)

@@ -1,0 +1,128 @@
+"""The ``vllm-dedup`` command.
+
+    vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache]
+
+Exit codes: 0 success; 1 some models could not be read (``--keep-going``: the rest are still
+reported); 2 bad usage or, without ``--keep-going``, the first model that could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .checkpoints import CheckpointError
+from .manifest import ManifestCache, default_cache_dir
+from .scan import Report, scan_model
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_report(report: Report, largest: int = 10) -> str:
+    """The human-readable scan report (what ``vllm-dedup scan`` prints without --json)."""
+    data = report.to_dict(largest)
+    models = data["models"]
+    out = [
+        _table(
+            [[f"[{i}] {m['path']}", m["tensors"], _size(m["bytes"])] for i, m in enumerate(models)],
+            ["model", "tensors", "bytes"],
+        ),
+        "",
+    ]
+    if len(models) > 1:
+        pairs = report.pair_shared_bytes()
+        out += [
+            "bytes shared by each pair of models (by content):",
+            _table(
+                [[f"[{i}]", *(_size(b) if i != j else "-" for j, b in enumerate(row))] for i, row in enumerate(pairs)],
+                ["", *(f"[{j}]" for j in range(len(models)))],
+            ),
+            "",
+        ]
+    out += [
+        f"total bytes   {_size(data['total_bytes']):>10}   (each model loaded alone)",
+        f"unique bytes  {_size(data['unique_bytes']):>10}   (each content stored once)",
+        f"saved bytes   {_size(data['saved_bytes']):>10}   ({100 * data['saved_bytes'] / max(data['total_bytes'], 1):.1f}%)",
+    ]
+    if data["min_bytes"]:
+        out.append(f"(tensors under {data['min_bytes']} bytes ignored)")
+    if data["largest_shared"]:
+        out += ["", f"largest shared tensors (top {largest}):"]
+        out.append(
+            _table(
+                [[_size(s["bytes"]), s["dtype"], "x".join(map(str, s["shape"])), len(s["places"]), s["places"][0]]
+                 for s in data["largest_shared"]],
+                ["bytes", "dtype", "shape", "copies", "first place"],
+            )
+        )
+    return "\n".join(out)
+
+
+def _cmd_scan(args: argparse.Namespace) -> int:
+    cache = ManifestCache(None if args.no_cache else default_cache_dir())
+    scans, errors = [], []
+    for path in args.paths:
+        try:
+            scans.append(scan_model(path, cache=cache, threads=args.threads, progress=None))
+        except CheckpointError as e:
+            print(f"vllm-dedup scan: error: {e}", file=sys.stderr)
+            if not args.keep_going:
+                return 2
+            errors.append(e)
+    report = Report(scans, args.min_bytes, errors)
+    if args.json:
+        print(json.dumps(report.to_dict(args.top)))
+    else:
+        print(format_report(report, args.top))
+    return 1 if errors else 0
+
+
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-dedup", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    scan = sub.add_parser(
+        "scan",
+        help="report the bytes several checkpoints share, matched by content",
+        description="Report how much memory serving these models side by side would save. "
+        "Each PATH is a model: an HF folder (one or sharded safetensors), a Diffusers-style "
+        "pipeline folder, a .safetensors, .gguf, .bin or .pt file.",
+    )
+    scan.add_argument("paths", nargs="+", metavar="PATH")
+    scan.add_argument("--json", action="store_true", help="print one JSON object")
+    scan.add_argument("--min-bytes", type=_nonnegative, default=0, metavar="N", help="ignore tensors under N bytes")
+    scan.add_argument("--keep-going", action="store_true", help="report the readable models when others fail")
+    scan.add_argument("--no-cache", action="store_true", help="neither read nor write the manifest cache")
+    scan.add_argument("--threads", type=_nonnegative, default=None, metavar="N", help="hashing threads")
+    scan.add_argument("--top", type=_nonnegative, default=10, metavar="N", help="largest shared tensors listed")
+    scan.set_defaults(func=_cmd_scan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``vllm-dedup`` console script."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Offline report: how much memory would co-serving these checkpoints save?
+
+`scan_model` reads one model's weight files (see `checkpoints.model_files`) and computes a
+content key per tensor, through the manifest cache.  `Report` matches the models' tensors by
+content key, never by name or file hash, and counts:
+
+- ``total_bytes``: every tensor's bytes, every model, as each engine would load them alone;
+- ``unique_bytes``: the bytes of distinct content keys: what is resident when every tensor
+  with the same content is stored once;
+- ``saved_bytes`` = total - unique;
+- per pair of models, the bytes of the distinct keys both hold: what the second engine need
+  not store when the first is resident.
+
+Tensors below ``min_bytes`` are left out of every count (the loader leaves them private).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoints import CheckpointError, TensorEntry, model_files, open_weight_file
+from .keys import ContentKey, content_key, content_keys
+from .manifest import FileIdentity, Manifest, ManifestCache
+
+__all__ = ["ScannedTensor", "ModelScan", "Report", "scan_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedTensor:
+    """A tensor of a model, with where it lives and its content key."""
+
+    file: str
+    entry: TensorEntry
+    key: ContentKey
+
+
+@dataclass
+class ModelScan:
+    """One model's tensors, and what the scan cost.
+
+    Attributes:
+        path: the model path as given.
+        tensors: every tensor of every weight file of the model.
+        hashed_bytes: tensor bytes read and hashed by this scan (0 when every file's manifest
+            was cached).
+        cached_files: files whose keys came from the manifest cache.
+        seconds: wall time of the scan.
+    """
+
+    path: str
+    tensors: list[ScannedTensor] = field(default_factory=list)
+    hashed_bytes: int = 0
+    cached_files: int = 0
+    seconds: float = 0.0
+
+
+def _scan_file(path: Path, cache: ManifestCache, threads: int | None, progress) -> tuple[Manifest, int]:
+    """Keys of one file: from the cache, or by hashing its tensors (then cached)."""
+    with open_weight_file(path) as wf:
+        identity = FileIdentity.of(path, wf.header())
+        manifest = cache.get(identity)
+        if manifest is not None:
+            if progress is not None:
+                progress.update(sum(e.nbytes for e in manifest.entries))
+            return manifest, 0
+        entries = wf.entries()
+
+        def key_of(e: TensorEntry):
+            def compute() -> ContentKey:
+                return content_key(wf.data(e.name), e.dtype, e.shape)
+
+            return compute
+
+        done = (lambda i: progress.update(entries[i].nbytes)) if progress is not None else None
+        keys = content_keys([key_of(e) for e in entries], threads=threads, on_done=done)
+    manifest = Manifest(identity, tuple(entries), tuple(keys))
+    cache.put(manifest)
+    return manifest, sum(e.nbytes for e in entries)
+
+
+def scan_model(
+    path: str | Path,
+    cache: ManifestCache | None = None,
+    threads: int | None = None,
+    progress: bool | None = None,
+) -> ModelScan:
+    """Content keys of every tensor of the model at ``path``.
+
+    Args:
+        path: a model folder or a single weight file (see `checkpoints.model_files`).
+        cache: manifest cache; None disables caching.
+        threads: hashing threads (see `keys.content_keys`).
+        progress: show a tqdm bar in bytes on stderr; None shows it on a terminal only.
+
+    Raises:
+        CheckpointError: the model or one of its files cannot be read.
+    """
+    from tqdm import tqdm
+
+    cache = cache or ManifestCache(None)
+    start = time.perf_counter()
+    files = model_files(path)
+    scan = ModelScan(str(path))
+    total = sum(f.stat().st_size for f in files)
+    # tqdm's disable=None means "only on a terminal"; it writes to stderr.
+    disable = None if progress is None else not progress
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"scan {Path(path).name}", disable=disable, leave=False)
+    with contextlib.closing(bar):
+        for f in files:
+            manifest, hashed = _scan_file(f, cache, threads, bar)
+            scan.hashed_bytes += hashed
+            scan.cached_files += hashed == 0
+            scan.tensors += [ScannedTensor(str(f), e, k) for e, k in zip(manifest.entries, manifest.keys)]
+    scan.seconds = time.perf_counter() - start
+    return scan
+
+
+@dataclass
+class Report:
+    """What co-serving the scanned models would share.  See the module docstring."""
+
+    models: list[ModelScan]
+    min_bytes: int = 0
+    errors: list[CheckpointError] = field(default_factory=list)
+
+    def _counted(self, scan: ModelScan) -> list[ScannedTensor]:
+        return [t for t in scan.tensors if t.entry.nbytes >= self.min_bytes]
+
+    def _key_sets(self) -> list[dict[ContentKey, int]]:
+        return [{t.key: t.entry.nbytes for t in self._counted(m)} for m in self.models]
+
+    def model_bytes(self, scan: ModelScan) -> int:
+        return sum(t.entry.nbytes for t in self._counted(scan))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.model_bytes(m) for m in self.models)
+
+    @property
+    def unique_bytes(self) -> int:
+        merged: dict[ContentKey, int] = {}
+        for keys in self._key_sets():
+            merged.update(keys)
+        return sum(merged.values())
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.total_bytes - self.unique_bytes
+
+    def pair_shared_bytes(self) -> list[list[int]]:
+        """``m[i][j]``: bytes of distinct content keys held by both model i and model j."""
+        sets = self._key_sets()
+        n = len(sets)
+        out = [[0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(n):
+                small, big = sorted((sets[i], sets[j]), key=len)
+                out[i][j] = sum(b for k, b in small.items() if k in big)
+        return out
+
+    def largest_shared(self, n: int = 10) -> list[dict]:
+        """The ``n`` largest content keys held more than once, with every place they occur."""
+        places: dict[ContentKey, list[str]] = defaultdict(list)
+        size: dict[ContentKey, int] = {}
+        for m in self.models:
+            for t in self._counted(m):
+                places[t.key].append(f"{m.path}:{t.entry.name}")
+                size[t.key] = t.entry.nbytes
+        shared = [k for k, p in places.items() if len(p) > 1]
+        shared.sort(key=lambda k: (-size[k], str(k)))
+        return [
+            {"key": str(k), "bytes": size[k], "dtype": k.dtype, "shape": list(k.shape), "places": places[k]}
+            for k in shared[:n]
+        ]
+
+    def to_dict(self, largest: int = 10) -> dict:
+        """The report as JSON-ready data (the ``--json`` output)."""
+        pairs = self.pair_shared_bytes()
+        return {
+            "models": [
+                {
+                    "path": m.path,
+                    "tensors": len(self._counted(m)),
+                    "bytes": self.model_bytes(m),
+                    "hashed_bytes": m.hashed_bytes,
+                    "cached_files": m.cached_files,
+                    "seconds": round(m.seconds, 4),
+                }
+                for m in self.models
+            ],
+            "pairs": [
+                {"a": a.path, "b": b.path, "shared_bytes": pairs[i][j]}
+                for i, a in enumerate(self.models)
+                for j, b in enumerate(self.models)
+                if i < j
+            ],
+            "total_bytes": self.total_bytes,
+            "unique_bytes": self.unique_bytes,
+            "saved_bytes": self.saved_bytes,
+            "min_bytes": self.min_bytes,
+            "largest_shared": self.largest_shared(largest),
+            "errors": [{"path": e.path, "error": e.reason} for e in self.errors],
+        }
+

@@ -1,0 +1,28 @@
+"""Helpers for running the ``vllm-dedup`` command the way a user does: in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cli(*args: str, cache: Path | None = None, check: bool = False, user: int | None = None):
+    """Run the installed ``vllm-dedup`` console script in a subprocess, as a user would."""
+    env = dict(os.environ)
+    if cache is not None:
+        env["VLLM_DEDUP_CACHE_DIR"] = str(cache)
+    cmd = [str(Path(sys.executable).with_name("vllm-dedup")), *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def scan_json(*paths, cache: Path, extra: tuple[str, ...] = ()) -> dict:
+    proc = run_cli("scan", "--json", *extra, *map(str, paths), cache=cache, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,84 @@
+"""Content keys: what makes two keys equal, zero-copy hashing, and the parallel path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xxhash
+
+from vllm_dedup.keys import ContentKey, content_key, content_keys, contiguous_stride, tensor_bytes
+
+
+def key_of(t: torch.Tensor) -> ContentKey:
+    return content_key(tensor_bytes(t), str(t.dtype).removeprefix("torch."), t.shape, t.stride())
+
+
+def test_equal_bytes_and_layout_give_equal_keys():
+    a = torch.randn(64, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    assert key_of(a) == key_of(a.clone())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.view(torch.float16),  # same bytes, other dtype
+        lambda t: t.reshape(32, 64),  # same bytes, other shape
+        lambda t: t.reshape(-1),
+        lambda t: torch.where(torch.arange(t.numel()).reshape(t.shape) == 7, t + 1, t),  # one element
+    ],
+)
+def test_any_change_of_bytes_dtype_or_shape_changes_the_key(change):
+    a = torch.randn(64, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    assert key_of(a) != key_of(change(a).contiguous())
+
+
+def test_stride_is_part_of_the_key():
+    data = memoryview(bytes(range(16)))
+    assert content_key(data, "uint8", (4, 4), (4, 1)) != content_key(data, "uint8", (4, 4), (1, 4))
+
+
+def test_digest_is_xxh3_128_of_the_bytes_in_memory_order():
+    t = torch.arange(10, dtype=torch.int32)
+    assert key_of(t).digest == xxhash.xxh3_128_digest(t.numpy().tobytes())
+
+
+def test_tensor_bytes_is_zero_copy():
+    t = torch.zeros(8, dtype=torch.float32)
+    view = tensor_bytes(t)
+    t[0] = 1.0
+    assert bytes(view[:4]) == torch.tensor([1.0]).numpy().tobytes()
+
+
+def test_tensor_bytes_handles_scalars_and_empty_tensors():
+    assert tensor_bytes(torch.tensor(3.0)).nbytes == 4
+    assert tensor_bytes(torch.empty(0, 5)).nbytes == 0
+
+
+def test_tensor_bytes_refuses_a_non_contiguous_tensor():
+    with pytest.raises(ValueError, match="contiguous"):
+        tensor_bytes(torch.zeros(4, 4).t())
+
+
+def test_key_string_round_trips():
+    k = content_key(memoryview(b"abc"), "gguf:Q4_1", (3,), None)
+    assert ContentKey.parse(str(k)) == k
+    scalar = content_key(memoryview(b"abcd"), "float32", (), ())
+    assert ContentKey.parse(str(scalar)) == scalar
+    with pytest.raises(ValueError, match="not a content key"):
+        ContentKey.parse("float32[2]:zz")
+
+
+def test_contiguous_stride():
+    assert contiguous_stride((2, 3, 4)) == (12, 4, 1)
+    assert contiguous_stride(()) == ()
+
+
+def test_parallel_keys_equal_sequential_keys_in_order():
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(n, 17, generator=gen) for n in range(1, 40)]
+    loaders = [lambda t=t: key_of(t) for t in tensors]
+    done = []
+    parallel = content_keys(loaders, threads=4, on_done=done.append)
+    assert parallel == content_keys(loaders, threads=1)
+    assert parallel == [key_of(t) for t in tensors]
+    assert sorted(done) == list(range(len(tensors)))

@@ -1,0 +1,221 @@
+"""Host segments, the broker and the registry, with real processes sharing real memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_dedup.broker import BrokerClient, BrokerServer, RegistryUnavailable
+from vllm_dedup.registry import Registry
+
+PEER = Path(__file__).with_name("segment_peer.py")
+MB = 1 << 20
+
+
+@pytest.fixture
+def broker(tmp_path):
+    run = tmp_path / "run"
+    server = BrokerServer(Registry(), run / "test.sock").start()
+    yield server
+    server.stop()
+
+
+class Peer:
+    def __init__(self, sock: Path, *args: str, user: int | None = None):
+        cmd = [sys.executable, str(PEER), str(sock), *args]
+        if user is not None:
+            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+
+    def result(self, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer exited {self.proc.wait()}: {self.proc.stderr.read()[-3000:]}")
+            if line.startswith("OK "):
+                return json.loads(line[3:])
+        raise TimeoutError
+
+    def pss_shmem(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss_Shmem:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no Pss_Shmem")
+
+    def end(self) -> int:
+        self.proc.stdin.close()
+        code = self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return code
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def wait_for(predicate, timeout_s: float = 10):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stats(server: BrokerServer) -> dict:
+    client = BrokerClient(server.path)
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
+def test_second_process_maps_the_same_bytes_and_pages_count_once(broker):
+    a = Peer(broker.path, "publish", "k1", str(64 * MB))
+    published = a.result()
+    b = Peer(broker.path, "map", "k1")
+    mapped = b.result()
+    assert mapped == {"hit": True, "digest": published["digest"]}
+    # 64 MiB resident once, mapped (and populated) by two processes: each is charged half.
+    assert wait_for(lambda: abs(a.pss_shmem() - 32 * MB) < 4 * MB and abs(b.pss_shmem() - 32 * MB) < 4 * MB)
+    s = stats(broker)
+    assert s["groups"][0]["resident_bytes"] == 64 * MB and s["groups"][0]["saved_bytes"] == 0
+    assert a.end() == 0 and b.end() == 0
+
+
+def test_sigkill_drops_the_lease_and_the_survivor_keeps_its_bytes(broker):
+    a = Peer(broker.path, "publish", "k2", str(8 * MB))
+    digest = a.result()["digest"]
+    b = Peer(broker.path, "map", "k2")
+    assert b.result()["digest"] == digest
+    a.kill()
+    assert wait_for(lambda: len(stats(broker)["engines"]) == 1)
+    assert stats(broker)["groups"][0]["segments"] == 1  # still held by b
+    c = Peer(broker.path, "map", "k2")  # a newcomer maps what survived
+    assert c.result()["digest"] == digest
+    assert b.end() == 0 and c.end() == 0
+    assert wait_for(lambda: stats(broker)["groups"] == [])  # nobody holds it: freed
+
+
+def test_keep_warm_holds_an_unmapped_segment_then_frees_it(tmp_path):
+    server = BrokerServer(Registry(keep_warm_s=4.0), tmp_path / "run" / "w.sock").start()
+    try:
+        a = Peer(server.path, "publish", "k3", str(MB))
+        digest = a.result()["digest"]
+        assert a.end() == 0
+        assert wait_for(lambda: stats(server)["engines"] == [])
+        assert stats(server)["groups"][0]["segments"] == 1  # nobody maps it, still resident
+        b = Peer(server.path, "map", "k3")  # within keep_warm_s: maps instead of loading
+        assert b.result()["digest"] == digest
+        assert b.end() == 0
+        ended = time.monotonic()
+        assert wait_for(lambda: stats(server)["groups"] == [], timeout_s=10)
+        assert time.monotonic() - ended >= 3.0  # kept warm again before it was freed
+    finally:
+        server.stop()
+
+
+def test_write_through_a_shared_mapping_faults(broker):
+    a = Peer(broker.path, "publish", "k4", str(MB))
+    digest = a.result()["digest"]
+    w = Peer(broker.path, "write", "k4")
+    assert w.proc.wait(timeout=60) == -signal.SIGSEGV
+    assert "WROTE" not in w.proc.stdout.read()
+    b = Peer(broker.path, "map", "k4")
+    assert b.result()["digest"] == digest  # the bytes are unchanged
+    assert a.end() == 0 and b.end() == 0
+
+
+def test_share_groups_never_see_each_other(broker):
+    a = Peer(broker.path, "publish", "k5", str(MB), "group-a")
+    a.result()
+    other = Peer(broker.path, "map", "k5", "group-b")
+    assert other.result() == {"hit": False}
+    same = Peer(broker.path, "map", "k5", "group-a")
+    assert same.result()["hit"] is True
+    for p in (a, other, same):
+        assert p.end() == 0
+
+
+INTRUDER = """
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.send(json.dumps({"op": "stats"}).encode())
+print(s.recv(65536).decode())
+"""
+
+
+def test_another_uid_is_refused_even_through_loose_permissions():
+    """The kernel's permission checks are loosened on purpose, and the intruder skips the
+    client's own checks: only the broker's SO_PEERCRED check stands in the way."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a peer as another uid (CI runs as root)")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        server = BrokerServer(Registry(), run / "x.sock").start()
+        try:
+            os.chmod(tmp, 0o755)
+            os.chmod(run, 0o755)
+            os.chmod(server.path, 0o777)
+            proc = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", INTRUDER,
+                 str(server.path)], capture_output=True, text=True, timeout=60,
+            )
+            reply = json.loads(proc.stdout)
+            assert "refused" in reply["error"] and "uid 65534" in reply["error"]
+            assert "groups" not in reply
+            assert server.refused_uids == [65534]
+        finally:
+            server.stop()
+
+
+def test_bad_requests_get_errors_and_the_broker_keeps_serving(broker):
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    raw.connect(str(broker.path))
+    for payload in (b"not json", json.dumps({"op": "nope"}).encode(), json.dumps({"op": "acquire", "keys": []}).encode()):
+        raw.send(payload)
+        assert "error" in json.loads(raw.recv(65536))
+    raw.close()
+    client = BrokerClient(broker.path)
+    with pytest.raises(RegistryUnavailable, match="hello sent twice"):
+        client.hello("m", "cpu", "g")
+        client.hello("m", "cpu", "g")
+    client.close()
+    assert stats(broker)["engines"] == []
+
+
+def test_connections_leak_no_descriptors(broker):
+    def fd_count() -> int:
+        """This process's sockets and memfds: what the broker opens (pipes are the test's)."""
+        kinds = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                kinds.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return sum(k.startswith(("socket:", "/memfd:")) for k in kinds)
+
+    a = Peer(broker.path, "publish", "k7", str(MB))
+    a.result()
+    before = fd_count()
+    for _ in range(10):
+        p = Peer(broker.path, "map", "k7")
+        assert p.result()["hit"]
+        assert p.end() == 0
+    assert wait_for(lambda: fd_count() == before)
+    assert a.end() == 0
+    assert wait_for(lambda: stats(broker)["groups"] == [])
+    assert wait_for(lambda: fd_count() == before - 1)  # the segment's own descriptor is closed

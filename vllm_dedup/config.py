@@ -21,10 +21,33 @@ class DedupConfig:
         inner_load_format: the vLLM load format that reads the checkpoint (``auto``,
             ``safetensors``, ``pt``, ``gguf``, ``runai_streamer``, ...).  Not ``dedup``.
         inner_extra_config: the inner loader's own ``model_loader_extra_config``.
+        share_group: engines share only within the same group (and device).
+        min_tensor_bytes: tensors smaller than this stay private (bytes).  A segment costs a
+            descriptor and at least one page; norms and biases are a tiny share of the bytes.
+        verify: compare the bytes exactly before mapping a shared tensor in.  Turning it off
+            trusts XXH3-128 alone; a collision would then serve wrong weights.
+        on_registry_error: ``fallback`` (load privately, with a warning) or ``fail`` (stop
+            the engine at start-up) when the registry cannot be reached.
+        keep_warm_s: seconds a segment nobody maps stays resident, so that a restarting engine
+            maps instead of loading (applies to a registry this engine starts).
+        cpu_share_linear: on vLLM's CPU backend, keep plain linear weights (``F.linear``) so
+            that they can be shared, instead of letting vLLM repack them into oneDNN memory
+            (then only embeddings, norms and untied heads are shared).
+        registry_address: ``None`` (find or start one: see `ray_actor.connect_registry`),
+            ``"local"`` (standalone daemon, no Ray), or a Ray address.
+        registry_namespace: the registry's Ray namespace and socket name.
     """
 
     inner_load_format: str = "auto"
     inner_extra_config: dict = field(default_factory=dict)
+    share_group: str = "default"
+    min_tensor_bytes: int = 1 << 16
+    verify: bool = True
+    on_registry_error: str = "fallback"
+    keep_warm_s: float = 0.0
+    cpu_share_linear: bool = True
+    registry_address: str | None = None
+    registry_namespace: str = "vllm-dedup"
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> DedupConfig:
@@ -57,4 +80,22 @@ class DedupConfig:
             raise ValueError(
                 f"inner_extra_config must be a JSON object, got {type(config.inner_extra_config).__name__}"
             )
+        c = config
+        checks = [  # (key, value is valid, what it must be)
+            ("share_group", isinstance(c.share_group, str) and c.share_group != "", "a non-empty string"),
+            ("min_tensor_bytes", isinstance(c.min_tensor_bytes, int) and c.min_tensor_bytes >= 0,
+             "an integer >= 0 (bytes)"),
+            ("verify", isinstance(c.verify, bool), "true or false"),
+            ("on_registry_error", c.on_registry_error in ("fallback", "fail"), "'fallback' or 'fail'"),
+            ("keep_warm_s", isinstance(c.keep_warm_s, (int, float)) and c.keep_warm_s >= 0,
+             "a number >= 0 (seconds)"),
+            ("cpu_share_linear", isinstance(c.cpu_share_linear, bool), "true or false"),
+            ("registry_address", c.registry_address is None or isinstance(c.registry_address, str),
+             "null, 'local' or a Ray address"),
+            ("registry_namespace", isinstance(c.registry_namespace, str) and c.registry_namespace != "",
+             "a non-empty string"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {expected}, got {getattr(c, name)!r}")
         return config

@@ -4,13 +4,20 @@ It wraps an inner vLLM loader (``inner_load_format``, default ``auto``), built f
 the engine's `LoadConfig` carrying the inner format and only the inner loader's own extra
 config: vLLM's `DefaultModelLoader` rejects load formats and keys it does not know.
 
-Status: this version delegates every step to the inner loader and stores weights privately,
-exactly as the inner format would.  Sharing resident tensors between engines (content keys,
-registry, segments) is added on top of `load_model` by the next stage of the project; the
-plugin, the configuration and the CLI surface are already the final ones.
+Loading runs vLLM's own `BaseModelLoader.load_model` template (create the model, load weights,
+``process_weights_after_loading``) with the inner loader's steps, then `share.share_model`
+swaps every tensor whose content is already resident in another engine for that resident copy
+and publishes the rest.  The registry is reached before loading starts, so
+``on_registry_error="fail"`` stops a misconfigured engine at once.
+
+On vLLM's CPU backend, ``cpu_share_linear`` (default on) marks linear layers with vLLM's own
+``_cpu_skip_gemm_dispatch`` before post-processing, so their weights stay plain tensors
+(``F.linear``) that can be shared instead of being repacked into oneDNN-owned memory.
 """
 
 from __future__ import annotations
+
+import logging
 
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
@@ -19,9 +26,16 @@ from vllm.config.utils import replace
 from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from .broker import RegistryUnavailable
 from .config import DedupConfig
 
 __all__ = ["DedupModelLoader"]
+
+logger = logging.getLogger("vllm_dedup")
+
+# Each engine process keeps its registry connections open for its lifetime: they are its
+# leases on the segments it maps (see broker.py).
+_LEASES: list = []
 
 
 class DedupModelLoader(BaseModelLoader):
@@ -46,6 +60,7 @@ class DedupModelLoader(BaseModelLoader):
                 model_loader_extra_config=dict(self.config.inner_extra_config),
             )
         )
+        self.result = None
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.inner.download_model(model_config)
@@ -56,7 +71,69 @@ class DedupModelLoader(BaseModelLoader):
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
         return self.inner.get_external_weight_memory(vllm_config)
 
-    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        """Load the model through the inner loader (vLLM's whole pipeline, unchanged)."""
-        return self.inner.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        model = self.inner.create_model(vllm_config, model_config, prefix)
+        if self.config.cpu_share_linear and _is_cpu():
+            from vllm.model_executor.layers.linear import LinearBase
 
+            for module in model.modules():
+                if isinstance(module, LinearBase):
+                    module._cpu_skip_gemm_dispatch = True
+        return model
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        """Load through the inner loader, then share resident tensors (module docstring).
+
+        Raises:
+            RuntimeError: the registry cannot be reached and ``on_registry_error`` is ``fail``.
+        """
+        device = vllm_config.load_config.device or vllm_config.device_config.device
+        device_type = str(device).split(":")[0]
+        client = self._connect(model_config, device_type)
+        if type(self.inner).load_model is BaseModelLoader.load_model:
+            model = super().load_model(vllm_config, model_config, prefix)
+        else:  # the inner loader has its own pipeline: use it unchanged
+            model = self.inner.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        if client is None:
+            return model
+        from .share import share_model
+
+        try:
+            self.result = share_model(
+                model, client, device_type, self.config.min_tensor_bytes, self.config.verify,
+                fail=self.config.on_registry_error == "fail",
+            )
+        except RegistryUnavailable as e:
+            raise RuntimeError(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
+        _LEASES.append(client)
+        # The attribute upstream vLLM's hook reads (patches/0001-...): weights in segments.
+        model.shared_weight_bytes = self.result.shared_bytes + self.result.published_bytes
+        logger.info("vllm-dedup: %s: %s", model_config.model, self.result.summary())
+        return model
+
+    def _connect(self, model_config: ModelConfig, device_type: str):
+        from .ray_actor import connect_registry
+
+        if device_type != "cpu":
+            logger.warning("vllm-dedup: no segment backend for %s yet; loading privately", device_type)
+            return None
+        try:
+            client = connect_registry(
+                self.config.registry_namespace, self.config.registry_address, self.config.keep_warm_s
+            )
+            client.hello(str(model_config.model), device_type, self.config.share_group)
+            return client
+        except RegistryUnavailable as e:
+            if self.config.on_registry_error == "fail":
+                raise RuntimeError(
+                    f"vllm-dedup: cannot reach the weight registry ({e}). Start it or fix "
+                    "registry_address, or set on_registry_error='fallback' to load without sharing."
+                ) from None
+            logger.warning("vllm-dedup: cannot reach the weight registry (%s); loading without sharing", e)
+            return None
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

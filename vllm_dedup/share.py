@@ -1,0 +1,242 @@
+"""Swapping a loaded model's tensors for shared, segment-backed ones.
+
+This runs once per engine, after vLLM's ``process_weights_after_loading``, so the tensors shared
+are exactly those the kernels use.  For every parameter and buffer storage of at least
+``min_tensor_bytes`` bytes:
+
+1. compute its content key (`keys.py`), in parallel threads;
+2. ask the registry for the keys (one round trip per 250 keys);
+3. hit: map the segment read-only, compare the bytes exactly, swap the shared tensor in, drop the
+   private copy; a failed compare (a hash collision) releases the segment and keeps the tensor
+   private: different bytes are never swapped in;
+4. miss: copy the tensor into a new segment, publish it, swap to the segment-backed tensor.
+
+Swapping keeps every ``nn.Parameter`` object (its class, its attributes such as
+``weight_loader``, and every module that refers to it, so tied weights stay tied): only
+``param.data`` is rebound.  Buffers are replaced in their modules' ``_buffers``.  A tensor that
+is only a view into a larger storage stays private: swapping it would free nothing.
+
+Freed private copies go back to the operating system (``malloc_trim``): glibc otherwise keeps
+large freed blocks in its heap and the process's memory would not shrink.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import logging
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .broker import BrokerClient, RegistryUnavailable
+from .keys import ContentKey, content_key, content_keys, tensor_bytes
+from .segments import segment_class
+
+__all__ = ["ShareResult", "share_model", "shared_bytes_in_process"]
+
+logger = logging.getLogger(__name__)
+
+# Test hook: when set, every content key's digest is zeroed, so every tensor of a given dtype
+# and shape collides with every other.  The exact compare must then keep them all apart.
+FORCE_COLLISIONS_ENV = "VLLM_DEDUP_TEST_FORCE_COLLISIONS"
+
+_shared_in_process = 0
+
+
+def shared_bytes_in_process() -> int:
+    """Bytes of this process's tensors that live in segments, mapped from another engine or
+    published by this one: both are read-only and visible to other engines (for the guards)."""
+    return _shared_in_process
+
+
+@dataclass
+class ShareResult:
+    """What one engine's load did, in tensors and bytes."""
+
+    shared_tensors: int = 0
+    shared_bytes: int = 0
+    published_tensors: int = 0
+    published_bytes: int = 0
+    private_tensors: int = 0
+    private_bytes: int = 0
+    collisions: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        mb = 1e6
+        return (
+            f"{self.shared_tensors} tensors / {self.shared_bytes / mb:.1f} MB shared, "
+            f"{self.published_tensors} / {self.published_bytes / mb:.1f} MB published, "
+            f"{self.private_tensors} / {self.private_bytes / mb:.1f} MB private, "
+            f"{self.collisions} collisions, {self.seconds:.2f} s"
+        )
+
+
+@dataclass
+class _Slot:
+    """One storage of the model and every place (module, attribute) that refers to it."""
+
+    tensor: object
+    refs: list[tuple[object, str, bool]]  # (module, name, is_parameter)
+    key: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def _collect(model, device_type: str, min_bytes: int) -> tuple[list[_Slot], int, int]:
+    """Group the model's parameters and buffers by storage.  Returns (candidates, private
+    tensors, private bytes) where private ones are too small, views, or on another device."""
+    slots: dict[tuple, _Slot] = {}
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else (id(t),)
+                slot = slots.setdefault(ident, _Slot(t, []))
+                slot.refs.append((module, name, is_param))
+    candidates, private_n, private_b = [], 0, 0
+    for slot in slots.values():
+        t = slot.tensor
+        ok = (
+            t.device.type == device_type
+            and not t.is_meta
+            and t.is_contiguous()
+            and slot.nbytes >= max(min_bytes, 1)
+            and t.untyped_storage().nbytes() == slot.nbytes  # covers its whole storage
+        )
+        if ok:
+            candidates.append(slot)
+        else:
+            private_n += 1
+            private_b += slot.nbytes
+    return candidates, private_n, private_b
+
+
+def _swap(slot: _Slot, new) -> None:
+    done = set()
+    for module, name, is_param in slot.refs:
+        if is_param:
+            param = module._parameters[name]
+            if id(param) not in done:
+                param.data = new
+                done.add(id(param))
+        else:
+            module._buffers[name] = new
+
+
+def _key(t) -> str:
+    key = content_key(tensor_bytes(t), str(t.dtype).removeprefix("torch."), t.shape, t.stride())
+    if os.environ.get(FORCE_COLLISIONS_ENV):
+        key = ContentKey(bytes(16), key.dtype, key.shape, key.stride)
+    return str(key)
+
+
+def _same_bytes(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tensor_bytes: int = 1 << 16,
+                verify: bool = True, fail: bool = False) -> ShareResult:
+    """Share ``model``'s tensors through the registry behind ``client`` (see the module docstring).
+
+    Args:
+        model: the loaded ``nn.Module`` (after ``process_weights_after_loading``).
+        client: a connection that has said hello; it must stay open while the model lives.
+        device_type: torch device type of the tensors to share (``"cpu"``).
+        min_tensor_bytes: smaller tensors stay private.
+        verify: compare bytes before swapping a shared tensor in.
+        fail: on a registry error, raise instead of leaving the rest private.
+
+    Raises:
+        RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
+    """
+    global _shared_in_process
+    start = time.perf_counter()
+    seg_cls = segment_class(device_type)
+    slots, private_n, private_b = _collect(model, device_type, min_tensor_bytes)
+    result = ShareResult(private_tensors=private_n, private_bytes=private_b)
+    keys = content_keys([lambda s=s: _key(s.tensor) for s in slots])
+    by_key: dict[str, list[_Slot]] = defaultdict(list)
+    for slot, key in zip(slots, keys):
+        slot.key = key
+        by_key[key].append(slot)
+
+    def keep_private(group: list[_Slot]) -> None:
+        result.private_tensors += len(group)
+        result.private_bytes += sum(s.nbytes for s in group)
+
+    def adopt(group: list[_Slot], seg, offset: int, published: bool) -> list[_Slot]:
+        """Swap each slot whose bytes equal the segment's; return the ones that differ."""
+        global _shared_in_process
+        differ = []
+        for i, slot in enumerate(group):
+            t = slot.tensor
+            shared = seg.tensor(offset, t.dtype, tuple(t.shape), tuple(t.stride()))
+            source = published and i == 0  # the segment was copied from this very tensor
+            if verify and not source and not _same_bytes(shared, t):
+                differ.append(slot)
+                continue
+            _swap(slot, shared)
+            _shared_in_process += slot.nbytes
+            if source:
+                result.published_tensors += 1
+                result.published_bytes += slot.nbytes
+            else:
+                result.shared_tensors += 1
+                result.shared_bytes += slot.nbytes
+        return differ
+
+    pending = dict(by_key)
+    try:
+        for hit, fd in client.acquire(list(pending)):
+            group = pending.pop(hit.key)
+            seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_type)
+            differ = adopt(group, seg, hit.offset, published=False)
+            seg.close_fd()
+            if differ:
+                result.collisions += len(differ)
+                logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
+                               "(hash collision); they stay private", len(differ), hit.key)
+                if len(differ) == len(group):
+                    client.release([hit.segment], collision=True)
+                keep_private(differ)
+        for key, group in list(pending.items()):
+            seg = seg_cls.create(group[0].tensor, device_type)
+            try:
+                client.publish(seg.fileno(), seg.nbytes, [(key, 0, seg.nbytes)])
+            finally:
+                seg.close_fd()
+            del pending[key]
+            keep_private(adopt(group, seg, 0, published=True))
+    except RegistryUnavailable as e:
+        if fail:
+            raise
+        result.errors.append(str(e))
+        logger.warning("vllm-dedup: registry failed mid-load (%s); the remaining tensors stay private", e)
+        for group in pending.values():
+            keep_private(group)
+    del slots, by_key, pending
+    gc.collect()
+    _malloc_trim()
+    result.seconds = time.perf_counter() - start
+    try:
+        client.report(dataclasses.asdict(result))
+    except RegistryUnavailable:
+        pass
+    return result
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -11,12 +11,14 @@ LOAD_FORMAT = "dedup"
 
 
 def register() -> None:
-    """Register `DedupModelLoader` as load format ``dedup``.  Idempotent."""
+    """Register `DedupModelLoader` as load format ``dedup`` and install the guards.  Idempotent."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
+    from . import guards
     from .loader import DedupModelLoader
 
     # register_model_loader warns when a format is registered twice; plugins may load more
     # than once per process (LLM() in a process that already imported them).
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not DedupModelLoader:
         register_model_loader(LOAD_FORMAT)(DedupModelLoader)
+    guards.install()

@@ -1,9 +1,11 @@
 """The ``vllm-dedup`` command.
 
     vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache]
+    vllm-dedup status [--json] [--namespace NS]
 
-Exit codes: 0 success; 1 some models could not be read (``--keep-going``: the rest are still
-reported); 2 bad usage or, without ``--keep-going``, the first model that could not be read.
+scan exit codes: 0 success; 1 some models could not be read (``--keep-going``: the rest are
+still reported); 2 bad usage or, without ``--keep-going``, the first model that could not be
+read.  status exit codes: 0 success; 1 no registry runs for the namespace on this node.
 """
 
 from __future__ import annotations
@@ -90,6 +92,46 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def format_status(stats: dict) -> str:
+    """The human-readable registry status (what ``vllm-dedup status`` prints)."""
+    out = [
+        _table(
+            [[g["device"], g["share_group"], g["engines"], g["segments"], _size(g["resident_bytes"]),
+              _size(g["saved_bytes"])] for g in stats["groups"]],
+            ["device", "share group", "engines", "segments", "resident", "saved"],
+        ),
+        "",
+    ]
+    if stats["engines"]:
+        out.append(
+            _table(
+                [[e["pid"], e["share_group"], e["segments"], _size(e["load"].get("shared_bytes", 0)),
+                  _size(e["load"].get("published_bytes", 0)), _size(e["load"].get("private_bytes", 0)), e["model"]]
+                 for e in stats["engines"]],
+                ["pid", "share group", "segments", "shared", "published", "private", "model"],
+            )
+        )
+    else:
+        out.append("no engines connected")
+    out.append(f"hash collisions caught: {stats['collisions']}   keep_warm_s: {stats['keep_warm_s']}")
+    return "\n".join(out)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from .broker import BrokerClient, RegistryUnavailable, socket_path
+
+    path = socket_path(args.namespace)
+    try:
+        client = BrokerClient(path, timeout_s=10)
+        stats = client.stats()
+        client.close()
+    except RegistryUnavailable as e:
+        print(f"vllm-dedup status: no registry for namespace {args.namespace!r} on this node ({e})", file=sys.stderr)
+        return 1
+    print(json.dumps(stats) if args.json else format_status(stats))
+    return 0
+
+
 def _nonnegative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -115,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--threads", type=_nonnegative, default=None, metavar="N", help="hashing threads")
     scan.add_argument("--top", type=_nonnegative, default=10, metavar="N", help="largest shared tensors listed")
     scan.set_defaults(func=_cmd_scan)
+    status = sub.add_parser("status", help="what the weight registry on this node holds",
+                            description="The registry's engines, segments, and bytes shared and saved, "
+                            "per device and share group.")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--namespace", default="vllm-dedup", help="registry namespace (default: vllm-dedup)")
+    status.set_defaults(func=_cmd_status)
     return parser
 
 

@@ -7,6 +7,11 @@ the converted models are pointed there through ``VLLM_DEDUP_CACHE_DIR``.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +49,104 @@ def variants(smollm2, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("variants")
     return {kind: build_variant(smollm2, kind, root / kind) for kind in VARIANT_KINDS}
 
+
+
+class RegistryEnv:
+    """A private registry location for one test: its own runtime dir (so its own socket and
+    daemon), no Ray unless the test asks for it."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    @property
+    def socket(self) -> Path:
+        return self.run_dir / "vllm-dedup.sock"
+
+    def stats(self) -> dict:
+        from vllm_dedup.broker import BrokerClient
+
+        client = BrokerClient(self.socket, timeout_s=10)
+        try:
+            return client.stats()
+        finally:
+            client.close()
+
+    def engine_loads(self) -> dict[int, dict]:
+        """pid -> that engine's reported load (tensors and bytes shared/published/private)."""
+        return {e["pid"]: e["load"] for e in self.stats()["engines"]}
+
+    def daemon_pids(self) -> list[int]:
+        out = []
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"vllm_dedup.broker" in cmd and str(self.socket).encode() in cmd:
+                out.append(int(proc.name))
+        return out
+
+    def shutdown(self) -> None:
+        from vllm_dedup.broker import BrokerClient, RegistryUnavailable
+
+        try:
+            client = BrokerClient(self.socket, timeout_s=10)
+            client.shutdown(force=True)
+            client.close()
+        except RegistryUnavailable:
+            pass
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch) -> RegistryEnv:
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "no-ray"))  # no local cluster to find
+    env = RegistryEnv(run)
+    yield env
+    env.shutdown()
+    deadline = time.monotonic() + 15
+    while env.daemon_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not env.daemon_pids(), "the registry daemon did not exit"
+
+
+# Ray on loopback only (single-machine mode), and no auth token written into a home directory.
+RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+RAY_HOLDER = """
+import os, signal, sys, time, ray
+ray.init(num_cpus=4, include_dashboard=False, _temp_dir=sys.argv[1], logging_level="WARNING")
+print("ADDRESS " + ray.get_runtime_context().gcs_address, flush=True)
+signal.signal(signal.SIGTERM, lambda *a: (ray.shutdown(), sys.exit(0)))
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """A real single-node Ray cluster on loopback, started by a holder process; yields its
+    address.  Stopping the holder stops the cluster (never `ray stop`: it kills every Ray)."""
+    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are long
+    env = {**os.environ, **RAY_TEST_ENV, "HOME": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-c", RAY_HOLDER, str(tmp)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    line = "-"
+    while line and not line.startswith("ADDRESS "):
+        line = proc.stdout.readline()
+    assert line.startswith("ADDRESS "), f"Ray did not start (exit {proc.poll()})"
+    yield line.split()[1]
+    proc.terminate()
+    proc.wait(timeout=60)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_address(ray_cluster, registry, monkeypatch) -> str:
+    """The test cluster's address, exported to the engines this test starts."""
+    for key, value in {**RAY_TEST_ENV, "RAY_ADDRESS": ray_cluster}.items():
+        monkeypatch.setenv(key, value)
+    assert ray_cluster.startswith("127.0.0.1:"), ray_cluster
+    return ray_cluster

@@ -6,7 +6,7 @@ memory benchmark).
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set here) the engine core and worker run in this
 process, so this process's PSS is the engine's memory.  After loading it prints
 ``READY {"pid": ...}``; then each stdin line is a JSON request ``{"prompts": [...],
-"max_tokens": N}`` answered by ``RESULT [[token ids], ...]``, or ``{"rpc": "method"}``
+"max_tokens": N}`` answered by ``RESULT {"ids": [[token ids], ...], "texts": [...]}``, or ``{"rpc": "method"}``
 answered by ``RPC ok`` / ``RPC error <message>``.  EOF or ``exit`` ends it.
 """
 
@@ -25,7 +25,7 @@ def main() -> None:
     model, fmt = sys.argv[1], sys.argv[2]
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     llm = LLM(model, load_format=fmt, dtype="bfloat16", max_model_len=256, enforce_eager=True,
-              kv_cache_memory_bytes=32 << 20, seed=0, model_loader_extra_config=extra or None)
+              kv_cache_memory_bytes=32 << 20, seed=0, **({"model_loader_extra_config": extra} if extra else {}))
     print("READY " + json.dumps({"pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         line = line.strip()
@@ -40,7 +40,8 @@ def main() -> None:
                 print("RPC error " + str(e).replace("\n", " "), flush=True)
             continue
         outs = llm.generate(req["prompts"], SamplingParams(temperature=0, max_tokens=req.get("max_tokens", 16)))
-        print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+        print("RESULT " + json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs],
+                                      "texts": [o.outputs[0].text for o in outs]}), flush=True)
 
 
 if __name__ == "__main__":

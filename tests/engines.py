@@ -57,6 +57,11 @@ class Engine:
         raise TimeoutError(f"engine for {self.model} did not answer in {timeout_s} s")
 
     def generate(self, prompts=PROMPTS, max_tokens: int = 16) -> list[list[int]]:
+        """Greedy token ids for each prompt."""
+        return self.complete(prompts, max_tokens)["ids"]
+
+    def complete(self, prompts=PROMPTS, max_tokens: int = 16) -> dict:
+        """Greedy completions: ``{"ids": [[...], ...], "texts": [...]}``."""
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self._read_line("RESULT ", 300))

@@ -219,3 +219,27 @@ def test_connections_leak_no_descriptors(broker):
     assert a.end() == 0
     assert wait_for(lambda: stats(broker)["groups"] == [])
     assert wait_for(lambda: fd_count() == before - 1)  # the segment's own descriptor is closed
+
+
+def test_status_command_reports_the_registry(tmp_path, monkeypatch):
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    missing = run_cli("status")
+    assert missing.returncode == 1 and "no registry for namespace 'vllm-dedup'" in missing.stderr
+    server = BrokerServer(Registry(), run / "vllm-dedup.sock").start()
+    try:
+        a = Peer(server.path, "publish", "k8", str(2 * MB), "g1")
+        a.result()
+        b = Peer(server.path, "map", "k8", "g1")
+        b.result()
+        data = json.loads(run_cli("status", "--json", check=True).stdout)
+        (group,) = data["groups"]
+        assert (group["share_group"], group["engines"], group["segments"], group["resident_bytes"]) == ("g1", 2, 1, 2 * MB)
+        assert sorted(e["pid"] for e in data["engines"]) == sorted([a.proc.pid, b.proc.pid])
+        human = run_cli("status", check=True).stdout
+        assert "g1" in human and "2.1 MB" in human
+        assert a.end() == 0 and b.end() == 0
+    finally:
+        server.stop()

@@ -51,6 +51,12 @@ def float64_smollm2() -> Path:
     return out
 
 
+def raw_xxh3_seconds(nbytes: int, repeat: int) -> float:
+    """Best time of XXH3-128 over ``nbytes`` of random bytes in memory, one thread."""
+    buf = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
+    return best_of(repeat, lambda: xxhash.xxh3_128_digest(buf))[0]
+
+
 def best_of(repeat: int, fn) -> tuple[float, object]:
     best, result = float("inf"), None
     for _ in range(repeat):
@@ -72,9 +78,7 @@ def main() -> None:
     nbytes = sum(t.entry.nbytes for t in warm.tensors)
     threads = os.cpu_count() or 1
 
-    buf = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
-    raw_s, _ = best_of(args.repeat, lambda: xxhash.xxh3_128_digest(buf))
-    del buf
+    raw_s = raw_xxh3_seconds(nbytes, args.repeat)
 
     rows = [("xxh3-128 raw, 1 thread", raw_s, None)]
     for n in sorted({1, threads}):

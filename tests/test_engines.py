@@ -1,6 +1,6 @@
 """Several real vLLM engines (CPU backend) sharing their common weights through the registry.
 
-Every engine is a real vLLM engine in its own process (`engine_host.py`); the registry is the
+Every engine is a real vLLM engine in its own process (`vllm_dedup.measure.EngineProcess`); the registry is the
 real daemon, or the real Ray actor on a real Ray cluster on loopback.  Counts come from the
 registry; expected counts are derived here from the checkpoints, independently.
 """
@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from engines import PROMPTS, Engine, start_engines
+from engines import start_engines
+from vllm_dedup.measure import PROMPTS, EngineProcess, ServeProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +31,6 @@ def _wait(predicate, timeout_s: float = 20) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _processes_running(marker: bytes) -> list[int]:
@@ -70,7 +62,7 @@ def _memfds_anywhere() -> int:
 
 
 def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2, registry):
-    with Engine(smollm2, "auto") as plain:
+    with EngineProcess(smollm2, "auto") as plain:
         plain.wait_ready()
         reference = plain.generate()
         assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
@@ -121,7 +113,7 @@ def _linear_bytes(model_dir: Path, layers: tuple[int, ...]) -> tuple[int, int]:
 
 def test_variants_share_exactly_their_unchanged_tensors(smollm2, variants, registry):
     last, vocab = variants["last-layers"], variants["vocab-extended"]
-    plain = Engine(last, "auto").wait_ready()
+    plain = EngineProcess(last, "auto").wait_ready()
     plain_out = plain.generate()
     plain.stop()
     engines = start_engines([{"model": smollm2}, {"model": last}, {"model": vocab}])
@@ -157,7 +149,7 @@ def test_sigkill_of_the_first_engine(smollm2, registry):
         assert _wait(lambda: [e["pid"] for e in registry.stats()["engines"]] == [b.pid])
         assert b.generate() == reference  # still answers, from segments the dead engine made
         assert registry.stats()["groups"][0]["segments"] == n  # held by b alone now
-        c = Engine(smollm2, core=0).wait_ready()
+        c = EngineProcess(smollm2, core=0).wait_ready()
         try:
             lc = registry.engine_loads()[c.pid]
             assert (lc["shared_tensors"], lc["published_tensors"]) == (n, 0)
@@ -170,12 +162,12 @@ def test_sigkill_of_the_first_engine(smollm2, registry):
 
 
 def test_unreachable_registry_falls_back_or_fails(smollm2, registry):
-    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
-    with Engine(smollm2, extra={"registry_address": address}) as e:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with EngineProcess(smollm2, extra={"registry_address": address}) as e:
         e.wait_ready()
         assert len(e.generate()) == len(PROMPTS)
         assert "cannot reach the weight registry" in e.log() and "loading without sharing" in e.log()
-    failing = Engine(smollm2, extra={"registry_address": address, "on_registry_error": "fail"})
+    failing = EngineProcess(smollm2, extra={"registry_address": address, "on_registry_error": "fail"})
     with pytest.raises(RuntimeError) as err:
         failing.wait_ready()
     assert failing.proc.returncode != 0
@@ -201,7 +193,7 @@ def test_share_groups_never_share(smollm2, registry):
 
 def test_forced_hash_collisions_never_swap_in_other_bytes(smollm2, variants, registry):
     last = variants["last-layers"]
-    plain = Engine(last, "auto").wait_ready()
+    plain = EngineProcess(last, "auto").wait_ready()
     reference = plain.generate()
     plain.stop()
     env = {"VLLM_DEDUP_TEST_FORCE_COLLISIONS": "1"}  # every key of a dtype and shape collides
@@ -217,68 +209,21 @@ def test_forced_hash_collisions_never_swap_in_other_bytes(smollm2, variants, reg
             e.stop()
 
 
-class Server:
-    """``vllm serve`` on 127.0.0.1 (the multi-process path users run)."""
-
-    def __init__(self, model: Path, load_format: str, log: Path, core: int = 0):
-        self.port = _free_port()
-        self.model = str(model)
-        self.log_path = log
-        self._log = open(log, "wb")
-        vllm = Path(sys.executable).with_name("vllm")
-        self.proc = subprocess.Popen(
-            [str(vllm), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-             "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
-             "--load-format", load_format, "--seed", "0"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core)},
-        )
-
-    def wait_ready(self, timeout_s: float = 300) -> Server:
-        def healthy() -> bool:
-            assert self.proc.poll() is None, self.log_path.read_text()[-5000:]
-            try:
-                return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200
-            except OSError:
-                return False
-
-        assert _wait(healthy, timeout_s)
-        return self
-
-    def complete(self, prompts=PROMPTS, max_tokens: int = 16) -> list[str]:
-        texts = []
-        for prompt in prompts:
-            body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body.encode(),
-                                         {"Content-Type": "application/json"})
-            texts.append(json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["text"])
-        return texts
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._log.close()
-
-
 def test_vllm_serve_with_dedup_answers_like_auto(smollm2, registry, tmp_path):
-    plain = Server(smollm2, "auto", tmp_path / "auto.log").wait_ready()
+    plain = ServeProcess(smollm2, "auto", tmp_path / "auto.log", core=0).wait_ready()
     try:
-        expected = plain.complete()
+        expected = plain.complete(PROMPTS)
     finally:
         plain.stop()
-    served = Server(smollm2, "dedup", tmp_path / "dedup.log").wait_ready()
+    served = ServeProcess(smollm2, "dedup", tmp_path / "dedup.log", core=0).wait_ready()
     try:
-        assert served.complete() == expected
+        assert served.complete(PROMPTS) == expected
         # The served engine's worker process published its weights; a second engine maps them.
-        with Engine(smollm2, core=1) as second:
+        with EngineProcess(smollm2, core=1) as second:
             second.wait_ready()
             loads = registry.engine_loads()
             assert loads[second.pid]["shared_tensors"] > 0 and loads[second.pid]["published_tensors"] == 0
-        assert served.complete() == expected
+        assert served.complete(PROMPTS) == expected
     finally:
         served.stop()
     assert _processes_running(str(served.port).encode()) == []
@@ -303,7 +248,7 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
     reference = None
     fds_after_first = None
     for cycle in range(10):
-        with Engine(smollm2, core=cycle % 2) as e:
+        with EngineProcess(smollm2, core=cycle % 2) as e:
             e.wait_ready()
             if cycle in (0, 9):
                 out = e.generate()
@@ -320,4 +265,4 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
         assert _memfds_anywhere() == 0
     assert registry_pid != os.getpid() and not registry.daemon_pids()  # the Ray actor, not a daemon
     assert len(_registry_actors(ray_address)) == 1
-    assert _processes_running(b"engine_host.py") == []
+    assert _processes_running(b"vllm_dedup.measure") == []

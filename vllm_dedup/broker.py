@@ -19,7 +19,7 @@ Requests (``op`` and arguments) and replies:
 ``hello``             pid, model, device, group -> engine id (the connection becomes a lease)
 ``acquire``           keys -> hits ``[key, segment, offset, bytes]``; one fd per hit segment
 ``publish``           bytes, keys ``[[key, offset, bytes]]`` + 1 fd -> segment id
-``release``           segments, collision -> {}
+``release``           segments -> {}
 ``report``            load (the engine's `share.ShareResult` numbers) -> {}
 ``stats``             -> `Registry.stats`
 ``shutdown``          stop the server if no engine is connected (``force`` stops it anyway)
@@ -311,7 +311,7 @@ class BrokerServer:
             keys = [(str(k), int(o), int(n)) for k, o, n in msg["keys"]]
             return {"segment": reg.publish(engine, fds[0], int(msg["nbytes"]), keys)}, []
         if op == "release":
-            reg.release(engine, [int(s) for s in msg["segments"]], bool(msg.get("collision")))
+            reg.release(engine, [int(s) for s in msg["segments"]])
             return {}, []
         if op == "report":
             reg.report(engine, dict(msg["load"]))
@@ -383,8 +383,8 @@ class BrokerClient:
         reply, _ = self._call({"op": "publish", "nbytes": nbytes, "keys": [list(k) for k in keys]}, [fd])
         return reply["segment"]
 
-    def release(self, segments: list[int], collision: bool = False) -> None:
-        self._call({"op": "release", "segments": segments, "collision": collision})
+    def release(self, segments: list[int]) -> None:
+        self._call({"op": "release", "segments": segments})
 
     def report(self, load: dict) -> None:
         self._call({"op": "report", "load": load})

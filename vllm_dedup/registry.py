@@ -81,7 +81,7 @@ class Registry:
         self.index: dict[tuple[str, str, str], tuple[int, int, int]] = {}
         self.engines: dict[int, EngineEntry] = {}
         self._ids = itertools.count(1)
-        self.collisions = 0
+        self.collisions = 0  # caught by engines' exact compares, over the registry's life
 
     # engines ---------------------------------------------------------------------------
     def add_engine(self, pid: int, uid: int, model: str, device: str, group: str) -> int:
@@ -127,16 +127,16 @@ class Registry:
         self._hold(seg.id, engine_id)
         return seg.id
 
-    def release(self, engine_id: int, seg_ids: list[int], collision: bool = False) -> None:
+    def release(self, engine_id: int, seg_ids: list[int]) -> None:
         """The engine no longer maps these segments (e.g. its exact compare failed)."""
         for seg_id in seg_ids:
             self._unhold(seg_id, engine_id)
-        if collision:
-            self.collisions += len(seg_ids)
 
     def report(self, engine_id: int, load: dict) -> None:
-        """Record an engine's load outcome (tensors and bytes shared, published, private)."""
+        """Record an engine's load outcome (tensors and bytes shared, published, private, and
+        the hash collisions its exact compares caught, which `stats` totals)."""
         self.engines[engine_id].load = {k: v for k, v in load.items() if isinstance(v, (int, float))}
+        self.collisions += int(load.get("collisions", 0))
 
     def fd_of(self, seg_id: int) -> int:
         return self.segments[seg_id].fd
@@ -213,5 +213,6 @@ class Registry:
             ],
             "collisions": self.collisions,
             "keep_warm_s": self.keep_warm_s,
+            "registry_pid": os.getpid(),
         }
 

@@ -159,7 +159,6 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
     """
-    global _shared_in_process
     start = time.perf_counter()
     seg_cls = segment_class(device_type)
     slots, private_n, private_b = _collect(model, device_type, min_tensor_bytes)
@@ -207,7 +206,7 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
                 logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
                                "(hash collision); they stay private", len(differ), hit.key)
                 if len(differ) == len(group):
-                    client.release([hit.segment], collision=True)
+                    client.release([hit.segment])
                 keep_private(differ)
         for key, group in list(pending.items()):
             seg = seg_cls.create(group[0].tensor, device_type)
@@ -216,7 +215,9 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
             finally:
                 seg.close_fd()
             del pending[key]
-            keep_private(adopt(group, seg, 0, published=True))
+            differ = adopt(group, seg, 0, published=True)  # same key in this model, other bytes
+            result.collisions += len(differ)
+            keep_private(differ)
     except RegistryUnavailable as e:
         if fail:
             raise

@@ -1,0 +1,106 @@
+"""The speed cost of ``cpu_share_linear`` on vLLM's CPU backend, dedup vs plain, in one run.
+
+    .venv/bin/python benchmarks/cpu_linear.py [--model PATH] [--rounds 3] [--json]
+
+On the CPU backend vLLM repacks linear weights into oneDNN memory, which cannot be shared.
+``cpu_share_linear=true`` (the default) keeps them as plain tensors run by ``F.linear`` so that
+they can be shared; ``false`` lets vLLM repack them, and then only embeddings, norms and untied
+heads are shared.  Three engines, each alone on the machine in turn (one process, all cores):
+
+- ``plain``: ``--load-format auto`` (oneDNN);
+- ``dedup, share linear``: ``dedup`` with ``cpu_share_linear=true`` (``F.linear``);
+- ``dedup, repack linear``: ``dedup`` with ``cpu_share_linear=false`` (oneDNN).
+
+Each generates greedily for a batch of prompts; decode throughput is generated tokens per
+second of ``LLM.generate`` wall time, the median of ``--rounds`` rounds, the engines taking turns
+within each round so that machine noise falls on all alike.  Also reported: the bytes each
+dedup engine put into shareable segments.  Table to stdout; JSON to
+``benchmarks/results/cpu_linear.json`` (and the last line with ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from vllm_dedup.broker import BrokerClient, RegistryUnavailable, socket_path
+from vllm_dedup.measure import EngineProcess
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time",
+    "The three primary colors are", "import numpy as np\n", "A haiku about the sea:", "The largest planet is",
+]
+CASES = {
+    "plain": ("auto", None),
+    "dedup, share linear": ("dedup", {"cpu_share_linear": True, "share_group": "share"}),
+    "dedup, repack linear": ("dedup", {"cpu_share_linear": False, "share_group": "repack"}),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.model is None:
+        from vllm_dedup.sample_models import smollm2_hf
+
+        args.model = smollm2_hf()
+
+    rates: dict[str, list[float]] = {c: [] for c in CASES}
+    published: dict[str, int] = {}
+    outputs: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="vllm-dedup-bench-") as run_dir:
+        os.environ["VLLM_DEDUP_RUNTIME_DIR"] = str(Path(run_dir) / "run")
+        try:
+            for r in range(args.rounds):
+                for case, (fmt, extra) in CASES.items():
+                    print(f"round {r + 1}: {case} ...", file=sys.stderr, flush=True)
+                    with EngineProcess(args.model, fmt, extra) as engine:
+                        engine.wait_ready()
+                        engine.complete(PROMPTS[:2], 4)  # warm-up
+                        res = engine.complete(PROMPTS, args.max_tokens)
+                        rates[case].append(sum(len(ids) for ids in res["ids"]) / res["seconds"])
+                        outputs[case] = res["ids"]
+                        if fmt == "dedup":
+                            client = BrokerClient(socket_path(), timeout_s=10)
+                            load = {e["pid"]: e["load"] for e in client.stats()["engines"]}[engine.pid]
+                            client.close()
+                            published[case] = load["published_bytes"] + load["shared_bytes"]
+        finally:
+            try:
+                client = BrokerClient(socket_path(), timeout_s=10)
+                client.shutdown(force=True)
+                client.close()
+            except RegistryUnavailable:
+                pass
+
+    base = statistics.median(rates["plain"])
+    rows = [{"case": c, "tokens_per_s": round(statistics.median(v), 2), "all_rounds": [round(x, 2) for x in v],
+             "relative_to_plain": round(statistics.median(v) / base, 3), "shareable_bytes": published.get(c),
+             "outputs_match_plain": outputs[c] == outputs["plain"]} for c, v in rates.items()]
+    print(f"model: {args.model}  ({len(PROMPTS)} prompts x {args.max_tokens} tokens, {os.cpu_count()} CPUs, "
+          f"median of {args.rounds})")
+    print(f"{'case':<24}{'tokens/s':>10}{'vs plain':>10}{'shareable':>12}{'same tokens':>13}")
+    for row in rows:
+        share = "-" if row["shareable_bytes"] is None else f"{row['shareable_bytes'] / 1e6:.0f} MB"
+        print(f"{row['case']:<24}{row['tokens_per_s']:>10.1f}{row['relative_to_plain']:>10.2f}{share:>12}"
+              f"{str(row['outputs_match_plain']):>13}")
+    result = {"model": str(args.model), "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cpu_linear.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Memory of two engines side by side, plain and with dedup, measured in one run.
+
+    .venv/bin/python benchmarks/memory.py --model PATH [--json]
+
+Scenarios (the second engine's checkpoint is built from ``PATH`` by `vllm_dedup.variants`):
+
+- ``same-model``: both engines serve PATH;
+- ``last-layers-variant``: the second serves PATH with its last two decoder layers retrained;
+- ``vocab-extended-variant``: the second serves PATH with 8 tokens added to the vocabulary.
+
+Per scenario, three phases, each with both engines up (real vLLM engines on the CPU backend,
+one process each, so a process's PSS is its engine's memory):
+
+- ``plain``: ``--load-format auto``;
+- ``apart``: ``dedup``, the two engines in different share groups: the same code path with
+  nothing shared, so ``apart - dedup`` is what sharing itself saves;
+- ``dedup``: ``dedup``, one share group.
+
+Columns: ``expected_shared_bytes`` comes from the checkpoints' content keys (tensors of at least
+``min_tensor_bytes``, the second engine's found in the first); ``registry_shared_bytes`` is what
+the second engine mapped, as the registry counts it (post-processing tensors, which also
+include buffers computed at start-up, such as rotary caches); ``saved_bytes`` is plain minus
+dedup PSS; ``saved_by_sharing_bytes`` is apart minus dedup; ``outputs_match``: both dedup
+engines' greedy tokens equal the plain engines'.  The table goes to stdout; the JSON to
+``benchmarks/results/memory.json`` and, with ``--json``, as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from vllm_dedup.broker import BrokerClient, RegistryUnavailable, socket_path
+from vllm_dedup.config import DedupConfig
+from vllm_dedup.manifest import ManifestCache, default_cache_dir
+from vllm_dedup.measure import EngineProcess
+from vllm_dedup.scan import scan_model
+from vllm_dedup.variants import build_variant
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+SCENARIOS = {"same-model": None, "last-layers-variant": "last-layers", "vocab-extended-variant": "vocab-extended"}
+MB = 1e6
+
+
+def expected_shared(first: Path, second: Path, min_bytes: int) -> int:
+    cache = ManifestCache(default_cache_dir())
+    keys = [{t.key: t.entry.nbytes for t in scan_model(m, cache=cache, progress=False).tensors
+             if t.entry.nbytes >= min_bytes} for m in (first, second)]
+    return sum(n for k, n in keys[1].items() if k in keys[0])
+
+
+def phase(models: list[Path], load_format: str, groups: list[str] | None = None) -> dict:
+    """Both engines up, one after the other; PSS, greedy tokens, and the registry's view."""
+    engines = []
+    try:
+        for i, m in enumerate(models):
+            extra = {"share_group": groups[i]} if groups else None
+            engines.append(EngineProcess(m, load_format, extra, core=i % (os.cpu_count() or 1)).wait_ready())
+        outputs = [e.generate(PROMPTS) for e in engines]
+        pss = [e.pss() for e in engines]
+        loads = {}
+        if load_format == "dedup":
+            client = BrokerClient(socket_path(), timeout_s=10)
+            loads = {e["pid"]: e["load"] for e in client.stats()["engines"]}
+            client.close()
+        return {"pss": pss, "outputs": outputs, "loads": [loads.get(e.pid, {}) for e in engines]}
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def run(model: Path) -> list[dict]:
+    min_bytes = DedupConfig().min_tensor_bytes
+    entries = []
+    for scenario, kind in SCENARIOS.items():
+        second = model
+        if kind:
+            second = default_cache_dir() / "variants" / f"{model.name}-{kind}"
+            if not (second / "config.json").exists():
+                build_variant(model, kind, second)
+        print(f"{scenario}: plain, apart, dedup ...", file=sys.stderr, flush=True)
+        pair = [model, second]
+        plain = phase(pair, "auto")
+        apart = phase(pair, "dedup", [f"{scenario}-a", f"{scenario}-b"])
+        dedup = phase(pair, "dedup", [scenario, scenario])
+        entries.append({
+            "scenario": scenario,
+            "second_model": str(second),
+            "expected_shared_bytes": expected_shared(model, second, min_bytes),
+            "registry_shared_bytes": dedup["loads"][1].get("shared_bytes", 0),
+            "pss_plain_bytes": sum(plain["pss"]),
+            "pss_apart_bytes": sum(apart["pss"]),
+            "pss_dedup_bytes": sum(dedup["pss"]),
+            "saved_bytes": sum(plain["pss"]) - sum(dedup["pss"]),
+            "saved_by_sharing_bytes": sum(apart["pss"]) - sum(dedup["pss"]),
+            "outputs_match": dedup["outputs"] == plain["outputs"] == apart["outputs"],
+        })
+    return entries
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="HF model folder (default: the converted SmolLM2)")
+    parser.add_argument("--json", action="store_true", help="print the JSON result as the last line")
+    args = parser.parse_args()
+    if args.model is None:
+        from vllm_dedup.sample_models import smollm2_hf
+
+        args.model = smollm2_hf()
+
+    with tempfile.TemporaryDirectory(prefix="vllm-dedup-bench-") as run_dir:
+        os.environ["VLLM_DEDUP_RUNTIME_DIR"] = str(Path(run_dir) / "run")  # a private registry
+        try:
+            entries = run(args.model)
+        finally:
+            try:
+                client = BrokerClient(socket_path(), timeout_s=10)
+                client.shutdown(force=True)
+                client.close()
+            except RegistryUnavailable:
+                pass
+
+    print(f"model: {args.model}")
+    head = ["scenario", "expected", "mapped", "PSS plain", "PSS apart", "PSS dedup", "saved", "by sharing", "match"]
+    print("{:<24}{:>10}{:>10}{:>11}{:>11}{:>11}{:>10}{:>12}{:>7}".format(*head))
+    for e in entries:
+        print(f"{e['scenario']:<24}{e['expected_shared_bytes'] / MB:>8.0f}MB{e['registry_shared_bytes'] / MB:>8.0f}MB"
+              f"{e['pss_plain_bytes'] / MB:>9.0f}MB{e['pss_apart_bytes'] / MB:>9.0f}MB{e['pss_dedup_bytes'] / MB:>9.0f}MB"
+              f"{e['saved_bytes'] / MB:>8.0f}MB{e['saved_by_sharing_bytes'] / MB:>10.0f}MB{str(e['outputs_match']):>7}")
+    result = {"model": str(args.model), "scenarios": entries}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "memory.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    return 0 if all(e["outputs_match"] for e in entries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

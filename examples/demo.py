@@ -1,0 +1,189 @@
+"""The main job: several ``vllm serve`` engines on one machine, with and without dedup.
+
+    python examples/demo.py [--engines 3] [--json]
+
+Engines: SmolLM2-135M-Instruct, its last-layers variant and its vocab-extended variant (see
+`vllm_dedup.variants`), each a real ``vllm serve`` on 127.0.0.1 (CPU backend).  The run:
+
+1. expected sharing, from the checkpoints' content keys (`vllm_dedup.scan`): for each engine,
+   the bytes of its tensors (>= ``min_tensor_bytes``) already held by the engines before it;
+2. plain: all engines up with ``--load-format auto``; one OpenAI-API completion each; PSS;
+3. dedup: the same with ``--load-format dedup``; PSS; what the registry says each engine mapped;
+4. a table, then everything is shut down and checked: no engine process, registry, memfd
+   segment or temporary file is left.
+
+PSS is summed over each server's processes (API server, engine core, worker).  The plain
+engines' PSS differs from the dedup ones' by more than the shared bytes: on the CPU backend a
+plain engine repacks linear weights into oneDNN memory, and the dedup loader returns freed heap
+memory to the system; `benchmarks/memory.py` separates these effects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_dedup.broker import BrokerClient, RegistryUnavailable, socket_path
+from vllm_dedup.config import DedupConfig
+from vllm_dedup.manifest import ManifestCache, default_cache_dir
+from vllm_dedup.measure import ServeProcess
+from vllm_dedup.sample_models import smollm2_hf
+from vllm_dedup.scan import scan_model
+from vllm_dedup.variants import build_variant
+
+PROMPT = "The capital of France is"
+MB = 1e6
+
+
+def prepare_models(n: int) -> list[Path]:
+    base = smollm2_hf()
+    models = [base]
+    for kind in ("last-layers", "vocab-extended")[: n - 1]:
+        out = default_cache_dir() / "variants" / f"{base.name}-{kind}"
+        models.append(out if (out / "config.json").exists() else build_variant(base, kind, out))
+    return models
+
+
+def expected_shared(models: list[Path], min_bytes: int) -> list[int]:
+    """Per engine: bytes of its checkpoint tensors whose content an earlier engine holds."""
+    cache = ManifestCache(default_cache_dir())
+    seen: set = set()
+    out = []
+    for m in models:
+        keys = {t.key: t.entry.nbytes for t in scan_model(m, cache=cache, progress=False).tensors
+                if t.entry.nbytes >= min_bytes}
+        out.append(sum(n for k, n in keys.items() if k in seen))
+        seen |= set(keys)
+    return out
+
+
+def run_phase(models: list[Path], load_format: str, logs: Path, while_up=lambda: None):
+    """Start every engine (one after another: a later one maps what earlier ones published),
+    query each, measure PSS with all of them up, call ``while_up()``, stop them.
+
+    Returns:
+        (PSS per engine in bytes, completion text per engine, what ``while_up`` returned).
+    """
+    servers = []
+    try:
+        for i, m in enumerate(models):
+            print(f"  starting vllm serve --load-format {load_format} {m.name} ...", file=sys.stderr, flush=True)
+            servers.append(ServeProcess(m, load_format, logs / f"{load_format}-{i}.log",
+                                        core=i % (os.cpu_count() or 1)).wait_ready())
+        texts = [s.complete([PROMPT])[0] for s in servers]
+        time.sleep(1)
+        return [s.pss() for s in servers], texts, while_up()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def registry_stats() -> dict:
+    client = BrokerClient(socket_path(), timeout_s=10)
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, choices=(2, 3), default=3)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
+    args = parser.parse_args()
+
+    models = prepare_models(args.engines)
+    min_bytes = DedupConfig().min_tensor_bytes
+    expected = expected_shared(models, min_bytes)
+    run_dir = Path(tempfile.mkdtemp(prefix="vllm-dedup-demo-"))
+    os.environ["VLLM_DEDUP_RUNTIME_DIR"] = str(run_dir / "run")  # a private registry for the demo
+    logs = run_dir / "logs"
+    logs.mkdir()
+    try:
+        print("plain engines (--load-format auto):", file=sys.stderr)
+        plain_pss, plain_texts, _ = run_phase(models, "auto", logs)
+        print("dedup engines (--load-format dedup):", file=sys.stderr)
+        dedup_pss, dedup_texts, stats = run_phase(models, "dedup", logs, while_up=registry_stats)
+        # The registry records each engine's model path and what it mapped from the others.
+        by_model = {e["model"]: e["load"] for e in stats["engines"]}
+        shared = [by_model[str(m)]["shared_bytes"] for m in models]
+
+        rows = []
+        for i, m in enumerate(models):
+            rows.append({
+                "engine": i, "model": m.name, "pss_plain_bytes": plain_pss[i], "pss_dedup_bytes": dedup_pss[i],
+                "shared_bytes": shared[i], "expected_shared_bytes": expected[i],
+                "outputs_match": plain_texts[i] == dedup_texts[i], "text": dedup_texts[i],
+            })
+        result = {
+            "engines": rows,
+            "pss_plain_bytes": sum(plain_pss), "pss_dedup_bytes": sum(dedup_pss),
+            "saved_bytes": sum(plain_pss) - sum(dedup_pss),
+            "shared_bytes": sum(shared), "expected_shared_bytes": sum(expected),
+        }
+    finally:
+        leftovers = cleanup(run_dir)
+    result["leftovers"] = leftovers
+
+    print(f"{'engine':<40} {'PSS plain':>10} {'PSS dedup':>10} {'mapped':>9} {'expected':>9}  same text")
+    for r in rows:
+        print(f"[{r['engine']}] {r['model']:<36} {r['pss_plain_bytes'] / MB:>8.0f}MB {r['pss_dedup_bytes'] / MB:>8.0f}MB "
+              f"{r['shared_bytes'] / MB:>7.0f}MB {r['expected_shared_bytes'] / MB:>7.0f}MB  {r['outputs_match']}")
+    print(f"{'total':<40} {result['pss_plain_bytes'] / MB:>8.0f}MB {result['pss_dedup_bytes'] / MB:>8.0f}MB "
+          f"{result['shared_bytes'] / MB:>7.0f}MB {result['expected_shared_bytes'] / MB:>7.0f}MB")
+    print(f"saved: {result['saved_bytes'] / MB:.0f} MB of PSS with dedup; {result['shared_bytes'] / MB:.0f} MB "
+          f"of weights mapped from another engine (expected from the checkpoints: "
+          f"{result['expected_shared_bytes'] / MB:.0f} MB)")
+    print("left behind: " + (", ".join(leftovers) if leftovers else "nothing (no process, segment or temp file)"))
+    if args.json:
+        print(json.dumps(result))
+    return 0 if not leftovers and all(r["outputs_match"] for r in rows) else 1
+
+
+def cleanup(run_dir: Path) -> list[str]:
+    """Stop the demo's registry, remove its directory; list whatever is left behind."""
+    try:
+        client = BrokerClient(socket_path(), timeout_s=10)
+        client.shutdown(force=True)
+        client.close()
+    except RegistryUnavailable:
+        pass
+    left = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = _leftovers(run_dir)
+        if not left:
+            break
+        time.sleep(0.2)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return left
+
+
+def _leftovers(run_dir: Path) -> list[str]:
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            if str(run_dir).encode() in cmd or (b"vllm" in cmd and b"serve" in cmd and b"127.0.0.1" in cmd):
+                left.append(f"process {proc.name}")
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd).startswith("/memfd:vllm-dedup"):
+                    left.append(f"memfd in process {proc.name}")
+        except OSError:
+            pass
+    run = run_dir / "run"
+    if run.exists() and any(run.iterdir()):
+        left += [f"file {p}" for p in run.iterdir()]
+    return left
+
+
+if __name__ == "__main__":
+    sys.exit(main())

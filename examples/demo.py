@@ -131,11 +131,13 @@ def main() -> int:
         leftovers = cleanup(run_dir)
     result["leftovers"] = leftovers
 
-    print(f"{'engine':<40} {'PSS plain':>10} {'PSS dedup':>10} {'mapped':>9} {'expected':>9}  same text")
+    w = max(len(r["model"]) for r in rows) + 4
+    print(f"{'engine':<{w}} {'PSS plain':>10} {'PSS dedup':>10} {'mapped':>9} {'expected':>9}  same text")
     for r in rows:
-        print(f"[{r['engine']}] {r['model']:<36} {r['pss_plain_bytes'] / MB:>8.0f}MB {r['pss_dedup_bytes'] / MB:>8.0f}MB "
-              f"{r['shared_bytes'] / MB:>7.0f}MB {r['expected_shared_bytes'] / MB:>7.0f}MB  {r['outputs_match']}")
-    print(f"{'total':<40} {result['pss_plain_bytes'] / MB:>8.0f}MB {result['pss_dedup_bytes'] / MB:>8.0f}MB "
+        print(f"{'[%d] %s' % (r['engine'], r['model']):<{w}} {r['pss_plain_bytes'] / MB:>8.0f}MB "
+              f"{r['pss_dedup_bytes'] / MB:>8.0f}MB {r['shared_bytes'] / MB:>7.0f}MB "
+              f"{r['expected_shared_bytes'] / MB:>7.0f}MB  {r['outputs_match']}")
+    print(f"{'total':<{w}} {result['pss_plain_bytes'] / MB:>8.0f}MB {result['pss_dedup_bytes'] / MB:>8.0f}MB "
           f"{result['shared_bytes'] / MB:>7.0f}MB {result['expected_shared_bytes'] / MB:>7.0f}MB")
     print(f"saved: {result['saved_bytes'] / MB:.0f} MB of PSS with dedup; {result['shared_bytes'] / MB:.0f} MB "
           f"of weights mapped from another engine (expected from the checkpoints: "

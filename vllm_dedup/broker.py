@@ -403,9 +403,11 @@ class BrokerClient:
 def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0, timeout_s: float = 30.0) -> None:
     """Start a standalone broker daemon for ``path`` (if none runs) and wait until it answers.
 
-    The daemon runs in its own session, so it outlives the engine that started it; it exits
-    after ``idle_exit_s`` seconds with no engine connected and no segment held.  Two engines
-    starting at once race harmlessly: the daemon takes a lock, the loser exits.
+    The daemon detaches (forks once more and starts its own session), so it is no longer a
+    descendant of the engine that started it: vLLM's shutdown kills its process tree, and the
+    registry must outlive any one engine.  It exits after ``idle_exit_s`` seconds with no
+    engine connected and no segment held.  Two engines starting at once race harmlessly: the
+    daemon takes a lock, the loser exits.
 
     Raises:
         RegistryUnavailable: it did not answer within ``timeout_s``.
@@ -414,27 +416,22 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
     # The daemon's stderr goes to an unlinked temporary file: nothing is left behind, and if
     # it dies before answering, its last words are still readable through our descriptor.
     with tempfile.TemporaryFile(dir=path.parent) as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_dedup.broker", "--socket", str(path), "--keep-warm-s", str(keep_warm_s),
-             "--idle-exit-s", str(idle_exit_s)],
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "vllm_dedup.broker", "--detach", "--socket", str(path),
+             "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
             start_new_session=True, close_fds=True,
         )
+        launcher.wait(timeout=timeout_s)  # returns as soon as the daemon has forked off
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 BrokerClient(path, timeout_s=5).close()
                 return
             except RegistryUnavailable:
-                exited = proc.poll() is not None
-                if exited or time.monotonic() > deadline:
+                if time.monotonic() > deadline:
                     err.seek(0)
                     tail = err.read()[-2000:].decode(errors="replace").strip()
-                    if exited and not tail:
-                        # Lost the race to another daemon, which owns the lock: wait for it.
-                        if time.monotonic() <= deadline:
-                            time.sleep(0.05)
-                            continue
                     raise RegistryUnavailable(
                         f"the registry daemon for {path} did not start: {tail or 'no answer'}"
                     ) from None
@@ -446,7 +443,12 @@ def _daemon_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, default=None)
     parser.add_argument("--keep-warm-s", type=float, default=0.0)
     parser.add_argument("--idle-exit-s", type=float, default=None, help="exit when idle this long (default: never)")
+    parser.add_argument("--detach", action="store_true", help="fork into the background and return at once")
     args = parser.parse_args(argv)
+    if args.detach:
+        if os.fork() > 0:
+            os._exit(0)  # the launcher returns; the daemon is re-parented away from its engine
+        os.setsid()
     path = args.socket or socket_path()
     ensure_private_dir(path.parent)
     lock = open(f"{path}.lock", "w")

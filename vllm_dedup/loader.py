@@ -76,9 +76,17 @@ class DedupModelLoader(BaseModelLoader):
         if self.config.cpu_share_linear and _is_cpu():
             from vllm.model_executor.layers.linear import LinearBase
 
+            marked = 0
             for module in model.modules():
                 if isinstance(module, LinearBase):
                     module._cpu_skip_gemm_dispatch = True
+                    marked += 1
+            logger.warning(
+                "vllm-dedup: cpu_share_linear=true: %d linear layers keep plain weights (F.linear) so that "
+                "they can be shared; on CPU that is slower than vLLM's oneDNN path (benchmarks/cpu_linear.py "
+                "measured 0.63x decode throughput on a 2-core AVX2 machine). Set cpu_share_linear=false to keep "
+                "oneDNN and share only embeddings, norms and untied heads.", marked,
+            )
         return model
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:

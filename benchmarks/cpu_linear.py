@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_dedup.broker import BrokerClient, RegistryUnavailable, socket_path
+from vllm_dedup.broker import registry_stats, shutdown_registry
 from vllm_dedup.measure import EngineProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -71,17 +71,10 @@ def main() -> int:
                         rates[case].append(sum(len(ids) for ids in res["ids"]) / res["seconds"])
                         outputs[case] = res["ids"]
                         if fmt == "dedup":
-                            client = BrokerClient(socket_path(), timeout_s=10)
-                            load = {e["pid"]: e["load"] for e in client.stats()["engines"]}[engine.pid]
-                            client.close()
+                            load = {e["pid"]: e["load"] for e in registry_stats()["engines"]}[engine.pid]
                             published[case] = load["published_bytes"] + load["shared_bytes"]
         finally:
-            try:
-                client = BrokerClient(socket_path(), timeout_s=10)
-                client.shutdown(force=True)
-                client.close()
-            except RegistryUnavailable:
-                pass
+            shutdown_registry()
 
     base = statistics.median(rates["plain"])
     rows = [{"case": c, "tokens_per_s": round(statistics.median(v), 2), "all_rounds": [round(x, 2) for x in v],

@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_dedup.broker import BrokerClient, RegistryUnavailable, socket_path
+from vllm_dedup.broker import registry_stats, shutdown_registry
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.manifest import ManifestCache, default_cache_dir
 from vllm_dedup.measure import EngineProcess
@@ -65,9 +65,7 @@ def phase(models: list[Path], load_format: str, groups: list[str] | None = None)
         pss = [e.pss() for e in engines]
         loads = {}
         if load_format == "dedup":
-            client = BrokerClient(socket_path(), timeout_s=10)
-            loads = {e["pid"]: e["load"] for e in client.stats()["engines"]}
-            client.close()
+            loads = {e["pid"]: e["load"] for e in registry_stats()["engines"]}
         return {"pss": pss, "outputs": outputs, "loads": [loads.get(e.pid, {}) for e in engines]}
     finally:
         for e in engines:
@@ -118,12 +116,7 @@ def main() -> int:
         try:
             entries = run(args.model)
         finally:
-            try:
-                client = BrokerClient(socket_path(), timeout_s=10)
-                client.shutdown(force=True)
-                client.close()
-            except RegistryUnavailable:
-                pass
+            shutdown_registry()
 
     print(f"model: {args.model}")
     head = ["scenario", "expected", "mapped", "PSS plain", "PSS apart", "PSS dedup", "saved", "by sharing", "match"]

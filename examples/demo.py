@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_dedup.broker import BrokerClient, RegistryUnavailable, socket_path
+from vllm_dedup.broker import registry_stats, shutdown_registry
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.manifest import ManifestCache, default_cache_dir
 from vllm_dedup.measure import ServeProcess
@@ -82,14 +82,6 @@ def run_phase(models: list[Path], load_format: str, logs: Path, while_up=lambda:
     finally:
         for s in servers:
             s.stop()
-
-
-def registry_stats() -> dict:
-    client = BrokerClient(socket_path(), timeout_s=10)
-    try:
-        return client.stats()
-    finally:
-        client.close()
 
 
 def main() -> int:
@@ -150,12 +142,7 @@ def main() -> int:
 
 def cleanup(run_dir: Path) -> list[str]:
     """Stop the demo's registry, remove its directory; list whatever is left behind."""
-    try:
-        client = BrokerClient(socket_path(), timeout_s=10)
-        client.shutdown(force=True)
-        client.close()
-    except RegistryUnavailable:
-        pass
+    shutdown_registry()
     left = []
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_dedup.broker import registry_stats, shutdown_registry
 from vllm_dedup.sample_models import minilm_dir, smollm2_gguf, smollm2_hf
 from vllm_dedup.variants import VARIANT_KINDS, build_variant
 
@@ -63,13 +64,7 @@ class RegistryEnv:
         return self.run_dir / "vllm-dedup.sock"
 
     def stats(self) -> dict:
-        from vllm_dedup.broker import BrokerClient
-
-        client = BrokerClient(self.socket, timeout_s=10)
-        try:
-            return client.stats()
-        finally:
-            client.close()
+        return registry_stats(self.socket)
 
     def engine_loads(self) -> dict[int, dict]:
         """pid -> that engine's reported load (tensors and bytes shared/published/private)."""
@@ -87,14 +82,7 @@ class RegistryEnv:
         return out
 
     def shutdown(self) -> None:
-        from vllm_dedup.broker import BrokerClient, RegistryUnavailable
-
-        try:
-            client = BrokerClient(self.socket, timeout_s=10)
-            client.shutdown(force=True)
-            client.close()
-        except RegistryUnavailable:
-            pass
+        shutdown_registry(self.socket)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -26,3 +27,13 @@ def run_cli(*args: str, cache: Path | None = None, check: bool = False, user: in
 def scan_json(*paths, cache: Path, extra: tuple[str, ...] = ()) -> dict:
     proc = run_cli("scan", "--json", *extra, *map(str, paths), cache=cache, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def wait_for(predicate, timeout_s: float = 20) -> bool:
+    """Poll ``predicate`` every 50 ms until it is true (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False

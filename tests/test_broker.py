@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dedup.broker import BrokerClient, BrokerServer, RegistryUnavailable
+from helpers import wait_for
+from vllm_dedup.broker import BrokerClient, BrokerServer, RegistryUnavailable, registry_stats
 from vllm_dedup.registry import Registry
 
 PEER = Path(__file__).with_name("segment_peer.py")
@@ -65,21 +66,8 @@ class Peer:
         self.proc.wait()
 
 
-def wait_for(predicate, timeout_s: float = 10):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def stats(server: BrokerServer) -> dict:
-    client = BrokerClient(server.path)
-    try:
-        return client.stats()
-    finally:
-        client.close()
+    return registry_stats(server.path)
 
 
 def test_second_process_maps_the_same_bytes_and_pages_count_once(broker):

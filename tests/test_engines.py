@@ -12,25 +12,16 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from engines import start_engines
+from helpers import wait_for
 from vllm_dedup.measure import PROMPTS, EngineProcess, ServeProcess, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(predicate, timeout_s: float = 20) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _processes_running(marker: bytes) -> list[int]:
@@ -146,7 +137,7 @@ def test_sigkill_of_the_first_engine(smollm2, registry):
         reference = b.generate()
         n = registry.engine_loads()[a.pid]["published_tensors"]
         a.kill()
-        assert _wait(lambda: [e["pid"] for e in registry.stats()["engines"]] == [b.pid])
+        assert wait_for(lambda: [e["pid"] for e in registry.stats()["engines"]] == [b.pid])
         assert b.generate() == reference  # still answers, from segments the dead engine made
         assert registry.stats()["groups"][0]["segments"] == n  # held by b alone now
         c = EngineProcess(smollm2, core=0).wait_ready()
@@ -158,7 +149,7 @@ def test_sigkill_of_the_first_engine(smollm2, registry):
             c.stop()
     finally:
         b.stop()
-    assert _wait(lambda: registry.stats()["groups"] == [])
+    assert wait_for(lambda: registry.stats()["groups"] == [])
 
 
 def test_unreachable_registry_falls_back_or_fails(smollm2, registry):
@@ -230,7 +221,7 @@ def test_vllm_serve_with_dedup_answers_like_auto(smollm2, registry, tmp_path):
     # vLLM's shutdown kills the server's whole process tree; the registry its worker started
     # has detached from that tree and lives on, with the engine's lease gone.
     assert registry.daemon_pids()
-    assert _wait(lambda: registry.stats()["engines"] == [])
+    assert wait_for(lambda: registry.stats()["engines"] == [])
 
 
 RAY_ACTORS = """
@@ -260,7 +251,7 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
             assert [x["pid"] for x in stats["engines"]] == [e.pid]
             registry_pid = stats["registry_pid"]
         assert e.proc.returncode == 0
-        assert _wait(lambda: registry.stats()["groups"] == [] and registry.stats()["engines"] == [])
+        assert wait_for(lambda: registry.stats()["groups"] == [] and registry.stats()["engines"] == [])
         fds = len(os.listdir(f"/proc/{registry_pid}/fd"))
         fds_after_first = fds_after_first or fds
         assert fds <= fds_after_first, f"cycle {cycle}: the registry holds {fds} descriptors"

@@ -54,6 +54,8 @@ __all__ = [
     "BrokerClient",
     "BrokerServer",
     "RegistryUnavailable",
+    "registry_stats",
+    "shutdown_registry",
     "socket_path",
     "start_daemon",
 ]
@@ -397,6 +399,32 @@ class BrokerClient:
 
     def close(self) -> None:
         self._sock.close()
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def registry_stats(path: Path | None = None) -> dict:
+    """`Registry.stats` of the registry at ``path`` (default: this node's, default namespace).
+
+    Raises:
+        RegistryUnavailable: no registry answers there.
+    """
+    with BrokerClient(path or socket_path(), timeout_s=10) as client:
+        return client.stats()
+
+
+def shutdown_registry(path: Path | None = None) -> bool:
+    """Stop the registry at ``path`` even with engines connected; False if none answered."""
+    try:
+        with BrokerClient(path or socket_path(), timeout_s=10) as client:
+            client.shutdown(force=True)
+        return True
+    except RegistryUnavailable:
+        return False
 
 
 # the standalone daemon ---------------------------------------------------------------------

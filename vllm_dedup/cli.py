@@ -118,13 +118,10 @@ def format_status(stats: dict) -> str:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .broker import BrokerClient, RegistryUnavailable, socket_path
+    from .broker import RegistryUnavailable, registry_stats, socket_path
 
-    path = socket_path(args.namespace)
     try:
-        client = BrokerClient(path, timeout_s=10)
-        stats = client.stats()
-        client.close()
+        stats = registry_stats(socket_path(args.namespace))
     except RegistryUnavailable as e:
         print(f"vllm-dedup status: no registry for namespace {args.namespace!r} on this node ({e})", file=sys.stderr)
         return 1

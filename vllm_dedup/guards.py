@@ -21,7 +21,7 @@ from .share import shared_bytes_in_process
 
 __all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "install", "SharedWeightsError"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.dedup.guards")  # under "vllm", as in loader.py
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 

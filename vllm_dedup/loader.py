@@ -31,7 +31,7 @@ from .config import DedupConfig
 
 __all__ = ["DedupModelLoader"]
 
-logger = logging.getLogger("vllm_dedup")
+logger = logging.getLogger("vllm.dedup")  # under "vllm": vLLM's handlers and format apply
 
 # Each engine process keeps its registry connections open for its lifetime: they are its
 # leases on the segments it maps (see broker.py).

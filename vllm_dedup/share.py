@@ -37,7 +37,7 @@ from .segments import segment_class
 
 __all__ = ["ShareResult", "share_model", "shared_bytes_in_process"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.dedup.share")  # under "vllm", as in loader.py
 
 # Test hook: when set, every content key's digest is zeroed, so every tensor of a given dtype
 # and shape collides with every other.  The exact compare must then keep them all apart.
@@ -160,6 +160,20 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
         RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
     """
     start = time.perf_counter()
+    result = _share(model, client, device_type, min_tensor_bytes, verify, fail)
+    # Only now, with every local of _share gone, are all replaced private copies unreferenced.
+    gc.collect()
+    _malloc_trim()
+    result.seconds = time.perf_counter() - start
+    try:
+        client.report(dataclasses.asdict(result))
+    except RegistryUnavailable:
+        pass
+    return result
+
+
+def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int, verify: bool,
+           fail: bool) -> ShareResult:
     seg_cls = segment_class(device_type)
     slots, private_n, private_b = _collect(model, device_type, min_tensor_bytes)
     result = ShareResult(private_tensors=private_n, private_bytes=private_b)
@@ -198,7 +212,13 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
     try:
         for hit, fd in client.acquire(list(pending)):
             group = pending.pop(hit.key)
-            seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_type)
+            try:
+                seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_type)
+            except ValueError as e:  # not a sealed segment: never map it
+                logger.warning("vllm-dedup: resident copy of %s refused (%s); it stays private", hit.key, e)
+                client.release([hit.segment])
+                keep_private(group)
+                continue
             differ = adopt(group, seg, hit.offset, published=False)
             seg.close_fd()
             if differ:
@@ -225,14 +245,6 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
         logger.warning("vllm-dedup: registry failed mid-load (%s); the remaining tensors stay private", e)
         for group in pending.values():
             keep_private(group)
-    del slots, by_key, pending
-    gc.collect()
-    _malloc_trim()
-    result.seconds = time.perf_counter() - start
-    try:
-        client.report(dataclasses.asdict(result))
-    except RegistryUnavailable:
-        pass
     return result
 
 

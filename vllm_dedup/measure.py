@@ -179,7 +179,10 @@ class EngineProcess:
 
     def __init__(self, model, load_format: str = "dedup", extra: dict | None = None, env: dict | None = None,
                  core: int | None = None, kv_cache_bytes: int = 32 << 20):
-        full_env = {**os.environ, **(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        # vLLM logs to stdout by default; to stderr here, so that stdout carries only the
+        # protocol and `log` holds everything the engine said.
+        full_env = {**os.environ, **(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                    "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
         if core is not None:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         self._err = tempfile.TemporaryFile()

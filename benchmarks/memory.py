@@ -38,8 +38,8 @@ from vllm_dedup.broker import registry_stats, shutdown_registry
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.manifest import ManifestCache, default_cache_dir
 from vllm_dedup.measure import EngineProcess
-from vllm_dedup.scan import scan_model
-from vllm_dedup.variants import build_variant
+from vllm_dedup.scan import Report, scan_model
+from vllm_dedup.variants import cached_variant
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
@@ -48,10 +48,10 @@ MB = 1e6
 
 
 def expected_shared(first: Path, second: Path, min_bytes: int) -> int:
+    """Bytes of ``second``'s checkpoint tensors whose content ``first`` holds."""
     cache = ManifestCache(default_cache_dir())
-    keys = [{t.key: t.entry.nbytes for t in scan_model(m, cache=cache, progress=False).tensors
-             if t.entry.nbytes >= min_bytes} for m in (first, second)]
-    return sum(n for k, n in keys[1].items() if k in keys[0])
+    scans = [scan_model(m, cache=cache, progress=False) for m in (first, second)]
+    return Report(scans, min_bytes).shared_with_earlier_bytes()[1]
 
 
 def phase(models: list[Path], load_format: str, groups: list[str] | None = None) -> dict:
@@ -76,11 +76,7 @@ def run(model: Path) -> list[dict]:
     min_bytes = DedupConfig().min_tensor_bytes
     entries = []
     for scenario, kind in SCENARIOS.items():
-        second = model
-        if kind:
-            second = default_cache_dir() / "variants" / f"{model.name}-{kind}"
-            if not (second / "config.json").exists():
-                build_variant(model, kind, second)
+        second = cached_variant(model, kind) if kind else model
         print(f"{scenario}: plain, apart, dedup ...", file=sys.stderr, flush=True)
         pair = [model, second]
         plain = phase(pair, "auto")

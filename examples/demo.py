@@ -32,10 +32,10 @@ from pathlib import Path
 from vllm_dedup.broker import registry_stats, shutdown_registry
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.manifest import ManifestCache, default_cache_dir
-from vllm_dedup.measure import ServeProcess
+from vllm_dedup.measure import ServeProcess, memfd_holders, processes_matching
 from vllm_dedup.sample_models import smollm2_hf
-from vllm_dedup.scan import scan_model
-from vllm_dedup.variants import build_variant
+from vllm_dedup.scan import Report, scan_model
+from vllm_dedup.variants import cached_variant
 
 PROMPT = "The capital of France is"
 MB = 1e6
@@ -45,22 +45,14 @@ def prepare_models(n: int) -> list[Path]:
     base = smollm2_hf()
     models = [base]
     for kind in ("last-layers", "vocab-extended")[: n - 1]:
-        out = default_cache_dir() / "variants" / f"{base.name}-{kind}"
-        models.append(out if (out / "config.json").exists() else build_variant(base, kind, out))
+        models.append(cached_variant(base, kind))
     return models
 
 
 def expected_shared(models: list[Path], min_bytes: int) -> list[int]:
     """Per engine: bytes of its checkpoint tensors whose content an earlier engine holds."""
     cache = ManifestCache(default_cache_dir())
-    seen: set = set()
-    out = []
-    for m in models:
-        keys = {t.key: t.entry.nbytes for t in scan_model(m, cache=cache, progress=False).tensors
-                if t.entry.nbytes >= min_bytes}
-        out.append(sum(n for k, n in keys.items() if k in seen))
-        seen |= set(keys)
-    return out
+    return Report([scan_model(m, cache=cache, progress=False) for m in models], min_bytes).shared_with_earlier_bytes()
 
 
 def run_phase(models: list[Path], load_format: str, logs: Path, while_up=lambda: None):
@@ -155,19 +147,9 @@ def cleanup(run_dir: Path) -> list[str]:
 
 
 def _leftovers(run_dir: Path) -> list[str]:
-    left = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-            if str(run_dir).encode() in cmd or (b"vllm" in cmd and b"serve" in cmd and b"127.0.0.1" in cmd):
-                left.append(f"process {proc.name}")
-            for fd in (proc / "fd").iterdir():
-                if os.readlink(fd).startswith("/memfd:vllm-dedup"):
-                    left.append(f"memfd in process {proc.name}")
-        except OSError:
-            pass
+    pids = set(processes_matching(str(run_dir).encode())) | set(processes_matching(b"vllm", b"serve", b"127.0.0.1"))
+    left = [f"process {pid}" for pid in sorted(pids)]
+    left += [f"memfd in process {pid}" for pid in memfd_holders()]
     run = run_dir / "run"
     if run.exists() and any(run.iterdir()):
         left += [f"file {p}" for p in run.iterdir()]

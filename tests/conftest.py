@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from vllm_dedup.broker import registry_stats, shutdown_registry
+from vllm_dedup.measure import processes_matching
 from vllm_dedup.sample_models import minilm_dir, smollm2_gguf, smollm2_hf
 from vllm_dedup.variants import VARIANT_KINDS, build_variant
 
@@ -71,15 +72,7 @@ class RegistryEnv:
         return {e["pid"]: e["load"] for e in self.stats()["engines"]}
 
     def daemon_pids(self) -> list[int]:
-        out = []
-        for proc in Path("/proc").iterdir():
-            try:
-                cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"vllm_dedup.broker" in cmd and str(self.socket).encode() in cmd:
-                out.append(int(proc.name))
-        return out
+        return processes_matching(b"vllm_dedup.broker", str(self.socket).encode())
 
     def shutdown(self) -> None:
         shutdown_registry(self.socket)

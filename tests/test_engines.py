@@ -19,37 +19,9 @@ from safetensors.torch import load_file
 
 from engines import start_engines
 from helpers import wait_for
-from vllm_dedup.measure import PROMPTS, EngineProcess, ServeProcess, free_port
+from vllm_dedup.measure import PROMPTS, EngineProcess, ServeProcess, free_port, memfd_holders, processes_matching
 
 pytestmark = pytest.mark.slow
-
-
-def _processes_running(marker: bytes) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            pass
-    return pids
-
-
-def _memfds_anywhere() -> int:
-    """Open descriptors of vllm-dedup memfds in every process of this machine."""
-    n = 0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                try:
-                    n += os.readlink(fd).startswith("/memfd:vllm-dedup")
-                except OSError:
-                    pass
-        except OSError:
-            pass
-    return n
 
 
 def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2, registry):
@@ -217,7 +189,7 @@ def test_vllm_serve_with_dedup_answers_like_auto(smollm2, registry, tmp_path):
         assert served.complete(PROMPTS) == expected
     finally:
         served.stop()
-    assert _processes_running(str(served.port).encode()) == []
+    assert processes_matching(str(served.port).encode()) == []
     # vLLM's shutdown kills the server's whole process tree; the registry its worker started
     # has detached from that tree and lives on, with the engine's lease gone.
     assert registry.daemon_pids()
@@ -255,7 +227,7 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
         fds = len(os.listdir(f"/proc/{registry_pid}/fd"))
         fds_after_first = fds_after_first or fds
         assert fds <= fds_after_first, f"cycle {cycle}: the registry holds {fds} descriptors"
-        assert _memfds_anywhere() == 0
+        assert memfd_holders() == []
     assert registry_pid != os.getpid() and not registry.daemon_pids()  # the Ray actor, not a daemon
     assert len(_registry_actors(ray_address)) == 1
-    assert _processes_running(b"vllm_dedup.measure") == []
+    assert processes_matching(b"vllm_dedup.measure") == []

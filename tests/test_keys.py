@@ -7,10 +7,7 @@ import torch
 import xxhash
 
 from vllm_dedup.keys import ContentKey, content_key, content_keys, contiguous_stride, tensor_bytes
-
-
-def key_of(t: torch.Tensor) -> ContentKey:
-    return content_key(tensor_bytes(t), str(t.dtype).removeprefix("torch."), t.shape, t.stride())
+from vllm_dedup.keys import tensor_key as key_of
 
 
 def test_equal_bytes_and_layout_give_equal_keys():

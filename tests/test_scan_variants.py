@@ -120,3 +120,15 @@ def test_human_report_names_models_and_totals(smollm2, variants, tmp_path):
     proc = run_cli("scan", str(smollm2), str(variants["last-layers"]), cache=tmp_path, check=True)
     assert "bytes shared by each pair" in proc.stdout
     assert "saved bytes" in proc.stdout and str(variants["last-layers"]) in proc.stdout
+
+
+def test_shared_with_earlier_counts_each_model_against_those_before_it(smollm2, variants, tmp_path):
+    from vllm_dedup.manifest import ManifestCache
+    from vllm_dedup.scan import Report, scan_model
+
+    models = [smollm2, variants["last-layers"], variants["vocab-extended"], variants["fp16"]]
+    report = Report([scan_model(m, cache=ManifestCache(tmp_path), progress=False) for m in models])
+    ids = [identities(m) for m in models]
+    expected = [sum(n for k, n in ids[i].items() if any(k in ids[j] for j in range(i))) for i in range(len(models))]
+    assert report.shared_with_earlier_bytes() == expected
+    assert expected[0] == 0 and expected[3] == 0 and expected[2] > expected[1] * 0.8

@@ -153,7 +153,7 @@ class BrokerServer:
         self.registry = registry
         self.path = Path(path)
         self._sel = selectors.DefaultSelector()
-        self._engines: dict[socket.socket, int | None] = {}
+        self._connections: dict[socket.socket, int | None] = {}  # -> engine id, None before hello
         self._refused: set[socket.socket] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -199,7 +199,7 @@ class BrokerServer:
     def wait(self, idle_exit_s: float | None = None) -> None:
         """Block until stopped, or until nothing was connected or held for ``idle_exit_s``."""
         while not self._stop.wait(0.5):
-            busy = self._engines or self.registry.segments
+            busy = self._connections or self.registry.segments
             if busy:
                 self.idle_since = time.monotonic()
             elif idle_exit_s is not None and time.monotonic() - self.idle_since >= idle_exit_s:
@@ -215,7 +215,7 @@ class BrokerServer:
                         self._serve_one(sel_key.fileobj)
                 self.registry.expire()
         finally:
-            for conn in [*self._engines, *self._refused]:
+            for conn in [*self._connections, *self._refused]:
                 self._disconnect(conn)
             self._sel.close()
             self._listener.close()
@@ -239,12 +239,12 @@ class BrokerServer:
             self.refused_uids.append(uid)
             self._refused.add(conn)
         else:
-            self._engines[conn] = None
+            self._connections[conn] = None
         self._sel.register(conn, selectors.EVENT_READ)
 
     def _disconnect(self, conn: socket.socket) -> None:
         self._refused.discard(conn)
-        engine = self._engines.pop(conn, None)
+        engine = self._connections.pop(conn, None)
         self._sel.unregister(conn)
         conn.close()
         if engine is not None:
@@ -284,7 +284,7 @@ class BrokerServer:
 
     def _handle(self, conn, msg: dict, fds: list[int]) -> tuple[dict, list[int]]:
         reg, op = self.registry, msg.get("op")
-        engine = self._engines.get(conn)
+        engine = self._connections.get(conn)
         if op == "stats":
             return reg.stats(), []
         if op == "shutdown":
@@ -295,10 +295,10 @@ class BrokerServer:
         if op == "hello":
             if engine is not None:
                 raise ValueError("hello sent twice")
-            self._engines[conn] = reg.add_engine(
+            self._connections[conn] = reg.add_engine(
                 int(msg["pid"]), _peer_uid(conn), str(msg["model"]), str(msg["device"]), str(msg["group"])
             )
-            return {"engine": self._engines[conn]}, []
+            return {"engine": self._connections[conn]}, []
         if engine is None:
             raise ValueError(f"op {op!r} needs a hello first")
         if op == "acquire":

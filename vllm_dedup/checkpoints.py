@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .keys import dtype_name, tensor_bytes
+
 __all__ = [
     "CheckpointError",
     "TensorEntry",
@@ -111,10 +113,6 @@ def register_reader(*suffixes: str) -> Callable[[type[WeightFile]], type[WeightF
     return wrap
 
 
-def _torch_dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @register_reader(".safetensors")
 class SafetensorsFile(WeightFile):
     """A ``.safetensors`` file, read through safetensors' own mmap (``safe_open``)."""
@@ -143,15 +141,11 @@ class SafetensorsFile(WeightFile):
         for name in self._names:
             t = self._file.get_tensor(name)  # lazy mmap view: reads no bytes yet
             out.append(
-                TensorEntry(
-                    name, _torch_dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()
-                )
+                TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
             )
         return out
 
     def data(self, name: str) -> memoryview:
-        from .keys import tensor_bytes
-
         return tensor_bytes(self._file.get_tensor(name))
 
     def close(self) -> None:
@@ -254,13 +248,11 @@ class TorchFile(WeightFile):
 
     def entries(self) -> list[TensorEntry]:
         return [
-            TensorEntry(name, _torch_dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+            TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
             for name, t in self._tensors.items()
         ]
 
     def data(self, name: str) -> memoryview:
-        from .keys import tensor_bytes
-
         return tensor_bytes(self._tensors[name])
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-__all__ = ["ContentKey", "content_key", "content_keys", "contiguous_stride", "tensor_bytes"]
+__all__ = ["ContentKey", "content_key", "content_keys", "contiguous_stride", "dtype_name", "tensor_bytes", "tensor_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,20 @@ def content_key(
     shape = tuple(int(d) for d in shape)
     stride = contiguous_stride(shape) if stride is None else tuple(int(s) for s in stride)
     return ContentKey(xxhash.xxh3_128_digest(data), dtype, shape, stride)
+
+
+def dtype_name(dtype) -> str:
+    """A torch dtype's name as keys carry it: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_key(tensor) -> ContentKey:
+    """Key of a contiguous CPU torch tensor: its bytes (zero-copy), dtype, shape and stride.
+
+    Raises:
+        ValueError: see `tensor_bytes`.
+    """
+    return content_key(tensor_bytes(tensor), dtype_name(tensor.dtype), tensor.shape, tensor.stride())
 
 
 def tensor_bytes(tensor) -> memoryview:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 
-__all__ = ["PROMPTS", "pss_bytes", "tree_pss_bytes", "descendants", "free_port", "ServeProcess", "EngineProcess"]
+__all__ = ["PROMPTS", "pss_bytes", "tree_pss_bytes", "descendants", "processes_matching", "memfd_holders", "free_port", "ServeProcess", "EngineProcess"]
 
 
 def pss_bytes(pid: int) -> int:
@@ -74,6 +74,40 @@ def tree_pss_bytes(pid: int) -> int:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return total
+
+
+def processes_matching(*markers: bytes) -> list[int]:
+    """Pids of the other processes whose command line contains every one of ``markers``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if all(m in cmd for m in markers):
+            pids.append(int(proc.name))
+    return pids
+
+
+def memfd_holders(prefix: str = "/memfd:vllm-dedup") -> list[int]:
+    """One pid per open descriptor of a segment memfd (names starting ``prefix``), machine-wide."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd).startswith(prefix):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
 
 
 def free_port() -> int:

@@ -141,10 +141,8 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
         return BrokerClient(path)
     except RegistryUnavailable:
         pass
-    if address != "local" and _ray_cluster_hint(address):
-        ensure_actor(namespace, path, keep_warm_s, None if address is None else address)
-    elif address not in (None, "local"):
-        raise RegistryUnavailable(f"registry_address {address!r} is not reachable")
+    if address != "local" and _ray_cluster_hint(address):  # an explicit Ray address always lands here
+        ensure_actor(namespace, path, keep_warm_s, address)
     else:
         start_daemon(path, keep_warm_s=keep_warm_s)
     deadline = time.monotonic() + timeout_s

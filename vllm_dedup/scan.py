@@ -162,6 +162,16 @@ class Report:
                 out[i][j] = sum(b for k, b in small.items() if k in big)
         return out
 
+    def shared_with_earlier_bytes(self) -> list[int]:
+        """Per model, bytes of its distinct content keys that an earlier model holds: what
+        engine i need not store when engines 0..i-1 are already resident."""
+        seen: set[ContentKey] = set()
+        out = []
+        for keys in self._key_sets():
+            out.append(sum(n for k, n in keys.items() if k in seen))
+            seen |= keys.keys()
+        return out
+
     def largest_shared(self, n: int = 10) -> list[dict]:
         """The ``n`` largest content keys held more than once, with every place they occur."""
         places: dict[ContentKey, list[str]] = defaultdict(list)

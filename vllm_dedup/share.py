@@ -32,7 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .broker import BrokerClient, RegistryUnavailable
-from .keys import ContentKey, content_key, content_keys, tensor_bytes
+from .keys import ContentKey, content_keys, tensor_key
 from .segments import segment_class
 
 __all__ = ["ShareResult", "share_model", "shared_bytes_in_process"]
@@ -82,7 +82,6 @@ class _Slot:
 
     tensor: object
     refs: list[tuple[object, str, bool]]  # (module, name, is_parameter)
-    key: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +131,7 @@ def _swap(slot: _Slot, new) -> None:
 
 
 def _key(t) -> str:
-    key = content_key(tensor_bytes(t), str(t.dtype).removeprefix("torch."), t.shape, t.stride())
+    key = tensor_key(t)
     if os.environ.get(FORCE_COLLISIONS_ENV):
         key = ContentKey(bytes(16), key.dtype, key.shape, key.stride)
     return str(key)
@@ -180,7 +179,6 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
     keys = content_keys([lambda s=s: _key(s.tensor) for s in slots])
     by_key: dict[str, list[_Slot]] = defaultdict(list)
     for slot, key in zip(slots, keys):
-        slot.key = key
         by_key[key].append(slot)
 
     def keep_private(group: list[_Slot]) -> None:

@@ -28,7 +28,7 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["VARIANT_KINDS", "build_variant", "load_state_dict", "save_state_dict"]
+__all__ = ["VARIANT_KINDS", "build_variant", "cached_variant", "load_state_dict", "save_state_dict"]
 
 VARIANT_KINDS = ("renamed-resharded", "last-layers", "vocab-extended", "fp16")
 
@@ -125,3 +125,15 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def cached_variant(base: Path, kind: str) -> Path:
+    """Variant ``kind`` of ``base``, built once under ``<cache>/variants/`` and reused after.
+
+    Raises:
+        ValueError: ``kind`` is not a known variant kind.
+    """
+    from .manifest import default_cache_dir
+
+    out = default_cache_dir() / "variants" / f"{Path(base).name}-{kind}"
+    return out if (out / "config.json").exists() else build_variant(base, kind, out)

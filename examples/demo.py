@@ -33,20 +33,11 @@ from vllm_dedup.broker import registry_stats, shutdown_registry
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.manifest import ManifestCache, default_cache_dir
 from vllm_dedup.measure import ServeProcess, memfd_holders, processes_matching
-from vllm_dedup.sample_models import smollm2_hf
 from vllm_dedup.scan import Report, scan_model
-from vllm_dedup.variants import cached_variant
+from vllm_dedup.variants import smollm2_family
 
 PROMPT = "The capital of France is"
 MB = 1e6
-
-
-def prepare_models(n: int) -> list[Path]:
-    base = smollm2_hf()
-    models = [base]
-    for kind in ("last-layers", "vocab-extended")[: n - 1]:
-        models.append(cached_variant(base, kind))
-    return models
 
 
 def expected_shared(models: list[Path], min_bytes: int) -> list[int]:
@@ -82,7 +73,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args()
 
-    models = prepare_models(args.engines)
+    models = list(smollm2_family(args.engines).values())
     min_bytes = DedupConfig().min_tensor_bytes
     expected = expected_shared(models, min_bytes)
     run_dir = Path(tempfile.mkdtemp(prefix="vllm-dedup-demo-"))

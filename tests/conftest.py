@@ -98,7 +98,7 @@ RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disa
 
 RAY_HOLDER = """
 import os, signal, sys, time, ray
-ray.init(num_cpus=4, include_dashboard=False, _temp_dir=sys.argv[1], logging_level="WARNING")
+ray.init(num_cpus=8, include_dashboard=False, _temp_dir=sys.argv[1], logging_level="WARNING")
 print("ADDRESS " + ray.get_runtime_context().gcs_address, flush=True)
 signal.signal(signal.SIGTERM, lambda *a: (ray.shutdown(), sys.exit(0)))
 while True:

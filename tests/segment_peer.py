@@ -3,10 +3,11 @@
     python tests/segment_peer.py SOCKET publish KEY NBYTES [GROUP]
     python tests/segment_peer.py SOCKET map KEY [GROUP]
     python tests/segment_peer.py SOCKET write KEY [GROUP]
+    python tests/segment_peer.py SOCKET lock NAME
 
 ``publish`` fills a tensor of NBYTES with a pattern derived from KEY and publishes it;
 ``map`` maps the resident copy and prints its XXH3-128 digest; ``write`` maps it and then
-writes into the mapping (which must fault).  Each prints one ``OK {...}`` line, then holds its
+writes into the mapping (which must fault); ``lock`` takes the registry lock NAME.  Each prints one ``OK {...}`` line, then holds its
 lease until stdin closes.
 """
 
@@ -31,6 +32,12 @@ def pattern(key: str, nbytes: int) -> torch.Tensor:
 def main() -> None:
     sock, mode, key = sys.argv[1], sys.argv[2], sys.argv[3]
     client = BrokerClient(sock)
+    if mode == "lock":
+        client.hello("peer", "cpu", "default")
+        with client.locked(key):
+            print("OK " + json.dumps({"locked": key}), flush=True)
+            sys.stdin.read()
+        return
     if mode == "publish":
         nbytes = int(sys.argv[4])
         group = sys.argv[5] if len(sys.argv) > 5 else "default"

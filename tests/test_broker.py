@@ -224,10 +224,56 @@ def test_status_command_reports_the_registry(tmp_path, monkeypatch):
         b.result()
         data = json.loads(run_cli("status", "--json", check=True).stdout)
         (group,) = data["groups"]
-        assert (group["share_group"], group["engines"], group["segments"], group["resident_bytes"]) == ("g1", 2, 1, 2 * MB)
+        assert (group["share_group"], group["engines"], group["segments"], group["resident_bytes"],
+                group["shared_bytes"]) == ("g1", 2, 1, 2 * MB, 2 * MB)
         assert sorted(e["pid"] for e in data["engines"]) == sorted([a.proc.pid, b.proc.pid])
         human = run_cli("status", check=True).stdout
         assert "g1" in human and "2.1 MB" in human
         assert a.end() == 0 and b.end() == 0
     finally:
         server.stop()
+
+
+def test_a_lock_waits_for_its_holder_and_is_freed_when_the_holder_dies(broker):
+    holder = Peer(broker.path, "lock", "publish:cpu:default")
+    assert holder.result() == {"locked": "publish:cpu:default"}
+    with BrokerClient(broker.path) as client:
+        client.hello("m", "cpu", "default")
+        assert registry_stats(broker.path)["locks"] == {"publish:cpu:default": holder.proc.pid}
+        with pytest.raises(TimeoutError, match=f"held by engine pid {holder.proc.pid}"):
+            with client.locked("publish:cpu:default", timeout_s=0.3):
+                pass
+        with client.locked("publish:cpu:other"):  # other names are independent
+            pass
+        holder.proc.kill()  # no unlock: the lock goes with the connection
+        holder.proc.wait()
+        start = time.monotonic()
+        with client.locked("publish:cpu:default", timeout_s=10):
+            assert registry_stats(broker.path)["locks"] == {"publish:cpu:default": os.getpid()}
+        assert time.monotonic() - start < 5
+        assert registry_stats(broker.path)["locks"] == {}
+
+
+def test_lock_waiters_get_the_lock_one_after_another(broker):
+    import threading
+
+    inside, overlaps = [], []
+
+    def worker(n: int) -> None:
+        with BrokerClient(broker.path) as client:
+            client.hello(f"m{n}", "cpu", "default")
+            for _ in range(5):
+                with client.locked("publish:cpu:default", timeout_s=30):
+                    inside.append(n)
+                    if len(inside) > 1:
+                        overlaps.append(list(inside))
+                    time.sleep(0.01)
+                    inside.remove(n)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert overlaps == []

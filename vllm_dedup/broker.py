@@ -21,6 +21,8 @@ Requests (``op`` and arguments) and replies:
 ``publish``           bytes, keys ``[[key, offset, bytes]]`` + 1 fd -> segment id
 ``release``           segments -> {}
 ``report``            load (the engine's `share.ShareResult` numbers) -> {}
+``lock``              name -> granted (bool), holder_pid (the holder's, when not granted)
+``unlock``            name -> {}
 ``stats``             -> `Registry.stats`
 ``shutdown``          stop the server if no engine is connected (``force`` stops it anyway)
 ====================  ===================================================================
@@ -32,6 +34,7 @@ standalone daemon (``python -m vllm_dedup.broker``), which the first engine star
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import fcntl
 import json
@@ -141,8 +144,9 @@ def _peer_uid(sock: socket.socket) -> int:
 class BrokerServer:
     """Serves a `Registry` on a Unix socket from one background thread.
 
-    One thread owns the registry: requests are handled one at a time, so the registry needs no
-    locks.  Unheld segments are expired about once a second.
+    One thread serves the socket and handles requests one at a time; `stats` may be called
+    from other threads (the Ray actor's, the metrics exporter), so every access to the registry
+    holds ``self._mutex``.  Unheld segments are expired about once a second.
 
     Args:
         registry: the state to serve.
@@ -156,6 +160,7 @@ class BrokerServer:
         self._connections: dict[socket.socket, int | None] = {}  # -> engine id, None before hello
         self._refused: set[socket.socket] = set()
         self._stop = threading.Event()
+        self._mutex = threading.Lock()
         self._thread: threading.Thread | None = None
         self.idle_since = time.monotonic()
         self.refused_uids: list[int] = []
@@ -196,6 +201,11 @@ class BrokerServer:
     def engines(self) -> int:
         return len(self.registry.engines)
 
+    def stats(self) -> dict:
+        """`Registry.stats`, safe to call from any thread."""
+        with self._mutex:
+            return self.registry.stats()
+
     def wait(self, idle_exit_s: float | None = None) -> None:
         """Block until stopped, or until nothing was connected or held for ``idle_exit_s``."""
         while not self._stop.wait(0.5):
@@ -209,14 +219,17 @@ class BrokerServer:
         try:
             while not self._stop.is_set():
                 for sel_key, _ in self._sel.select(timeout=0.5):
-                    if sel_key.fileobj is self._listener:
-                        self._accept()
-                    else:
-                        self._serve_one(sel_key.fileobj)
-                self.registry.expire()
+                    with self._mutex:
+                        if sel_key.fileobj is self._listener:
+                            self._accept()
+                        else:
+                            self._serve_one(sel_key.fileobj)
+                with self._mutex:
+                    self.registry.expire()
         finally:
-            for conn in [*self._connections, *self._refused]:
-                self._disconnect(conn)
+            with self._mutex:
+                for conn in [*self._connections, *self._refused]:
+                    self._disconnect(conn)
             self._sel.close()
             self._listener.close()
             try:
@@ -224,7 +237,8 @@ class BrokerServer:
                     self.path.unlink()
             except (OSError, ValueError):
                 self.path.unlink(missing_ok=True)
-            self.registry.close()
+            with self._mutex:
+                self.registry.close()
 
     def _accept(self) -> None:
         try:
@@ -318,6 +332,12 @@ class BrokerServer:
         if op == "report":
             reg.report(engine, dict(msg["load"]))
             return {}, []
+        if op == "lock":
+            holder = reg.try_lock(engine, str(msg["name"]))
+            return {"granted": holder is None, "holder_pid": holder}, []
+        if op == "unlock":
+            reg.unlock(engine, str(msg["name"]))
+            return {}, []
         raise ValueError(f"unknown op {op!r}")
 
 
@@ -346,6 +366,7 @@ class BrokerClient:
             raise RegistryUnavailable(f"cannot connect to the registry at {self.path}: {e}") from None
         self._lock = threading.Lock()
         self.engine_id: int | None = None
+        self.device = self.group = None  # as said in `hello`
 
     def _call(self, obj: dict, fds: list[int] = ()) -> tuple[dict, list[int]]:
         with self._lock:
@@ -364,7 +385,7 @@ class BrokerClient:
 
     def hello(self, model: str, device: str, group: str) -> int:
         reply, _ = self._call({"op": "hello", "pid": os.getpid(), "model": model, "device": device, "group": group})
-        self.engine_id = reply["engine"]
+        self.engine_id, self.device, self.group = reply["engine"], device, group
         return self.engine_id
 
     def acquire(self, keys: list[str]) -> list[tuple[Hit, int]]:
@@ -393,6 +414,36 @@ class BrokerClient:
 
     def stats(self) -> dict:
         return self._call({"op": "stats"})[0]
+
+    @contextlib.contextmanager
+    def locked(self, name: str, timeout_s: float = 600.0, poll_s: float = 0.05):
+        """Hold the registry lock ``name`` for the ``with`` block (needs `hello` first).
+
+        Waiting polls (``poll_s``) rather than blocking in the broker, so a waiter never
+        stalls other requests and a timed-out waiter leaves no reply behind.  A lock whose
+        holder dies is free at once: it goes with the holder's connection.
+
+        Raises:
+            TimeoutError: still held by another engine after ``timeout_s`` seconds (the message
+                names its pid).
+            RegistryUnavailable: as every method.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply, _ = self._call({"op": "lock", "name": name})
+            if reply["granted"]:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"registry lock {name!r} still held by engine pid {reply['holder_pid']} "
+                                   f"after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+        try:
+            yield
+        finally:
+            try:
+                self._call({"op": "unlock", "name": name})
+            except RegistryUnavailable:
+                pass  # the broker is gone, and the lock with it
 
     def shutdown(self, force: bool = False) -> None:
         self._call({"op": "shutdown", "force": force})

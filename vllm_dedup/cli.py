@@ -97,8 +97,8 @@ def format_status(stats: dict) -> str:
     out = [
         _table(
             [[g["device"], g["share_group"], g["engines"], g["segments"], _size(g["resident_bytes"]),
-              _size(g["saved_bytes"])] for g in stats["groups"]],
-            ["device", "share group", "engines", "segments", "resident", "saved"],
+              _size(g["shared_bytes"]), _size(g["saved_bytes"])] for g in stats["groups"]],
+            ["device", "share group", "engines", "segments", "resident", "shared", "saved"],
         ),
         "",
     ]

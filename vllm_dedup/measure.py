@@ -91,6 +91,24 @@ def processes_matching(*markers: bytes) -> list[int]:
     return pids
 
 
+def serve_replica_pids(app: str, deployment: str) -> list[int]:
+    """Pids of the Ray Serve replicas of ``deployment`` in application ``app`` on this machine.
+
+    Ray titles a replica's process ``ray::ServeReplica:<app>:<deployment>``, with
+    ``.<method>`` appended while it runs one (e.g. ``.initialize_and_get_metadata``).
+    """
+    title = f"ray::ServeReplica:{app}:{deployment}".encode()
+    pids = []
+    for pid in processes_matching(title):
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].rstrip()
+        except OSError:
+            continue
+        if name == title or name.startswith(title + b"."):
+            pids.append(pid)
+    return pids
+
+
 def memfd_holders(prefix: str = "/memfd:vllm-dedup") -> list[int]:
     """One pid per open descriptor of a segment memfd (names starting ``prefix``), machine-wide."""
     pids = []

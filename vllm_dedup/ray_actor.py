@@ -3,7 +3,8 @@
 On a Ray cluster the registry is a named, detached actor, one per node, pinned to its node; its
 process serves the broker socket (`broker.BrokerServer`) for the engines of that node, because
 Ray cannot carry file descriptors.  Engines talk to the socket only: they need Ray just to
-create the actor the first time.
+create the actor the first time.  The actor also exports the registry's figures as Ray metrics
+(`metrics.RegistryMetrics`).
 
 `connect_registry` decides where the registry is, in this order:
 
@@ -19,10 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
 from .broker import BrokerClient, BrokerServer, RegistryUnavailable, socket_path, start_daemon
+from .metrics import RegistryMetrics
 from .registry import Registry
 
 __all__ = ["RegistryActor", "actor_name", "connect_registry", "ensure_actor"]
@@ -40,15 +43,27 @@ class RegistryActor:
 
     def __init__(self, path: str, keep_warm_s: float = 0.0):
         self.server = BrokerServer(Registry(keep_warm_s=keep_warm_s), Path(path)).start()
+        self.metrics = RegistryMetrics(self.server.stats).start()
+        # A registry stopped through its socket (`broker.shutdown_registry`) takes its actor
+        # with it, so that the name is free and the next engine creates a working one.
+        threading.Thread(target=self._exit_when_stopped, name="vllm-dedup-actor-exit", daemon=True).start()
+
+    def _exit_when_stopped(self) -> None:
+        self.server.wait()
+        self.server.stop()  # joins the server thread: the socket is gone, every fd closed
+        self.metrics.stop()
+        os._exit(0)
 
     def socket_path(self) -> str:
         """Where engines connect (also: the actor is up and serving)."""
         return str(self.server.path)
 
     def stats(self) -> dict:
-        return self.server.registry.stats()
+        """`Registry.stats` (the same figures the Ray metrics carry)."""
+        return self.server.stats()
 
     def shutdown(self) -> None:
+        self.metrics.stop()
         self.server.stop()
 
 
@@ -142,7 +157,9 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     except RegistryUnavailable:
         pass
     if address != "local" and _ray_cluster_hint(address):  # an explicit Ray address always lands here
-        ensure_actor(namespace, path, keep_warm_s, address)
+        # An actor that already exists serves the path its creator chose (its environment may
+        # differ from ours, e.g. another VLLM_DEDUP_RUNTIME_DIR): connect there.
+        path = Path(ensure_actor(namespace, path, keep_warm_s, address))
     else:
         start_daemon(path, keep_warm_s=keep_warm_s)
     deadline = time.monotonic() + timeout_s

@@ -7,10 +7,13 @@ directly.  Everything lives in one place, `Registry`:
 - segments: id -> `SegmentEntry` (the broker's own descriptor, size, device, share group, the
   content keys it holds, the engines holding it);
 - index: (device, share group, content key) -> (segment id, offset, bytes);
-- engines: id -> `EngineEntry` (pid, uid, model, device, share group, segments held).
+- engines: id -> `EngineEntry` (pid, uid, model, device, share group, segments held);
+- locks: name -> the engine holding it (e.g. one publish lock per device and share group, so
+  that engines loading at the same moment map each other's tensors instead of each publishing
+  its own copy).
 
-An engine's references live exactly as long as its connection (its lease): `drop_engine` runs
-when the connection closes, however the engine ended.  A segment nobody holds is freed at once,
+An engine's references and locks live exactly as long as its connection (its lease):
+`drop_engine` runs when the connection closes, however the engine ended.  A segment nobody holds is freed at once,
 or after ``keep_warm_s`` seconds so that a restarting engine maps instead of loading.
 
 Keys never cross share groups or devices: a lookup only sees entries of its own pair.
@@ -80,6 +83,7 @@ class Registry:
         self.segments: dict[int, SegmentEntry] = {}
         self.index: dict[tuple[str, str, str], tuple[int, int, int]] = {}
         self.engines: dict[int, EngineEntry] = {}
+        self.locks: dict[str, int] = {}  # lock name -> holding engine id
         self._ids = itertools.count(1)
         self.collisions = 0  # caught by engines' exact compares, over the registry's life
 
@@ -91,10 +95,12 @@ class Registry:
         return engine.id
 
     def drop_engine(self, engine_id: int) -> None:
-        """Forget an engine and release every segment it held (its connection closed)."""
+        """Forget an engine, release every segment and lock it held (its connection closed)."""
         engine = self.engines.pop(engine_id, None)
         if engine is None:
             return
+        for name in [n for n, holder in self.locks.items() if holder == engine_id]:
+            del self.locks[name]
         for seg_id in list(engine.segments):
             self._unhold(seg_id, engine_id)
 
@@ -137,6 +143,21 @@ class Registry:
         the hash collisions its exact compares caught, which `stats` totals)."""
         self.engines[engine_id].load = {k: v for k, v in load.items() if isinstance(v, (int, float))}
         self.collisions += int(load.get("collisions", 0))
+
+    # locks -------------------------------------------------------------------------------
+    def try_lock(self, engine_id: int, name: str) -> int | None:
+        """Take lock ``name`` for the engine if it is free (or already the engine's).
+
+        Returns:
+            None when granted, else the pid of the engine holding it.
+        """
+        holder = self.locks.setdefault(name, engine_id)
+        return None if holder == engine_id else self.engines[holder].pid
+
+    def unlock(self, engine_id: int, name: str) -> None:
+        """Give lock ``name`` back (a no-op unless the engine holds it)."""
+        if self.locks.get(name) == engine_id:
+            del self.locks[name]
 
     def fd_of(self, seg_id: int) -> int:
         return self.segments[seg_id].fd
@@ -188,18 +209,22 @@ class Registry:
         """Engines, segments and bytes per (device, share group).
 
         ``resident_bytes``: bytes of the published segments (stored once).
+        ``shared_bytes``: bytes of the segments that two or more engines map.
         ``mapped_bytes``: bytes the connected engines map, counted per engine.
         ``saved_bytes``: what the engines would hold without sharing minus what is resident,
         i.e. the bytes the engines mapped from others' segments.
         """
         groups: dict[tuple[str, str], dict] = defaultdict(
-            lambda: {"engines": 0, "segments": 0, "resident_bytes": 0, "mapped_bytes": 0, "saved_bytes": 0}
+            lambda: {"engines": 0, "segments": 0, "resident_bytes": 0, "shared_bytes": 0, "mapped_bytes": 0,
+                     "saved_bytes": 0}
         )
         for seg in self.segments.values():
             g = groups[(seg.device, seg.group)]
             g["segments"] += 1
             g["resident_bytes"] += seg.nbytes
             g["mapped_bytes"] += seg.nbytes * len(seg.holders)
+            if len(seg.holders) >= 2:
+                g["shared_bytes"] += seg.nbytes
         for engine in self.engines.values():
             g = groups[(engine.device, engine.group)]
             g["engines"] += 1
@@ -211,6 +236,7 @@ class Registry:
                  "segments": len(e.segments), "load": e.load}
                 for e in self.engines.values()
             ],
+            "locks": {name: self.engines[holder].pid for name, holder in self.locks.items()},
             "collisions": self.collisions,
             "keep_warm_s": self.keep_warm_s,
             "registry_pid": os.getpid(),

@@ -144,7 +144,7 @@ def _same_bytes(a, b) -> bool:
 
 
 def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tensor_bytes: int = 1 << 16,
-                verify: bool = True, fail: bool = False) -> ShareResult:
+                verify: bool = True, fail: bool = False, lock_timeout_s: float = 600.0) -> ShareResult:
     """Share ``model``'s tensors through the registry behind ``client`` (see the module docstring).
 
     Args:
@@ -154,12 +154,14 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
         min_tensor_bytes: smaller tensors stay private.
         verify: compare bytes before swapping a shared tensor in.
         fail: on a registry error, raise instead of leaving the rest private.
+        lock_timeout_s: how long to wait for the publish lock of the device and share group
+            (another engine is sharing); after that the tensors stay private.
 
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
     """
     start = time.perf_counter()
-    result = _share(model, client, device_type, min_tensor_bytes, verify, fail)
+    result = _share(model, client, device_type, min_tensor_bytes, verify, fail, lock_timeout_s)
     # Only now, with every local of _share gone, are all replaced private copies unreferenced.
     gc.collect()
     _malloc_trim()
@@ -172,7 +174,7 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
 
 
 def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int, verify: bool,
-           fail: bool) -> ShareResult:
+           fail: bool, lock_timeout_s: float) -> ShareResult:
     seg_cls = segment_class(device_type)
     slots, private_n, private_b = _collect(model, device_type, min_tensor_bytes)
     result = ShareResult(private_tensors=private_n, private_bytes=private_b)
@@ -208,37 +210,40 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
 
     pending = dict(by_key)
     try:
-        for hit, fd in client.acquire(list(pending)):
-            group = pending.pop(hit.key)
-            try:
-                seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_type)
-            except ValueError as e:  # not a sealed segment: never map it
-                logger.warning("vllm-dedup: resident copy of %s refused (%s); it stays private", hit.key, e)
-                client.release([hit.segment])
-                keep_private(group)
-                continue
-            differ = adopt(group, seg, hit.offset, published=False)
-            seg.close_fd()
-            if differ:
-                result.collisions += len(differ)
-                logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
-                               "(hash collision); they stay private", len(differ), hit.key)
-                if len(differ) == len(group):
+        # One engine at a time per (device, share group) looks up and publishes: engines that
+        # finish loading together would otherwise all miss and each publish its own copy.
+        with client.locked(f"publish:{device_type}:{client.group}", timeout_s=lock_timeout_s):
+            for hit, fd in client.acquire(list(pending)):
+                group = pending.pop(hit.key)
+                try:
+                    seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_type)
+                except ValueError as e:  # not a sealed segment: never map it
+                    logger.warning("vllm-dedup: resident copy of %s refused (%s); it stays private", hit.key, e)
                     client.release([hit.segment])
-                keep_private(differ)
-        for key, group in list(pending.items()):
-            seg = seg_cls.create(group[0].tensor, device_type)
-            try:
-                client.publish(seg.fileno(), seg.nbytes, [(key, 0, seg.nbytes)])
-            finally:
+                    keep_private(group)
+                    continue
+                differ = adopt(group, seg, hit.offset, published=False)
                 seg.close_fd()
-            del pending[key]
-            differ = adopt(group, seg, 0, published=True)  # same key in this model, other bytes
-            result.collisions += len(differ)
-            keep_private(differ)
-    except RegistryUnavailable as e:
+                if differ:
+                    result.collisions += len(differ)
+                    logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
+                                   "(hash collision); they stay private", len(differ), hit.key)
+                    if len(differ) == len(group):
+                        client.release([hit.segment])
+                    keep_private(differ)
+            for key, group in list(pending.items()):
+                seg = seg_cls.create(group[0].tensor, device_type)
+                try:
+                    client.publish(seg.fileno(), seg.nbytes, [(key, 0, seg.nbytes)])
+                finally:
+                    seg.close_fd()
+                del pending[key]
+                differ = adopt(group, seg, 0, published=True)  # same key in this model, other bytes
+                result.collisions += len(differ)
+                keep_private(differ)
+    except (RegistryUnavailable, TimeoutError) as e:
         if fail:
-            raise
+            raise RegistryUnavailable(str(e)) from None
         result.errors.append(str(e))
         logger.warning("vllm-dedup: registry failed mid-load (%s); the remaining tensors stay private", e)
         for group in pending.values():

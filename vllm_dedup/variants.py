@@ -137,3 +137,21 @@ def cached_variant(base: Path, kind: str) -> Path:
 
     out = default_cache_dir() / "variants" / f"{Path(base).name}-{kind}"
     return out if (out / "config.json").exists() else build_variant(base, kind, out)
+
+
+def smollm2_family(n: int = 3) -> dict[str, Path]:
+    """The demo's model family: SmolLM2-135M-Instruct and up to two of its variants
+    (``last-layers``, ``vocab-extended``), as model id -> folder, built once and cached.
+
+    Raises:
+        ValueError: ``n`` is not 1, 2 or 3.
+    """
+    from .sample_models import smollm2_hf
+
+    if not 1 <= n <= 3:
+        raise ValueError(f"the SmolLM2 family has 1 to 3 members, asked for {n}")
+    base = smollm2_hf()
+    family = {"smollm2": base}
+    for kind in ("last-layers", "vocab-extended")[: n - 1]:
+        family[f"smollm2-{kind}"] = cached_variant(base, kind)
+    return family

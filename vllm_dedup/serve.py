@@ -1,0 +1,175 @@
+"""Ray Serve deployments of several models that share weights on one device.
+
+A few lines deploy several fine-tunes of one model family behind one OpenAI-compatible route
+(Ray Serve LLM's ``build_openai_app``; the request's ``model`` field picks the deployment)::
+
+    import ray
+    from ray import serve
+    from vllm_dedup.serve import build_dedup_app
+
+    ray.init()
+    app = build_dedup_app({"base": "/models/base", "chat": "/models/chat-ft"},
+                          engine_kwargs={"max_model_len": 4096})
+    serve.run(app)
+
+What the helpers add to plain Ray Serve LLM configs:
+
+- engine arguments: ``load_format="dedup"`` and its ``model_loader_extra_config``
+  (`config.DedupConfig`), with ``registry_address`` set to the current Ray cluster, so every
+  replica's engine uses the cluster's registry actor;
+- the registry actor itself, created before any replica starts (`ensure_registry`), so that
+  replicas find it on their node's socket instead of each connecting to Ray to look for it;
+- resources: every replica's bundle is pinned to one node (Ray's ``node:<ip>`` resource), and on
+  GPUs takes ``1 / replicas_per_device`` of a GPU, so the replicas sit on one device;
+- the registry's environment (``VLLM_DEDUP_*`` variables of this process) in the replicas'
+  ``runtime_env``, so that they look for the registry where it is.
+
+Requires ``ray[serve]`` and ``pyarrow`` (what ``ray.serve.llm`` imports) and vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from .broker import DEFAULT_NAMESPACE, socket_path
+
+__all__ = ["build_dedup_app", "dedup_engine_kwargs", "dedup_llm_config", "ensure_registry"]
+
+
+def ensure_registry(namespace: str = DEFAULT_NAMESPACE) -> Path:
+    """Create this node's registry actor in the current Ray cluster (or find it); returns its
+    socket path.  Call after ``ray.init``.
+
+    Raises:
+        RuntimeError: Ray is not initialized in this process.
+        broker.RegistryUnavailable: the actor could not be created.
+    """
+    import ray
+
+    from .ray_actor import ensure_actor
+
+    if not ray.is_initialized():
+        raise RuntimeError("vllm_dedup.serve.ensure_registry needs a Ray connection: call ray.init() first")
+    return Path(ensure_actor(namespace, socket_path(namespace)))
+
+
+def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Mapping | None = None) -> dict:
+    """vLLM engine arguments (``AsyncEngineArgs`` fields) that load with the dedup loader.
+
+    Args:
+        engine_kwargs: the engine's other arguments (``max_model_len``, ``dtype``, ...).
+        loader_config: `config.DedupConfig` keys (``share_group``, ``min_tensor_bytes``, ...).
+            ``registry_address`` defaults to the Ray cluster this process is connected to.
+
+    Raises:
+        ValueError: an unknown loader config key (the message lists the valid ones).
+    """
+    from .config import DedupConfig
+
+    loader = dict(loader_config or {})
+    if "registry_address" not in loader:
+        address = _ray_address()
+        if address:
+            loader["registry_address"] = address
+    DedupConfig.from_extra_config(loader)  # fail here, in the driver, not in every replica
+    return {**dict(engine_kwargs or {}), "load_format": "dedup", "model_loader_extra_config": loader}
+
+
+def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: bool = True,
+                     engine_kwargs: Mapping | None = None, loader_config: Mapping | None = None,
+                     replicas_per_device: int = 1, device: str = "cpu", **llm_config):
+    """A ``ray.serve.llm.LLMConfig`` for one model, placed to share one device with others.
+
+    Args:
+        model_id: the name clients put in the request's ``model`` field.
+        model_source: a model folder or a Hugging Face id.
+        dedup: use the dedup loader (``False`` gives the same deployment with vLLM's default
+            loader, for comparison).
+        engine_kwargs: other vLLM engine arguments.
+        loader_config: `config.DedupConfig` keys.
+        replicas_per_device: how many engines share one GPU (each bundle takes that fraction
+            of a GPU; ``gpu_memory_utilization`` defaults to 0.9 divided among them).
+        device: ``"cpu"`` (vLLM's CPU backend) or ``"gpu"``.
+        llm_config: further ``LLMConfig`` fields (``deployment_config``, ``runtime_env``, ...).
+
+    Raises:
+        ValueError: bad ``device`` or ``replicas_per_device``, or an unknown loader config key.
+    """
+    from ray.serve.llm import LLMConfig
+
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+    if replicas_per_device < 1:
+        raise ValueError(f"replicas_per_device must be >= 1, got {replicas_per_device}")
+    kwargs = dict(engine_kwargs or {})
+    bundle = {"CPU": 1}
+    if device == "gpu":
+        bundle["GPU"] = 1 / replicas_per_device
+        kwargs.setdefault("gpu_memory_utilization", round(0.9 / replicas_per_device, 4))
+    if (node := _node_resource()) is not None:
+        bundle[node] = 0.001
+    if dedup:
+        kwargs = dedup_engine_kwargs(kwargs, loader_config)
+    runtime_env = dict(llm_config.pop("runtime_env", None) or {})
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DEDUP_")}
+    runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
+    return LLMConfig(
+        model_loading_config={"model_id": model_id, "model_source": str(model_source)},
+        engine_kwargs=kwargs,
+        accelerator_config={"kind": device},
+        placement_group_config={"bundles": [bundle]},
+        runtime_env=runtime_env,
+        **llm_config,
+    )
+
+
+def build_dedup_app(models: Mapping[str, str | os.PathLike], *, dedup: bool = True, device: str = "cpu",
+                    engine_kwargs: Mapping | None = None, loader_config: Mapping | None = None,
+                    namespace: str | None = None, **llm_config):
+    """One Ray Serve application: a deployment per model, one OpenAI-compatible route.
+
+    Connects to Ray (``ray.init()``) if this process is not connected yet and, with ``dedup``,
+    creates the registry actor before returning.
+
+    Args:
+        models: model id -> model folder or Hugging Face id.
+        dedup, device, engine_kwargs, loader_config, llm_config: see `dedup_llm_config`
+            (``replicas_per_device`` is the number of models).
+        namespace: the registry namespace (``loader_config["registry_namespace"]``).
+
+    Returns:
+        the application for ``serve.run``.
+    """
+    import ray
+    from ray.serve.llm import build_openai_app
+
+    if not ray.is_initialized():
+        ray.init()
+    loader = dict(loader_config or {})
+    if namespace is not None:
+        loader["registry_namespace"] = namespace
+    if dedup:
+        ensure_registry(loader.get("registry_namespace", DEFAULT_NAMESPACE))
+    configs = [
+        dedup_llm_config(model_id, source, dedup=dedup, engine_kwargs=engine_kwargs, loader_config=loader,
+                         replicas_per_device=len(models), device=device, **llm_config)
+        for model_id, source in models.items()
+    ]
+    return build_openai_app({"llm_configs": configs})
+
+
+def _ray_address() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+
+
+def _node_resource() -> str | None:
+    """Ray's built-in resource of the driver's node (``node:<ip>``), or None outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return f"node:{ray.util.get_node_ip_address()}"

@@ -27,26 +27,15 @@ import json
 import os
 import sys
 import time
-import urllib.request
 
 from vllm_dedup.broker import registry_stats, shutdown_registry
-from vllm_dedup.measure import free_port, serve_replica_pids, tree_pss_bytes
+from vllm_dedup.measure import free_port, openai_complete, serve_replica_pids, tree_pss_bytes
 from vllm_dedup.variants import smollm2_family
 
 PROMPT = "The capital of France is"
 MB = 1e6
 ENGINE_KWARGS = {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True, "seed": 0,
                  "kv_cache_memory_bytes": 32 << 20}  # the CPU backend wants the KV cache size given
-
-
-def complete(port: int, model: str, prompt: str = PROMPT, max_tokens: int = 16) -> dict:
-    """One greedy completion through the app's OpenAI route; returns the response JSON."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "logprobs": 1}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())
 
 
 def deploy(models: dict, dedup: bool, app_name: str, port: int):
@@ -72,7 +61,7 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
     try:
         answers = {}
         for model in models:
-            reply = complete(port, model)
+            reply = openai_complete(port, model, PROMPT, logprobs=1)
             choice = reply["choices"][0]
             # The logprob tells the models apart where the greedy text does not.
             answers[model] = {"answered_by": reply["model"], "text": choice["text"],

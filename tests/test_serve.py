@@ -20,7 +20,7 @@ import pytest
 
 from helpers import run_cli, wait_for
 from vllm_dedup.config import DedupConfig
-from vllm_dedup.measure import descendants, memfd_holders, serve_replica_pids
+from vllm_dedup.measure import descendants, memfd_holders, openai_complete, serve_replica_pids
 from vllm_dedup.scan import Report, scan_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +69,7 @@ def test_serve_example_smoke_shares_memory_and_every_model_answers(smollm2, regi
 
 # --- lifecycle on the tests' Ray cluster ----------------------------------------------------------
 def _complete(port: int, model: str) -> dict:
-    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 8,
-                       "temperature": 0, "logprobs": 1}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        reply = json.loads(resp.read())
+    reply = openai_complete(port, model, "The capital of France is", max_tokens=8, logprobs=1)
     choice = reply["choices"][0]
     return {"model": reply["model"], "text": choice["text"], "logprobs": choice["logprobs"]["token_logprobs"]}
 

@@ -366,7 +366,7 @@ class BrokerClient:
             raise RegistryUnavailable(f"cannot connect to the registry at {self.path}: {e}") from None
         self._lock = threading.Lock()
         self.engine_id: int | None = None
-        self.device = self.group = None  # as said in `hello`
+        self.group: str | None = None  # the share group said in `hello`
 
     def _call(self, obj: dict, fds: list[int] = ()) -> tuple[dict, list[int]]:
         with self._lock:
@@ -385,7 +385,7 @@ class BrokerClient:
 
     def hello(self, model: str, device: str, group: str) -> int:
         reply, _ = self._call({"op": "hello", "pid": os.getpid(), "model": model, "device": device, "group": group})
-        self.engine_id, self.device, self.group = reply["engine"], device, group
+        self.engine_id, self.group = reply["engine"], group
         return self.engine_id
 
     def acquire(self, keys: list[str]) -> list[tuple[Hit, int]]:

@@ -109,6 +109,22 @@ def serve_replica_pids(app: str, deployment: str) -> list[int]:
     return pids
 
 
+def openai_complete(port: int, model: str, prompt: str, max_tokens: int = 16, logprobs: int | None = None) -> dict:
+    """One greedy completion through an OpenAI-compatible ``/v1/completions`` route on
+    127.0.0.1:``port``; returns the response JSON.
+
+    Raises:
+        urllib.error.URLError: the server cannot be reached or answered an error status.
+    """
+    request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if logprobs is not None:
+        request["logprobs"] = logprobs
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(request).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
 def memfd_holders(prefix: str = "/memfd:vllm-dedup") -> list[int]:
     """One pid per open descriptor of a segment memfd (names starting ``prefix``), machine-wide."""
     pids = []
@@ -185,14 +201,7 @@ class ServeProcess:
 
     def complete(self, prompts: list[str] = PROMPTS, max_tokens: int = 16) -> list[str]:
         """Greedy completions through the OpenAI-compatible ``/v1/completions`` route."""
-        texts = []
-        for prompt in prompts:
-            body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body.encode(),
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as resp:
-                texts.append(json.loads(resp.read())["choices"][0]["text"])
-        return texts
+        return [openai_complete(self.port, self.model, p, max_tokens)["choices"][0]["text"] for p in prompts]
 
     def pss(self) -> int:
         """PSS of the server's process tree, in bytes."""

@@ -3,11 +3,11 @@
     python tests/segment_peer.py SOCKET publish KEY NBYTES [GROUP]
     python tests/segment_peer.py SOCKET map KEY [GROUP]
     python tests/segment_peer.py SOCKET write KEY [GROUP]
-    python tests/segment_peer.py SOCKET lock NAME
+    python tests/segment_peer.py SOCKET lock NAME[,NAME...] [OWNER [DEVICE]]
 
 ``publish`` fills a tensor of NBYTES with a pattern derived from KEY and publishes it;
 ``map`` maps the resident copy and prints its XXH3-128 digest; ``write`` maps it and then
-writes into the mapping (which must fault); ``lock`` takes the registry lock NAME.  Each prints one ``OK {...}`` line, then holds its
+writes into the mapping (which must fault); ``lock`` takes the registry locks NAMEs (all or none, for OWNER).  Each prints one ``OK {...}`` line, then holds its
 lease until stdin closes.
 """
 
@@ -33,8 +33,9 @@ def main() -> None:
     sock, mode, key = sys.argv[1], sys.argv[2], sys.argv[3]
     client = BrokerClient(sock)
     if mode == "lock":
-        client.hello("peer", "cpu", "default")
-        with client.locked(key):
+        owner = sys.argv[4] if len(sys.argv) > 4 else None
+        client.hello("peer", sys.argv[5] if len(sys.argv) > 5 else "cpu", "default")
+        with client.locked(key.split(","), owner=owner):
             print("OK " + json.dumps({"locked": key}), flush=True)
             sys.stdin.read()
         return

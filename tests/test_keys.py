@@ -79,3 +79,74 @@ def test_parallel_keys_equal_sequential_keys_in_order():
     assert parallel == content_keys(loaders, threads=1)
     assert parallel == [key_of(t) for t in tensors]
     assert sorted(done) == list(range(len(tensors)))
+
+
+# Device-side fingerprints: the same function runs on a GPU; here it runs on CPU tensors.
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from vllm_dedup.keys import device_fingerprints, same_bytes  # noqa: E402
+
+
+def _weight(rows=300, cols=1000, seed=0, dtype=torch.bfloat16):
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 6, 4096, 4 * 1024 + 2, 4 * 1024 * 7 + 4, 1 << 20])
+def test_fingerprint_of_equal_bytes_is_equal_and_one_changed_byte_changes_it(nbytes):
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    copy = data.clone()
+    changed = data.clone()
+    changed[nbytes // 2] ^= 1
+    a, b, c = device_fingerprints([data, copy, changed])
+    assert len(a) == 16 and a == b and a != c
+
+
+def test_fingerprint_sees_moved_rows_columns_and_words():
+    w = _weight()
+    moved = {
+        "rows swapped": w[[1, 0, *range(2, w.shape[0])]],
+        "columns swapped": w[:, [1, 0, *range(2, w.shape[1])]],
+        "transposed bytes": w.t().contiguous().view(w.shape),
+        "words swapped in a row": torch.cat([w.view(-1)[2:4], w.view(-1)[0:2], w.view(-1)[4:]]).view(w.shape),
+    }
+    base = device_fingerprints([w])[0]
+    for name, t in moved.items():
+        assert not torch.equal(t, w), name
+        assert device_fingerprints([t.contiguous()])[0] != base, name
+
+
+def test_fingerprint_does_not_depend_on_dtype_view_or_process():
+    w = _weight(seed=3)
+    assert device_fingerprints([w])[0] == device_fingerprints([w.view(torch.int16)])[0]
+    code = ("import torch; from vllm_dedup.keys import device_fingerprints; "
+            "w = torch.randn(300, 1000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16); "
+            "print(device_fingerprints([w])[0].hex())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == device_fingerprints([w])[0].hex()
+
+
+def test_fingerprints_of_fine_tuned_weights_do_not_collide():
+    base = [_weight(seed=s) for s in range(20)]
+    tuned = [w + 0.01 * _weight(seed=100 + i) for i, w in enumerate(base)]
+    prints = device_fingerprints(base + tuned)
+    assert len(set(prints)) == 40
+
+
+def test_fingerprints_refuse_non_contiguous_tensors():
+    with pytest.raises(ValueError, match="contiguous"):
+        device_fingerprints([_weight().t()])
+
+
+def test_same_bytes_compares_bits_not_values():
+    w = _weight()
+    assert same_bytes(w, w.clone()) and same_bytes(w, w.view(torch.int16))
+    changed = w.clone()
+    changed.view(-1)[-1] = -changed.view(-1)[-1]
+    assert not same_bytes(w, changed)
+    assert not same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal values, other bits
+    nan = torch.tensor([float("nan")])
+    assert same_bytes(nan, nan.clone())  # unequal values, same bits
+    assert not same_bytes(w, w[:10].contiguous())

@@ -16,13 +16,15 @@ references (`Registry.drop_engine`).
 Requests (``op`` and arguments) and replies:
 
 ====================  ===================================================================
-``hello``             pid, model, device, group -> engine id (the connection becomes a lease)
+``hello``             pid, model, device, group, signature -> engine id (the connection becomes
+                      a lease)
 ``acquire``           keys -> hits ``[key, segment, offset, bytes]``; one fd per hit segment
 ``publish``           bytes, keys ``[[key, offset, bytes]]`` + 1 fd -> segment id
 ``release``           segments -> {}
 ``report``            load (the engine's `share.ShareResult` numbers) -> {}
-``lock``              name -> granted (bool), holder_pid (the holder's, when not granted)
-``unlock``            name -> {}
+``lock``              names, owner -> granted (bool; all or none), holder_pid (when not granted)
+``unlock``            names -> {}
+``expect``            -> bytes (`Registry.expected_shared_bytes` for this engine)
 ``stats``             -> `Registry.stats`
 ``shutdown``          stop the server if no engine is connected (``force`` stops it anyway)
 ====================  ===================================================================
@@ -310,7 +312,8 @@ class BrokerServer:
             if engine is not None:
                 raise ValueError("hello sent twice")
             self._connections[conn] = reg.add_engine(
-                int(msg["pid"]), _peer_uid(conn), str(msg["model"]), str(msg["device"]), str(msg["group"])
+                int(msg["pid"]), _peer_uid(conn), str(msg["model"]), str(msg["device"]), str(msg["group"]),
+                str(msg.get("signature") or ""),
             )
             return {"engine": self._connections[conn]}, []
         if engine is None:
@@ -333,11 +336,14 @@ class BrokerServer:
             reg.report(engine, dict(msg["load"]))
             return {}, []
         if op == "lock":
-            holder = reg.try_lock(engine, str(msg["name"]))
+            holder = reg.try_lock(engine, [str(n) for n in msg["names"]], msg.get("owner"))
             return {"granted": holder is None, "holder_pid": holder}, []
         if op == "unlock":
-            reg.unlock(engine, str(msg["name"]))
+            reg.unlock(engine, [str(n) for n in msg["names"]])
             return {}, []
+        if op == "expect":
+            e = reg.engines[engine]
+            return {"bytes": reg.expected_shared_bytes(e.device, e.group, e.signature)}, []
         raise ValueError(f"unknown op {op!r}")
 
 
@@ -383,10 +389,19 @@ class BrokerClient:
             raise RegistryUnavailable(f"registry at {self.path}: {reply['error']}")
         return reply, got
 
-    def hello(self, model: str, device: str, group: str) -> int:
-        reply, _ = self._call({"op": "hello", "pid": os.getpid(), "model": model, "device": device, "group": group})
+    def hello(self, model: str, device: str, group: str, signature: str = "") -> int:
+        """Make this connection an engine's lease.  ``device`` is a device key
+        (`Segment.device_key`); ``signature`` names what decides the engine's tensors' bytes
+        (default: ``model``), for `expected_shared_bytes`."""
+        reply, _ = self._call({"op": "hello", "pid": os.getpid(), "model": model, "device": device, "group": group,
+                               "signature": signature})
         self.engine_id, self.group = reply["engine"], group
         return self.engine_id
+
+    def expected_shared_bytes(self) -> int:
+        """Bytes of this engine's tensors predicted to be resident already (bytes; 0 when no
+        engine with its signature has reported; `Registry.expected_shared_bytes`)."""
+        return int(self._call({"op": "expect"})[0]["bytes"])
 
     def acquire(self, keys: list[str]) -> list[tuple[Hit, int]]:
         """Look up ``keys``; returns each hit with a descriptor of its segment (the caller owns
@@ -415,35 +430,50 @@ class BrokerClient:
     def stats(self) -> dict:
         return self._call({"op": "stats"})[0]
 
-    @contextlib.contextmanager
-    def locked(self, name: str, timeout_s: float = 600.0, poll_s: float = 0.05):
-        """Hold the registry lock ``name`` for the ``with`` block (needs `hello` first).
+    def lock(self, names: str | list[str], owner: str | None = None, timeout_s: float = 600.0,
+             poll_s: float = 0.05) -> None:
+        """Take registry locks ``names``, all or none (`Registry.try_lock`; needs `hello` first).
 
-        Waiting polls (``poll_s``) rather than blocking in the broker, so a waiter never
-        stalls other requests and a timed-out waiter leaves no reply behind.  A lock whose
-        holder dies is free at once: it goes with the holder's connection.
+        Waiting polls (``poll_s``) rather than blocking in the broker, so a waiter never stalls
+        other requests and a timed-out waiter leaves no reply behind.  A lock whose holder dies
+        is free at once: it goes with the holder's connection.
+
+        Args:
+            names: one lock name or several.
+            owner: connections passing the same owner share the locks (TP ranks of one engine).
+            timeout_s: give up after this many seconds.
 
         Raises:
-            TimeoutError: still held by another engine after ``timeout_s`` seconds (the message
-                names its pid).
+            TimeoutError: still held by another engine after ``timeout_s`` (the message names its pid).
             RegistryUnavailable: as every method.
         """
+        names = [names] if isinstance(names, str) else list(names)
         deadline = time.monotonic() + timeout_s
         while True:
-            reply, _ = self._call({"op": "lock", "name": name})
+            reply, _ = self._call({"op": "lock", "names": names, "owner": owner})
             if reply["granted"]:
-                break
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"registry lock {name!r} still held by engine pid {reply['holder_pid']} "
-                                   f"after {timeout_s:.0f} s")
+                raise TimeoutError(f"registry lock(s) {', '.join(names)} still held by engine pid "
+                                   f"{reply['holder_pid']} after {timeout_s:.0f} s")
             time.sleep(poll_s)
+
+    def unlock(self, names: str | list[str]) -> None:
+        """Give locks back; a broker that is gone took them with it (no error then)."""
+        try:
+            self._call({"op": "unlock", "names": [names] if isinstance(names, str) else list(names)})
+        except RegistryUnavailable:
+            pass
+
+    @contextlib.contextmanager
+    def locked(self, names: str | list[str], owner: str | None = None, timeout_s: float = 600.0,
+               poll_s: float = 0.05):
+        """Hold registry locks for the ``with`` block (see `lock`, whose errors it raises)."""
+        self.lock(names, owner, timeout_s, poll_s)
         try:
             yield
         finally:
-            try:
-                self._call({"op": "unlock", "name": name})
-            except RegistryUnavailable:
-                pass  # the broker is gone, and the lock with it
+            self.unlock(names)
 
     def shutdown(self, force: bool = False) -> None:
         self._call({"op": "shutdown", "force": force})

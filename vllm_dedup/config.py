@@ -36,6 +36,12 @@ class DedupConfig:
         registry_address: ``None`` (find or start one: see `ray_actor.connect_registry`),
             ``"local"`` (standalone daemon, no Ray), or a Ray address.
         registry_namespace: the registry's Ray namespace and socket name.
+        accounting: where the memory saved on a GPU goes (`accounting.py`): ``kv_cache`` (a
+            bigger KV cache) or ``external`` (the KV cache of a plain load; the engine's
+            footprint shrinks instead, leaving room for more engines).
+        startup_lock_timeout_s: seconds to wait for the GPU's start-up lock (another engine
+            is profiling its memory) before starting without it (or failing, with
+            ``on_registry_error="fail"``).
     """
 
     inner_load_format: str = "auto"
@@ -48,6 +54,8 @@ class DedupConfig:
     cpu_share_linear: bool = True
     registry_address: str | None = None
     registry_namespace: str = "vllm-dedup"
+    accounting: str = "kv_cache"
+    startup_lock_timeout_s: float = 900.0
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> DedupConfig:
@@ -94,6 +102,9 @@ class DedupConfig:
              "null, 'local' or a Ray address"),
             ("registry_namespace", isinstance(c.registry_namespace, str) and c.registry_namespace != "",
              "a non-empty string"),
+            ("accounting", c.accounting in ("kv_cache", "external"), "'kv_cache' or 'external'"),
+            ("startup_lock_timeout_s", isinstance(c.startup_lock_timeout_s, (int, float))
+             and c.startup_lock_timeout_s > 0, "a number > 0 (seconds)"),
         ]
         for name, ok, expected in checks:
             if not ok:

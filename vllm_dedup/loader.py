@@ -10,6 +10,10 @@ swaps every tensor whose content is already resident in another engine for that 
 and publishes the rest.  The registry is reached before loading starts, so
 ``on_registry_error="fail"`` stops a misconfigured engine at once.
 
+On a GPU, vLLM's ``get_external_weight_memory`` call (just before its memory snapshot) is where
+the engine takes its device's start-up lock and, with ``accounting="external"``, reports the
+bytes it expects to map (`accounting.py`).
+
 On vLLM's CPU backend, ``cpu_share_linear`` (default on) marks linear layers with vLLM's own
 ``_cpu_skip_gemm_dispatch`` before post-processing, so their weights stay plain tensors
 (``F.linear``) that can be shared instead of being repacked into oneDNN-owned memory.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
@@ -26,6 +31,7 @@ from vllm.config.utils import replace
 from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from . import accounting
 from .broker import RegistryUnavailable
 from .config import DedupConfig
 
@@ -69,7 +75,15 @@ class DedupModelLoader(BaseModelLoader):
         self.inner.load_weights(model, model_config)
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
-        return self.inner.get_external_weight_memory(vllm_config)
+        """The inner loader's external bytes plus, with ``accounting="external"`` on a GPU, the
+        bytes predicted to be mapped from other engines.  Takes the GPU's start-up lock.
+
+        Raises:
+            RuntimeError: registry or lock trouble with ``on_registry_error="fail"``.
+        """
+        connect = lambda device, signature: self._connect(vllm_config.model_config, device, signature)  # noqa: E731
+        return self.inner.get_external_weight_memory(vllm_config) + accounting.begin_startup(
+            self.config, vllm_config, connect)
 
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         model = self.inner.create_model(vllm_config, model_config, prefix)
@@ -95,9 +109,8 @@ class DedupModelLoader(BaseModelLoader):
         Raises:
             RuntimeError: the registry cannot be reached and ``on_registry_error`` is ``fail``.
         """
-        device = vllm_config.load_config.device or vllm_config.device_config.device
-        device_type = str(device).split(":")[0]
-        client = self._connect(model_config, device_type)
+        device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
+        client, device_type, device_key = self._client_for(vllm_config, model_config, device)
         if type(self.inner).load_model is BaseModelLoader.load_model:
             model = super().load_model(vllm_config, model_config, prefix)
         else:  # the inner loader has its own pipeline: use it unchanged
@@ -109,27 +122,48 @@ class DedupModelLoader(BaseModelLoader):
         try:
             self.result = share_model(
                 model, client, device_type, self.config.min_tensor_bytes, self.config.verify,
-                fail=self.config.on_registry_error == "fail",
+                fail=self.config.on_registry_error == "fail", device_key=device_key,
             )
         except RegistryUnavailable as e:
             raise RuntimeError(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
         _LEASES.append(client)
         # The attribute upstream vLLM's hook reads (patches/0001-...): weights in segments.
         model.shared_weight_bytes = self.result.shared_bytes + self.result.published_bytes
+        accounting.check_prediction(self.result.shared_bytes)
         logger.info("vllm-dedup: %s: %s", model_config.model, self.result.summary())
         return model
 
-    def _connect(self, model_config: ModelConfig, device_type: str):
+    def _client_for(self, vllm_config: VllmConfig, model_config: ModelConfig, device):
+        """(registry connection or None, device type, device key) for loading onto ``device``."""
+        from .segments import segment_class
+
+        device_type = device.type
+        try:
+            if device_type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            device_key = segment_class(device_type).device_key(device)
+        except (NotImplementedError, RuntimeError) as e:  # no backend, no driver, no cuda-bindings
+            if self.config.on_registry_error == "fail":
+                raise RuntimeError(f"vllm-dedup: cannot share weights on {device}: {e}") from None
+            logger.warning("vllm-dedup: cannot share weights on %s (%s); loading privately", device, e)
+            return None, device_type, None
+        signature = accounting.load_signature(vllm_config)
+        client = accounting.session_client(device_key, signature) or self._connect(model_config, device_key, signature)
+        return client, device_type, device_key
+
+    def _connect(self, model_config: ModelConfig, device_key: str, signature: str):
+        """A registry connection that has said hello for this engine, or None (fallback).
+
+        Raises:
+            RuntimeError: the registry cannot be reached and ``on_registry_error`` is ``fail``.
+        """
         from .ray_actor import connect_registry
 
-        if device_type != "cpu":
-            logger.warning("vllm-dedup: no segment backend for %s yet; loading privately", device_type)
-            return None
         try:
             client = connect_registry(
                 self.config.registry_namespace, self.config.registry_address, self.config.keep_warm_s
             )
-            client.hello(str(model_config.model), device_type, self.config.share_group)
+            client.hello(str(model_config.model), device_key, self.config.share_group, signature)
             return client
         except RegistryUnavailable as e:
             if self.config.on_registry_error == "fail":

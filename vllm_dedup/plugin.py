@@ -11,10 +11,11 @@ LOAD_FORMAT = "dedup"
 
 
 def register() -> None:
-    """Register `DedupModelLoader` as load format ``dedup`` and install the guards.  Idempotent."""
+    """Register `DedupModelLoader` as load format ``dedup``, install the guards and the GPU
+    start-up lock's release hook (`accounting.install`).  Idempotent."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
-    from . import guards
+    from . import accounting, guards
     from .loader import DedupModelLoader
 
     # register_model_loader warns when a format is registered twice; plugins may load more
@@ -22,3 +23,4 @@ def register() -> None:
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not DedupModelLoader:
         register_model_loader(LOAD_FORMAT)(DedupModelLoader)
     guards.install()
+    accounting.install()

@@ -8,9 +8,16 @@ directly.  Everything lives in one place, `Registry`:
   content keys it holds, the engines holding it);
 - index: (device, share group, content key) -> (segment id, offset, bytes);
 - engines: id -> `EngineEntry` (pid, uid, model, device, share group, segments held);
-- locks: name -> the engine holding it (e.g. one publish lock per device and share group, so
-  that engines loading at the same moment map each other's tensors instead of each publishing
-  its own copy).
+- locks: name -> `LockEntry` (an owner and the engines holding it for that owner).  One publish
+  lock per device and share group makes engines loading at the same moment map each other's
+  tensors instead of each publishing its own copy.  One start-up lock per device
+  (`startup_lock_name`) serialises engines' memory profiling on a GPU; while it is held, no
+  segment of that device is freed (a free would make the starting engine's profile see memory
+  appear that it did not release).  Engines that are the TP ranks of one vLLM instance pass one
+  owner and so share a lock instead of waiting for each other;
+- models: (share group, load signature) -> the keys and sizes its last engine mapped or
+  published, so that the next engine with that signature can be told before it loads how many
+  of its bytes are already resident (`expected_shared_bytes`, for vLLM's memory accounting).
 
 An engine's references and locks live exactly as long as its connection (its lease):
 `drop_engine` runs when the connection closes, however the engine ended.  A segment nobody holds is freed at once,
@@ -27,7 +34,14 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["Registry", "SegmentEntry", "EngineEntry", "Hit"]
+__all__ = ["Registry", "SegmentEntry", "EngineEntry", "Hit", "LockEntry", "startup_lock_name"]
+
+STARTUP_LOCK_PREFIX = "startup:"
+
+
+def startup_lock_name(device: str) -> str:
+    """The start-up lock of a device key (``"startup:cuda:GPU-..."``)."""
+    return STARTUP_LOCK_PREFIX + device
 
 
 @dataclass
@@ -42,6 +56,7 @@ class SegmentEntry:
     keys: list[tuple[str, int, int]]  # (content key, offset, bytes) of each tensor it holds
     holders: set[int] = field(default_factory=set)
     idle_since: float | None = None
+    deferred: bool = False  # unheld, kept because its device's start-up lock is held
 
 
 @dataclass
@@ -54,8 +69,18 @@ class EngineEntry:
     model: str
     device: str
     group: str
+    signature: str = ""  # what determines its tensors' bytes (model, dtype, TP rank, ...)
     segments: set[int] = field(default_factory=set)
+    keys: dict[str, int] = field(default_factory=dict)  # content key -> bytes, mapped or published
     load: dict = field(default_factory=dict)  # its `share.ShareResult`, as reported
+
+
+@dataclass
+class LockEntry:
+    """A held lock: its owner and the engines holding it on the owner's behalf."""
+
+    owner: str
+    holders: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -83,14 +108,16 @@ class Registry:
         self.segments: dict[int, SegmentEntry] = {}
         self.index: dict[tuple[str, str, str], tuple[int, int, int]] = {}
         self.engines: dict[int, EngineEntry] = {}
-        self.locks: dict[str, int] = {}  # lock name -> holding engine id
+        self.locks: dict[str, LockEntry] = {}
+        self.models: dict[tuple[str, str], dict[str, int]] = {}  # (group, signature) -> {key: bytes}
         self._ids = itertools.count(1)
         self.collisions = 0  # caught by engines' exact compares, over the registry's life
 
     # engines ---------------------------------------------------------------------------
-    def add_engine(self, pid: int, uid: int, model: str, device: str, group: str) -> int:
-        """Register a connected engine; returns its id."""
-        engine = EngineEntry(next(self._ids), pid, uid, model, device, group)
+    def add_engine(self, pid: int, uid: int, model: str, device: str, group: str, signature: str = "") -> int:
+        """Register a connected engine; returns its id.  ``signature`` names what decides its
+        tensors' bytes (default: the model)."""
+        engine = EngineEntry(next(self._ids), pid, uid, model, device, group, signature or model)
         self.engines[engine.id] = engine
         return engine.id
 
@@ -99,10 +126,9 @@ class Registry:
         engine = self.engines.pop(engine_id, None)
         if engine is None:
             return
-        for name in [n for n, holder in self.locks.items() if holder == engine_id]:
-            del self.locks[name]
         for seg_id in list(engine.segments):
             self._unhold(seg_id, engine_id)
+        self.unlock(engine_id, [n for n, lock in self.locks.items() if engine_id in lock.holders])
 
     # lookups and publishing ------------------------------------------------------------
     def acquire(self, engine_id: int, keys: list[str]) -> list[Hit]:
@@ -118,6 +144,7 @@ class Registry:
                 continue
             seg_id, offset, nbytes = found
             self._hold(seg_id, engine_id)
+            engine.keys[key] = nbytes
             hits.append(Hit(key, seg_id, offset, nbytes))
         return hits
 
@@ -130,34 +157,71 @@ class Registry:
         self.segments[seg.id] = seg
         for key, offset, size in keys:
             self.index.setdefault((engine.device, engine.group, key), (seg.id, offset, size))
+            engine.keys[key] = size
         self._hold(seg.id, engine_id)
         return seg.id
 
     def release(self, engine_id: int, seg_ids: list[int]) -> None:
         """The engine no longer maps these segments (e.g. its exact compare failed)."""
+        engine = self.engines[engine_id]
         for seg_id in seg_ids:
+            seg = self.segments.get(seg_id)
+            for key, _, _ in seg.keys if seg else ():
+                engine.keys.pop(key, None)
             self._unhold(seg_id, engine_id)
 
     def report(self, engine_id: int, load: dict) -> None:
         """Record an engine's load outcome (tensors and bytes shared, published, private, and
         the hash collisions its exact compares caught, which `stats` totals)."""
-        self.engines[engine_id].load = {k: v for k, v in load.items() if isinstance(v, (int, float))}
+        engine = self.engines[engine_id]
+        engine.load = {k: v for k, v in load.items() if isinstance(v, (int, float))}
         self.collisions += int(load.get("collisions", 0))
+        self.models[(engine.group, engine.signature)] = dict(engine.keys)
+
+    def expected_shared_bytes(self, device: str, group: str, signature: str) -> int:
+        """Bytes an engine with this load signature will map from resident segments of
+        ``device``, predicted from the last engine with that signature (0 if none reported).
+
+        Exact when the same signature loaded before and nothing it used has been freed since;
+        an engine of a new signature is predicted 0 (it will map what it finds anyway).
+        """
+        known = self.models.get((group, signature), {})
+        return sum(n for key, n in known.items() if (device, group, key) in self.index)
 
     # locks -------------------------------------------------------------------------------
-    def try_lock(self, engine_id: int, name: str) -> int | None:
-        """Take lock ``name`` for the engine if it is free (or already the engine's).
+    def try_lock(self, engine_id: int, names: str | list[str], owner: str | None = None) -> int | None:
+        """Take every lock of ``names`` for the engine, or none of them.
+
+        All-or-nothing, so two engines each needing several locks (the TP ranks of two
+        instances, each rank taking every device's start-up lock) cannot each hold a part and
+        wait for the other.  A lock held for the same ``owner`` is shared (default owner: the
+        engine alone).
 
         Returns:
-            None when granted, else the pid of the engine holding it.
+            None when granted, else the pid of an engine holding one of them for another owner.
         """
-        holder = self.locks.setdefault(name, engine_id)
-        return None if holder == engine_id else self.engines[holder].pid
+        names = [names] if isinstance(names, str) else list(names)
+        owner = owner or f"engine:{engine_id}"
+        for name in names:
+            lock = self.locks.get(name)
+            if lock is not None and lock.owner != owner:
+                return self.engines[min(lock.holders)].pid
+        for name in names:
+            self.locks.setdefault(name, LockEntry(owner)).holders.add(engine_id)
+        return None
 
-    def unlock(self, engine_id: int, name: str) -> None:
-        """Give lock ``name`` back (a no-op unless the engine holds it)."""
-        if self.locks.get(name) == engine_id:
-            del self.locks[name]
+    def unlock(self, engine_id: int, names: str | list[str]) -> None:
+        """Give locks back (a no-op for those the engine does not hold).  When a device's
+        start-up lock is free again, the segments whose free it deferred are freed."""
+        for name in [names] if isinstance(names, str) else names:
+            lock = self.locks.get(name)
+            if lock is None or engine_id not in lock.holders:
+                continue
+            lock.holders.discard(engine_id)
+            if not lock.holders:
+                del self.locks[name]
+                if name.startswith(STARTUP_LOCK_PREFIX):
+                    self._free_deferred(name.removeprefix(STARTUP_LOCK_PREFIX))
 
     def fd_of(self, seg_id: int) -> int:
         return self.segments[seg_id].fd
@@ -167,6 +231,7 @@ class Registry:
         seg = self.segments[seg_id]
         seg.holders.add(engine_id)
         seg.idle_since = None
+        seg.deferred = False
         self.engines[engine_id].segments.add(seg_id)
 
     def _unhold(self, seg_id: int, engine_id: int) -> None:
@@ -179,14 +244,20 @@ class Registry:
         if not seg.holders:
             if self.keep_warm_s > 0:
                 seg.idle_since = time.monotonic()
+            elif startup_lock_name(seg.device) in self.locks:
+                seg.deferred = True
             else:
                 self._free(seg)
+
+    def _free_deferred(self, device: str) -> None:
+        for seg in [s for s in self.segments.values() if s.device == device and s.deferred and not s.holders]:
+            self._free(seg)
 
     def expire(self, now: float | None = None) -> int:
         """Free unheld segments whose keep-warm time is over; returns how many."""
         now = time.monotonic() if now is None else now
         due = [s for s in self.segments.values() if not s.holders and s.idle_since is not None
-               and now - s.idle_since >= self.keep_warm_s]
+               and now - s.idle_since >= self.keep_warm_s and startup_lock_name(s.device) not in self.locks]
         for seg in due:
             self._free(seg)
         return len(due)
@@ -216,12 +287,13 @@ class Registry:
         """
         groups: dict[tuple[str, str], dict] = defaultdict(
             lambda: {"engines": 0, "segments": 0, "resident_bytes": 0, "shared_bytes": 0, "mapped_bytes": 0,
-                     "saved_bytes": 0}
+                     "saved_bytes": 0, "deferred_segments": 0}
         )
         for seg in self.segments.values():
             g = groups[(seg.device, seg.group)]
             g["segments"] += 1
             g["resident_bytes"] += seg.nbytes
+            g["deferred_segments"] += seg.deferred
             g["mapped_bytes"] += seg.nbytes * len(seg.holders)
             if len(seg.holders) >= 2:
                 g["shared_bytes"] += seg.nbytes
@@ -236,7 +308,7 @@ class Registry:
                  "segments": len(e.segments), "load": e.load}
                 for e in self.engines.values()
             ],
-            "locks": {name: self.engines[holder].pid for name, holder in self.locks.items()},
+            "locks": {name: self.engines[min(lock.holders)].pid for name, lock in self.locks.items()},
             "collisions": self.collisions,
             "keep_warm_s": self.keep_warm_s,
             "registry_pid": os.getpid(),

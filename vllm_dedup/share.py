@@ -4,12 +4,16 @@ This runs once per engine, after vLLM's ``process_weights_after_loading``, so th
 are exactly those the kernels use.  For every parameter and buffer storage of at least
 ``min_tensor_bytes`` bytes:
 
-1. compute its content key (`keys.py`), in parallel threads;
+1. compute its content key (`keys.py`): XXH3-128 in parallel threads on the host, a device-side
+   fingerprint on a GPU (no weight is copied to the host);
 2. ask the registry for the keys (one round trip per 250 keys);
 3. hit: map the segment read-only, compare the bytes exactly, swap the shared tensor in, drop the
    private copy; a failed compare (a hash collision) releases the segment and keeps the tensor
    private: different bytes are never swapped in;
 4. miss: copy the tensor into a new segment, publish it, swap to the segment-backed tensor.
+   Where segments come in a coarse granularity (CUDA: 2 MiB), the misses are packed first
+   (`packing.py`): several small tensors share one segment, and tensors whose pack would be
+   mostly padding stay private.  The padding is reported.
 
 Swapping keeps every ``nn.Parameter`` object (its class, its attributes such as
 ``weight_loader``, and every module that refers to it, so tied weights stay tied): only
@@ -17,7 +21,10 @@ Swapping keeps every ``nn.Parameter`` object (its class, its attributes such as
 is only a view into a larger storage stays private: swapping it would free nothing.
 
 Freed private copies go back to the operating system (``malloc_trim``): glibc otherwise keeps
-large freed blocks in its heap and the process's memory would not shrink.
+large freed blocks in its heap and the process's memory would not shrink.  On a GPU they go back
+to the driver (``torch.cuda.empty_cache``) every gigabyte or so while publishing: torch's
+caching allocator would otherwise hold every private copy until the end, and the load would
+briefly need twice the model's memory.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .broker import BrokerClient, RegistryUnavailable
-from .keys import ContentKey, content_keys, tensor_key
+from .keys import ContentKey, content_keys, device_fingerprints, fingerprint_key, same_bytes, tensor_key
+from .packing import plan_packs
 from .segments import segment_class
 
 __all__ = ["ShareResult", "share_model", "shared_bytes_in_process"]
@@ -63,6 +71,7 @@ class ShareResult:
     private_tensors: int = 0
     private_bytes: int = 0
     collisions: int = 0
+    padding_bytes: int = 0  # bytes of the segments this engine created that hold no tensor
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -72,7 +81,7 @@ class ShareResult:
             f"{self.shared_tensors} tensors / {self.shared_bytes / mb:.1f} MB shared, "
             f"{self.published_tensors} / {self.published_bytes / mb:.1f} MB published, "
             f"{self.private_tensors} / {self.private_bytes / mb:.1f} MB private, "
-            f"{self.collisions} collisions, {self.seconds:.2f} s"
+            f"{self.collisions} collisions, {self.padding_bytes / mb:.1f} MB padding, {self.seconds:.2f} s"
         )
 
 
@@ -130,21 +139,20 @@ def _swap(slot: _Slot, new) -> None:
             module._buffers[name] = new
 
 
-def _key(t) -> str:
-    key = tensor_key(t)
+def _keys(tensors, device_type: str) -> list[str]:
+    """Content keys: XXH3-128 of host bytes on the CPU, device fingerprints elsewhere."""
+    if device_type == "cpu":
+        keys = content_keys([lambda t=t: tensor_key(t) for t in tensors])
+    else:
+        keys = [fingerprint_key(t, d) for t, d in zip(tensors, device_fingerprints(tensors))]
     if os.environ.get(FORCE_COLLISIONS_ENV):
-        key = ContentKey(bytes(16), key.dtype, key.shape, key.stride)
-    return str(key)
-
-
-def _same_bytes(a, b) -> bool:
-    import torch
-
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        keys = [ContentKey(bytes(16), k.dtype, k.shape, k.stride) for k in keys]
+    return [str(k) for k in keys]
 
 
 def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tensor_bytes: int = 1 << 16,
-                verify: bool = True, fail: bool = False, lock_timeout_s: float = 600.0) -> ShareResult:
+                verify: bool = True, fail: bool = False, lock_timeout_s: float = 600.0,
+                device_key: str = "cpu", pack_granularity: int | None = None) -> ShareResult:
     """Share ``model``'s tensors through the registry behind ``client`` (see the module docstring).
 
     Args:
@@ -156,15 +164,21 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
         fail: on a registry error, raise instead of leaving the rest private.
         lock_timeout_s: how long to wait for the publish lock of the device and share group
             (another engine is sharing); after that the tensors stay private.
+        device_key: the registry's name of the device (`Segment.device_key`), as said in the
+            client's ``hello``.
+        pack_granularity: pack new segments to this granularity (bytes, a power of two);
+            default: the backend's (`Segment.granularity`; none on the host).
 
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
     """
     start = time.perf_counter()
-    result = _share(model, client, device_type, min_tensor_bytes, verify, fail, lock_timeout_s)
+    result = _share(model, client, device_type, min_tensor_bytes, verify, fail, lock_timeout_s, device_key,
+                    pack_granularity)
     # Only now, with every local of _share gone, are all replaced private copies unreferenced.
     gc.collect()
     _malloc_trim()
+    _return_cached(device_type)
     result.seconds = time.perf_counter() - start
     try:
         client.report(dataclasses.asdict(result))
@@ -174,14 +188,15 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
 
 
 def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int, verify: bool,
-           fail: bool, lock_timeout_s: float) -> ShareResult:
+           fail: bool, lock_timeout_s: float, device_key: str, pack_granularity: int | None) -> ShareResult:
     seg_cls = segment_class(device_type)
     slots, private_n, private_b = _collect(model, device_type, min_tensor_bytes)
     result = ShareResult(private_tensors=private_n, private_bytes=private_b)
-    keys = content_keys([lambda s=s: _key(s.tensor) for s in slots])
     by_key: dict[str, list[_Slot]] = defaultdict(list)
-    for slot, key in zip(slots, keys):
+    for slot, key in zip(slots, _keys([s.tensor for s in slots], device_type)):
         by_key[key].append(slot)
+    granularity = pack_granularity or (seg_cls.granularity(slots[0].tensor.device) if slots else None)
+    freed = 0  # private bytes dropped since the allocator's cache was last emptied
 
     def keep_private(group: list[_Slot]) -> None:
         result.private_tensors += len(group)
@@ -190,15 +205,18 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
     def adopt(group: list[_Slot], seg, offset: int, published: bool) -> list[_Slot]:
         """Swap each slot whose bytes equal the segment's; return the ones that differ."""
         global _shared_in_process
+        nonlocal freed
         differ = []
         for i, slot in enumerate(group):
             t = slot.tensor
             shared = seg.tensor(offset, t.dtype, tuple(t.shape), tuple(t.stride()))
             source = published and i == 0  # the segment was copied from this very tensor
-            if verify and not source and not _same_bytes(shared, t):
+            if verify and not source and not same_bytes(shared, t):
                 differ.append(slot)
                 continue
             _swap(slot, shared)
+            slot.tensor = shared  # the slot held the last reference to the private copy
+            freed += slot.nbytes
             _shared_in_process += slot.nbytes
             if source:
                 result.published_tensors += 1
@@ -206,17 +224,36 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
             else:
                 result.shared_tensors += 1
                 result.shared_bytes += slot.nbytes
+        if freed >= _RETURN_EVERY:
+            _return_cached(device_type)
+            freed = 0
         return differ
+
+    def publish(keys: list[str], offsets: list[int], nbytes: int) -> None:
+        """One new segment holding the first tensor of each key's group at its offset."""
+        parts = [(pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
+        seg = seg_cls.create_packed(parts, nbytes, device_key)
+        try:
+            client.publish(seg.fileno(), seg.nbytes,
+                           [(k, off, pending[k][0].nbytes) for k, off in zip(keys, offsets)])
+        finally:
+            seg.close_fd()
+        result.padding_bytes += seg.size - sum(pending[k][0].nbytes for k in keys)
+        for key, offset in zip(keys, offsets):
+            group = pending.pop(key)
+            differ = adopt(group, seg, offset, published=True)  # same key in this model, other bytes
+            result.collisions += len(differ)
+            keep_private(differ)
 
     pending = dict(by_key)
     try:
         # One engine at a time per (device, share group) looks up and publishes: engines that
         # finish loading together would otherwise all miss and each publish its own copy.
-        with client.locked(f"publish:{device_type}:{client.group}", timeout_s=lock_timeout_s):
+        with client.locked(f"publish:{device_key}:{client.group}", timeout_s=lock_timeout_s):
             for hit, fd in client.acquire(list(pending)):
                 group = pending.pop(hit.key)
                 try:
-                    seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_type)
+                    seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_key)
                 except ValueError as e:  # not a sealed segment: never map it
                     logger.warning("vllm-dedup: resident copy of %s refused (%s); it stays private", hit.key, e)
                     client.release([hit.segment])
@@ -231,16 +268,16 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
                     if len(differ) == len(group):
                         client.release([hit.segment])
                     keep_private(differ)
-            for key, group in list(pending.items()):
-                seg = seg_cls.create(group[0].tensor, device_type)
-                try:
-                    client.publish(seg.fileno(), seg.nbytes, [(key, 0, seg.nbytes)])
-                finally:
-                    seg.close_fd()
-                del pending[key]
-                differ = adopt(group, seg, 0, published=True)  # same key in this model, other bytes
-                result.collisions += len(differ)
-                keep_private(differ)
+            misses = list(pending)
+            if granularity is None:
+                for key in misses:
+                    publish([key], [0], pending[key][0].nbytes)
+            else:
+                plan = plan_packs([pending[k][0].nbytes for k in misses], granularity, max_pack_bytes=granularity)
+                for i in plan.private:
+                    keep_private(pending.pop(misses[i]))
+                for pack in plan.packs:
+                    publish([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)
     except (RegistryUnavailable, TimeoutError) as e:
         if fail:
             raise RegistryUnavailable(str(e)) from None
@@ -249,6 +286,18 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
         for group in pending.values():
             keep_private(group)
     return result
+
+
+_RETURN_EVERY = 1 << 30  # bytes of dropped private copies between two empty_cache calls
+
+
+def _return_cached(device_type: str) -> None:
+    """Give the caching allocator's free blocks back to the driver (GPU only)."""
+    if device_type == "cuda":
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _malloc_trim() -> None:

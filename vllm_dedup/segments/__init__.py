@@ -7,33 +7,63 @@ segment can exit, even by SIGKILL, while the others go on using it (DESIGN.md, "
 One backend per device type, one module each, behind `Segment`:
 
 - ``host`` (`HostSegment`): memfd + mmap, for vLLM's CPU backend and every test without a GPU;
-- ``cuda``: CUDA virtual memory management (a later stage of the project).
+- ``cuda`` (`CudaSegment`): CUDA virtual memory management through ``cuda-bindings``.
 
-`segment_class` picks the backend for a torch device type.
+`segment_class` picks the backend for a torch device type.  A backend also names devices
+(`Segment.device_key`: the registry keeps each device's segments apart) and says its allocation
+granularity (`Segment.granularity`: small tensors are packed into one segment, `packing.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-__all__ = ["Segment", "segment_class"]
+__all__ = ["Segment", "segment_class", "typed_view"]
 
 
 class Segment(ABC):
     """Shareable memory holding one or more tensors' bytes.
 
     Attributes:
-        nbytes: usable size in bytes (the backend may round the allocation up).
-        device: the device the memory lives on, as a string (``"cpu"``, ``"cuda:<uuid>"``).
+        nbytes: usable size in bytes.
+        size: allocated size in bytes: ``nbytes`` rounded up to the backend's granularity.
+        device: the device the memory lives on, as its key (``"cpu"``, ``"cuda:GPU-<uuid>"``).
     """
 
     nbytes: int
+    size: int
     device: str
 
     @classmethod
+    def create(cls, data, device: str | None = None) -> Segment:
+        """A new segment holding a copy of ``data`` (a contiguous torch tensor), sealed.
+        ``device``: its device key; by default `device_key` of the tensor's device."""
+        return cls.create_packed([(data, 0)], data.numel() * data.element_size(),
+                                 device or cls.device_key(data.device))
+
+    @classmethod
     @abstractmethod
-    def create(cls, data, device: str) -> Segment:
-        """A new segment holding a copy of ``data`` (a contiguous torch tensor), sealed."""
+    def create_packed(cls, parts, nbytes: int, device: str) -> Segment:
+        """A new sealed segment of ``nbytes`` usable bytes holding copies of several tensors.
+
+        Args:
+            parts: ``(tensor, offset)`` pairs: each contiguous tensor's bytes are copied to
+                ``offset`` (bytes); the ranges must not overlap and must fit in ``nbytes``.
+            nbytes: the segment's usable size in bytes (the backend may round it up).
+            device: the segment's device key (`device_key`).
+        """
+
+    @classmethod
+    @abstractmethod
+    def device_key(cls, device) -> str:
+        """The registry's name for a torch device: stable across processes and across
+        ``CUDA_VISIBLE_DEVICES`` renumbering (``"cpu"``, ``"cuda:GPU-<uuid>"``)."""
+
+    @classmethod
+    @abstractmethod
+    def granularity(cls, device) -> int | None:
+        """Allocation granularity in bytes on a torch device, or None when a segment per
+        tensor costs nothing worth packing for (host pages)."""
 
     @classmethod
     @abstractmethod
@@ -66,4 +96,29 @@ def segment_class(device_type: str) -> type[Segment]:
         from .host import HostSegment
 
         return HostSegment
+    if device_type == "cuda":
+        from .cuda import CudaSegment
+
+        return CudaSegment
     raise NotImplementedError(f"vllm-dedup has no segment backend for device type {device_type!r} yet")
+
+
+def typed_view(raw, offset: int, dtype, shape, stride):
+    """A tensor of ``dtype``/``shape``/``stride`` over ``raw`` (a 1-d uint8 tensor) starting
+    ``offset`` bytes in, sharing its memory.  Used by every backend's `Segment.tensor`.
+
+    Raises:
+        ValueError: ``offset`` is not a multiple of the item size, or the tensor would reach
+            past the end of ``raw``.
+    """
+    import torch
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if offset % itemsize:
+        raise ValueError(f"offset {offset} is not a multiple of the {dtype} item size {itemsize}")
+    shape, stride = tuple(shape), tuple(stride)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    if offset + span * itemsize > raw.numel():
+        raise ValueError(f"a {span * itemsize}-byte tensor at offset {offset} reaches past the segment's "
+                         f"{raw.numel()} bytes")
+    return raw[offset : offset + span * itemsize].view(dtype).as_strided(shape, stride)

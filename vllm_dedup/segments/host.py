@@ -15,7 +15,7 @@ import mmap
 import os
 import warnings
 
-from . import Segment
+from . import Segment, typed_view
 
 __all__ = ["HostSegment"]
 
@@ -27,7 +27,7 @@ class HostSegment(Segment):
 
     def __init__(self, fd: int, nbytes: int, device: str = "cpu"):
         self._fd = fd
-        self.nbytes = nbytes
+        self.nbytes = self.size = nbytes  # pages are not counted as padding
         self.device = device
         # MAP_POPULATE fills the page tables now: no page faults in the first forward passes,
         # and the pages show in this process's PSS like a private copy's would.  An empty
@@ -35,26 +35,40 @@ class HostSegment(Segment):
         self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
 
     @classmethod
-    def create(cls, data, device: str = "cpu", name: str = "vllm-dedup") -> HostSegment:
-        """Copy ``data`` (a contiguous CPU torch tensor) into a new sealed memfd.
+    def create_packed(cls, parts, nbytes: int, device: str = "cpu", name: str = "vllm-dedup") -> HostSegment:
+        """Copy each ``(tensor, offset)`` of ``parts`` (contiguous CPU tensors) into a new sealed
+        memfd of ``nbytes`` bytes.
 
         Raises:
+            ValueError: a part does not fit in ``nbytes``.
             OSError: memfd_create, write or sealing failed (e.g. out of memory).
         """
         from ..keys import tensor_bytes
 
-        view = tensor_bytes(data)
+        views = [(tensor_bytes(t), offset) for t, offset in parts]
+        for view, offset in views:
+            if offset < 0 or offset + view.nbytes > nbytes:
+                raise ValueError(f"a {view.nbytes}-byte part at offset {offset} does not fit in {nbytes} bytes")
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, max(view.nbytes, 1))
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(fd, view[done:], done)
+            os.ftruncate(fd, max(nbytes, 1))
+            for view, offset in views:
+                done = 0
+                while done < view.nbytes:
+                    done += os.pwrite(fd, view[done:], offset + done)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            return cls(fd, view.nbytes, device)
+            return cls(fd, nbytes, device)
         except BaseException:
             os.close(fd)
             raise
+
+    @classmethod
+    def device_key(cls, device="cpu") -> str:
+        return "cpu"
+
+    @classmethod
+    def granularity(cls, device="cpu") -> None:
+        return None  # one memfd per tensor wastes less than a page: nothing to pack
 
     @classmethod
     def attach(cls, fd: int, nbytes: int, device: str = "cpu") -> HostSegment:
@@ -85,11 +99,7 @@ class HostSegment(Segment):
             # torch warns that the buffer is read-only: that is the point.
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if offset % itemsize:
-            raise ValueError(f"offset {offset} is not a multiple of the {dtype} item size {itemsize}")
-        flat = raw[: self.nbytes].view(dtype)
-        return flat.as_strided(tuple(shape), tuple(stride), offset // itemsize)
+        return typed_view(raw[: self.nbytes], offset, dtype, shape, stride)
 
     def close_fd(self) -> None:
         if self._fd >= 0:

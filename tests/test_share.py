@@ -1,0 +1,87 @@
+"""Packed segments end to end on the host backend: two processes share a small model through
+a real broker with a forced 1 MiB granularity, the packing the CUDA backend uses at 2 MiB."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_dedup.broker import BrokerServer, registry_stats
+from vllm_dedup.packing import plan_packs
+from vllm_dedup.registry import Registry
+
+sys.path.insert(0, str(Path(__file__).parent))
+from share_peer import SIZES  # noqa: E402
+
+PEER = Path(__file__).with_name("share_peer.py")
+GRANULARITY = 1 << 20
+
+
+class SharePeer:
+    def __init__(self, sock: Path, variant: str):
+        self.proc = subprocess.Popen([sys.executable, str(PEER), str(sock), variant, str(GRANULARITY)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+
+    def read(self, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer exited {self.proc.wait()}: {self.proc.stderr.read()[-3000:]}")
+            if line.startswith("OK "):
+                return json.loads(line[3:])
+        raise TimeoutError
+
+    def check(self) -> dict:
+        self.proc.stdin.write("check\n")
+        self.proc.stdin.flush()
+        return self.read()["digests"]
+
+    def end(self) -> int:
+        self.proc.stdin.close()
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    server = BrokerServer(Registry(), tmp_path / "run" / "test.sock").start()
+    yield server
+    server.stop()
+
+
+def test_packed_segments_are_published_mapped_and_outlive_their_creator(broker):
+    plan = plan_packs(list(SIZES.values()), GRANULARITY, max_pack_bytes=GRANULARITY)
+    assert len(plan.packs) < len(SIZES)  # the layout does pack several tensors together
+    base = SharePeer(broker.path, "base")
+    first = base.read()
+    r = first["result"]
+    assert first["digests"] == first["expected"]
+    packed_bytes = sum(SIZES[n] for n in SIZES) - sum(list(SIZES.values())[i] for i in plan.private)
+    assert (r["published_tensors"], r["published_bytes"]) == (len(SIZES) - len(plan.private), packed_bytes)
+    assert r["private_tensors"] == len(plan.private)
+    assert r["padding_bytes"] == plan.padding_bytes
+    (group,) = registry_stats(broker.path)["groups"]
+    assert group["segments"] == len(plan.packs)
+    assert group["resident_bytes"] == plan.segment_bytes
+
+    tuned = SharePeer(broker.path, "tuned")  # mid1 differs, everything else is base's
+    second = tuned.read()
+    r2 = second["result"]
+    assert second["digests"] == second["expected"]
+    assert second["expected"]["mid1"] != first["expected"]["mid1"]
+    assert r2["shared_bytes"] == packed_bytes - SIZES["mid1"]
+    assert r2["published_bytes"] + r2["private_bytes"] == SIZES["mid1"] + sum(
+        list(SIZES.values())[i] for i in plan.private)
+
+    assert base.end() == 0  # the creator of every shared pack exits
+    assert tuned.check() == second["expected"]  # its mappings still hold base's bytes
+    (group,) = registry_stats(broker.path)["groups"]
+    assert group["engines"] == 1
+    assert tuned.end() == 0
+    assert registry_stats(broker.path)["groups"] == []

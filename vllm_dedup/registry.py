@@ -305,7 +305,7 @@ class Registry:
             "groups": [{"device": d, "share_group": grp, **v} for (d, grp), v in sorted(groups.items())],
             "engines": [
                 {"id": e.id, "pid": e.pid, "model": e.model, "device": e.device, "share_group": e.group,
-                 "segments": len(e.segments), "load": e.load}
+                 "signature": e.signature, "segments": len(e.segments), "load": e.load}
                 for e in self.engines.values()
             ],
             "locks": {name: self.engines[min(lock.holders)].pid for name, lock in self.locks.items()},

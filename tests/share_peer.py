@@ -3,7 +3,8 @@
 
     python tests/share_peer.py SOCKET VARIANT PACK_GRANULARITY
 
-Builds the test model (VARIANT ``base`` or ``tuned``: one tensor differs), shares it with
+Builds the test model (VARIANT ``base``, ``tuned``: mid1 differs, or ``retuned``: mid1 and
+small0 differ), shares it with
 segments packed to PACK_GRANULARITY bytes, prints ``OK {result, digests}``, then answers each
 line read from stdin with ``OK {digests}`` (XXH3-128 of every parameter's bytes, read through
 whatever memory now backs it) until stdin closes.
@@ -31,7 +32,8 @@ SIZES = {"big0": 1536 << 10, "big1": 1536 << 10, "mid0": 300 << 10, "mid1": 300 
 def build(variant: str) -> nn.Module:
     model = nn.Module()
     for i, (name, nbytes) in enumerate(SIZES.items()):
-        gen = torch.Generator().manual_seed(i + (1000 if variant == "tuned" and name == "mid1" else 0))
+        changed = {"base": (), "tuned": ("mid1",), "retuned": ("mid1", "small0")}[variant]
+        gen = torch.Generator().manual_seed(i + (1000 if name in changed else 0))
         model.register_parameter(name, nn.Parameter(torch.randn(nbytes // 2, generator=gen).to(torch.bfloat16),
                                                     requires_grad=False))
     return model

@@ -4,6 +4,7 @@ a real broker with a forced 1 MiB granularity, the packing the CUDA backend uses
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 from vllm_dedup.broker import BrokerServer, registry_stats
 from vllm_dedup.packing import plan_packs
 from vllm_dedup.registry import Registry
+from vllm_dedup.share import FORCE_COLLISIONS_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))
 from share_peer import SIZES  # noqa: E402
@@ -23,10 +25,10 @@ GRANULARITY = 1 << 20
 
 
 class SharePeer:
-    def __init__(self, sock: Path, variant: str):
+    def __init__(self, sock: Path, variant: str, env: dict | None = None):
         self.proc = subprocess.Popen([sys.executable, str(PEER), str(sock), variant, str(GRANULARITY)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env={**os.environ, **(env or {})})
 
     def read(self, timeout_s: float = 60) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -83,5 +85,29 @@ def test_packed_segments_are_published_mapped_and_outlive_their_creator(broker):
     assert tuned.check() == second["expected"]  # its mappings still hold base's bytes
     (group,) = registry_stats(broker.path)["groups"]
     assert group["engines"] == 1
+    assert tuned.end() == 0
+    assert registry_stats(broker.path)["groups"] == []
+
+
+def test_a_pack_stays_held_for_the_tensors_taken_when_others_in_it_collide(broker):
+    """Every key collides (digests zeroed): tensors of one shape share a key.  The base engine
+    publishes one tensor per shape, all in one pack; the retuned engine finds every key in that
+    pack, takes the tensors whose bytes match and keeps the others private, and keeps holding
+    the pack although every tensor of one of its keys (small0, small1) differs."""
+    force = {FORCE_COLLISIONS_ENV: "1"}
+    base = SharePeer(broker.path, "base", force)
+    r1 = base.read()["result"]
+    assert (r1["published_tensors"], r1["collisions"]) == (3, 4)  # big0, mid0, small0; the rest differ
+    (group,) = registry_stats(broker.path)["groups"]
+    assert group["segments"] == 1
+    tuned = SharePeer(broker.path, "retuned", force)
+    second = tuned.read()
+    r2 = second["result"]
+    assert second["digests"] == second["expected"]  # no other bytes were ever swapped in
+    assert (r2["shared_tensors"], r2["collisions"], r2["published_tensors"]) == (2, 5, 0)
+    assert base.end() == 0
+    assert tuned.check() == second["expected"]
+    (group,) = registry_stats(broker.path)["groups"]
+    assert (group["engines"], group["segments"]) == (1, 1)  # the pack is still held by the tuned engine
     assert tuned.end() == 0
     assert registry_stats(broker.path)["groups"] == []

@@ -234,7 +234,7 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
         parts = [(pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
         seg = seg_cls.create_packed(parts, nbytes, device_key)
         try:
-            client.publish(seg.fileno(), seg.nbytes,
+            client.publish(seg.fileno(), seg.size,
                            [(k, off, pending[k][0].nbytes) for k, off in zip(keys, offsets)])
         finally:
             seg.close_fd()
@@ -250,24 +250,37 @@ def _share(model, client: BrokerClient, device_type: str, min_tensor_bytes: int,
         # One engine at a time per (device, share group) looks up and publishes: engines that
         # finish loading together would otherwise all miss and each publish its own copy.
         with client.locked(f"publish:{device_key}:{client.group}", timeout_s=lock_timeout_s):
+            # Hits in one segment (a pack) share one mapping; a segment none of whose tensors
+            # was taken (refused, or every compare failed) is released, the others are held.
+            hits: dict[int, list] = defaultdict(list)
+            fds: dict[int, list[int]] = defaultdict(list)
             for hit, fd in client.acquire(list(pending)):
-                group = pending.pop(hit.key)
+                hits[hit.segment].append(hit)
+                fds[hit.segment].append(fd)
+            for seg_id, seg_hits in hits.items():
+                for fd in fds[seg_id][1:]:
+                    os.close(fd)
+                groups = [pending.pop(hit.key) for hit in seg_hits]
                 try:
-                    seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_key)
+                    seg = seg_cls.attach(fds[seg_id][0], max(h.offset + h.nbytes for h in seg_hits), device_key)
                 except ValueError as e:  # not a sealed segment: never map it
-                    logger.warning("vllm-dedup: resident copy of %s refused (%s); it stays private", hit.key, e)
-                    client.release([hit.segment])
-                    keep_private(group)
+                    logger.warning("vllm-dedup: resident segment %d refused (%s); its tensors stay private", seg_id, e)
+                    client.release([seg_id])
+                    for group in groups:
+                        keep_private(group)
                     continue
-                differ = adopt(group, seg, hit.offset, published=False)
+                taken = 0
+                for hit, group in zip(seg_hits, groups):
+                    differ = adopt(group, seg, hit.offset, published=False)
+                    taken += len(group) - len(differ)
+                    if differ:
+                        result.collisions += len(differ)
+                        logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
+                                       "(hash collision); they stay private", len(differ), hit.key)
+                        keep_private(differ)
                 seg.close_fd()
-                if differ:
-                    result.collisions += len(differ)
-                    logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
-                                   "(hash collision); they stay private", len(differ), hit.key)
-                    if len(differ) == len(group):
-                        client.release([hit.segment])
-                    keep_private(differ)
+                if not taken:
+                    client.release([seg_id])
             misses = list(pending)
             if granularity is None:
                 for key in misses:

@@ -125,6 +125,7 @@ def _ordinal(device) -> int:
 
 
 def _uuid_key(ordinal: int) -> str:
+    _call("cuInit", 0)  # process-wide and idempotent; torch has usually done it already
     raw = bytes(_call("cuDeviceGetUuid", _call("cuDeviceGet", ordinal)).bytes)
     h = raw.hex()
     return f"cuda:GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
@@ -158,15 +159,15 @@ class _Mapping:
         self.va = int(va)
         self.read_only = False
         try:
-            _call("cuMemSetAccess", self.va, size, [_access_desc(ordinal, False)], 1)
-            if read_only:
-                self.protect()
+            if not (read_only and self.protect()):
+                _call("cuMemSetAccess", self.va, size, [_access_desc(ordinal, False)], 1)
         except CudaError:
             self._unmap()
             raise
 
-    def protect(self) -> None:
-        """Make the range read-only for this device, if the driver allows it (else log once)."""
+    def protect(self) -> bool:
+        """Make the range read-only for this device.  Returns False (and logs once) where the
+        driver refuses read-only access; the range's access is then unchanged."""
         global _read_only_refused
         try:
             _call("cuMemSetAccess", self.va, self.size, [_access_desc(self.ordinal, True)], 1)
@@ -176,6 +177,7 @@ class _Mapping:
                 _read_only_refused = True
                 logger.warning("vllm-dedup: the CUDA driver refuses read-only mappings (%s); shared weights "
                                "are mapped read-write, so a stray in-place write would not fault", e)
+        return self.read_only
 
     @property
     def __cuda_array_interface__(self) -> dict:

@@ -210,6 +210,14 @@ def used_memory(backend: str):
     return shmem
 
 
+def nvml_uuid_key() -> str:
+    import pynvml
+
+    pynvml.nvmlInit()
+    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("GPU_CHECK_NVML_INDEX", "0"))))
+    return "cuda:" + (uuid.decode() if isinstance(uuid, bytes) else uuid)
+
+
 def settle(measure, wait_s: float = 0.5) -> int:
     time.sleep(wait_s)
     return measure()
@@ -238,6 +246,9 @@ def run(backend: str, segment_mb: int, throughput_mb: int) -> dict:
             base = mem("before")
             children["A"] = a = Child("A", server.path, backend, segment_mb)
             before_create = mem("A started (context)")
+            if backend == "cuda":
+                check("the device key is the GPU's UUID (as NVML names it)", a.info.get("device") == nvml_uuid_key(),
+                      f"{a.info.get('device')} vs {nvml_uuid_key()}")
             created = a.ask("create")
             after_create = mem("A created the segment")
             seg_size = created.get("size", 0)

@@ -13,6 +13,7 @@ import pytest
 from test_broker import Peer, broker  # noqa: F401  (fixture)
 from vllm_dedup import accounting
 from vllm_dedup.broker import BrokerClient, registry_stats
+from vllm_dedup.cli import format_status
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.registry import startup_lock_name
 from vllm_dedup.segments.host import HostSegment
@@ -40,8 +41,12 @@ def test_startup_lock_serialises_engines_and_defers_frees_on_its_device(broker):
         del seg
         leaving.close()
         time.sleep(0.2)
-        (group,) = registry_stats(broker.path)["groups"]
+        stats = registry_stats(broker.path)
+        (group,) = stats["groups"]
         assert (group["segments"], group["deferred_segments"], group["engines"]) == (1, 1, 2)
+        human = format_status(stats)
+        assert f"lock {lock} held by pid {starting.proc.pid}" in human
+        assert "1 unheld segment(s) kept until a start-up on their device ends" in human
         assert starting.end() == 0  # start-up done: lock back, the deferred segment goes
         other.lock(lock, owner="vllm-instance:B", timeout_s=10)
         (group,) = registry_stats(broker.path)["groups"]

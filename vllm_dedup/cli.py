@@ -113,6 +113,11 @@ def format_status(stats: dict) -> str:
         )
     else:
         out.append("no engines connected")
+    for name, pid in stats.get("locks", {}).items():
+        out.append(f"lock {name} held by pid {pid}")
+    deferred = sum(g.get("deferred_segments", 0) for g in stats["groups"])
+    if deferred:
+        out.append(f"{deferred} unheld segment(s) kept until a start-up on their device ends")
     out.append(f"hash collisions caught: {stats['collisions']}   keep_warm_s: {stats['keep_warm_s']}")
     return "\n".join(out)
 

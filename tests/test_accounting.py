@@ -98,11 +98,38 @@ def test_external_bytes_shrink_vllms_budget_by_exactly_that_much():
     assert request_memory(snapshot, cache, 12 * gib) == budget - 12 * gib
 
 
+def test_external_mode_budget_ends_at_plain_minus_the_bytes_really_mapped():
+    """vLLM budgets ``B - predicted`` at start-up (its own `request_memory`); after loading, the
+    correction makes it ``B - shared``, whatever the prediction was."""
+    from types import SimpleNamespace
+
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    gib = 1 << 30
+    snapshot = MemorySnapshot(total_memory=80 * gib, free_memory=80 * gib, device="cpu", auto_measure=False)
+    cache = SimpleNamespace(gpu_memory_utilization=0.5)
+    plain = request_memory(snapshot, cache, 0)
+    try:
+        for predicted, shared in ((10 * gib, 12 * gib), (10 * gib, 7 * gib), (0, 5 * gib), (3 * gib, 3 * gib)):
+            accounting._session["predicted"] = predicted
+            model = SimpleNamespace(external_weight_correction_bytes=accounting.correction(shared))
+            worker = SimpleNamespace(requested_memory=request_memory(snapshot, cache, predicted),
+                                     model_runner=SimpleNamespace(get_model=lambda m=model: m))
+            assert accounting.correct_budget(worker) == shared - predicted
+            assert worker.requested_memory == plain - shared
+        accounting._session.clear()  # accounting="kv_cache": no prediction, no correction
+        assert accounting.correction(5 * gib) == 0
+    finally:
+        accounting._session.clear()
+
+
 def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(broker):  # noqa: F811
     from vllm.v1.worker.gpu_worker import Worker
 
     accounting.install()
-    assert getattr(Worker.compile_or_warm_up_model, "__vllm_dedup_startup__", False)
+    for name in ("load_model", "compile_or_warm_up_model"):
+        assert getattr(Worker.__dict__[name], "__vllm_dedup_startup__", False), name
     client = BrokerClient(broker.path)
     client.hello("m", GPU0, "default")
     client.lock([startup_lock_name(GPU0)], owner="vllm-instance:X")

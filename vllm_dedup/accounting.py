@@ -14,12 +14,14 @@ A tensor mapped from another engine's segment lowers no one's free memory, so it
 step 3.  Hence the two accounting modes (config ``accounting``):
 
 - ``kv_cache`` (default): report nothing; the KV cache grows by the bytes mapped from others.
-- ``external``: report the bytes expected to be mapped as E; the KV cache is then what a plain
-  load would get and the engine's footprint shrinks by E, leaving room for more engines.  E is
-  needed before loading, so it is predicted by the registry from the last engine with the same
-  load signature (`Registry.expected_shared_bytes`); an engine of a model never loaded before
-  is predicted 0 and so behaves as ``kv_cache`` for that load.  Any misprediction moves the KV
-  cache, never the footprint beyond the budget.
+- ``external``: report the bytes mapped from others as E; the KV cache is then what a plain
+  load would get and the engine's footprint shrinks by E, leaving room for more engines.  vLLM
+  asks for E before loading, so the loader answers with the registry's prediction from the last
+  engine with the same load signature (`Registry.expected_shared_bytes`; 0 for a model never
+  loaded before), which is what vLLM's start-up check of free memory uses.  Once loaded, the
+  worker's budget is corrected by the difference between the bytes actually mapped and the
+  prediction (`correct_budget`, run after ``Worker.load_model``), so the KV cache is exactly a
+  plain load's either way.
 
 Step 3 reads the whole device's free memory, so anything another process allocates or frees
 between the snapshot and the KV cache allocation lands in this engine's figures: N engines
@@ -41,7 +43,8 @@ from __future__ import annotations
 import functools
 import logging
 
-__all__ = ["begin_startup", "end_startup", "install", "load_signature", "session_client"]
+__all__ = ["begin_startup", "correct_budget", "correction", "end_startup", "install", "load_signature",
+           "session_client"]
 
 logger = logging.getLogger("vllm.dedup.accounting")
 
@@ -130,13 +133,34 @@ def session_client(device: str, signature: str):
     return None
 
 
-def check_prediction(shared_bytes: int) -> None:
-    """Log how far ``external`` mode's prediction was from the bytes actually mapped."""
+def correction(shared_bytes: int) -> int:
+    """Bytes by which the engine's budget must shrink now that ``shared_bytes`` were really
+    mapped from other engines: ``shared - predicted`` in ``external`` mode, else 0."""
     predicted = _session.get("predicted")
-    if predicted is not None and predicted != shared_bytes:
-        logger.warning("vllm-dedup: accounting=external predicted %.1f MB shared, %.1f MB were; the KV cache is "
-                       "%.1f MB larger than a plain load's", predicted / 1e6, shared_bytes / 1e6,
-                       (shared_bytes - predicted) / 1e6)
+    return 0 if predicted is None else shared_bytes - predicted
+
+
+def correct_budget(worker) -> int:
+    """Lower ``worker.requested_memory`` (vLLM's budget, bytes) by the model's
+    ``external_weight_correction_bytes`` (set by the loader from `correction`; negative raises
+    it).  Returns the correction applied.
+
+    vLLM set the budget to ``ceil(total * utilization) - predicted``; the weights really held
+    outside this engine are ``shared``, so the budget becomes ``... - shared`` and the KV cache,
+    ``budget - measured use``, equals a plain load's.
+    """
+    runner = getattr(worker, "model_runner", None)
+    try:
+        model = runner.get_model() if runner is not None else None
+    except Exception:  # load_model failed: nothing to correct
+        return 0
+    delta = int(getattr(model, "external_weight_correction_bytes", 0) or 0)
+    if delta and hasattr(worker, "requested_memory"):
+        worker.requested_memory -= delta
+        logger.info("vllm-dedup: accounting=external: %+.1f MB more mapped from other engines than predicted; "
+                    "engine budget now %.1f MB", delta / 1e6, worker.requested_memory / 1e6)
+        return delta
+    return 0
 
 
 def end_startup() -> None:
@@ -147,29 +171,35 @@ def end_startup() -> None:
         _session["locks"] = []
 
 
-def install() -> bool:
-    """Call `end_startup` after ``Worker.compile_or_warm_up_model`` (vLLM's GPU worker), which
-    allocates nothing more for the KV cache afterwards.  Idempotent; returns whether it wrapped
-    the method now.  ``patches/0002-...`` is the upstream form of this hook."""
+def install() -> list[str]:
+    """Wrap vLLM's GPU ``Worker``: `correct_budget` after ``load_model``, and `end_startup` after
+    ``compile_or_warm_up_model`` (which allocates nothing more for the KV cache afterwards).
+    Idempotent; returns the methods wrapped now.  ``patches/0002-...`` is the upstream form."""
     try:
         from vllm.v1.worker.gpu_worker import Worker
     except ImportError:
-        return False
-    method = Worker.__dict__.get("compile_or_warm_up_model")
-    if method is None:
-        logger.warning("vllm-dedup: Worker.compile_or_warm_up_model not found; the start-up lock is released "
-                       "only when the engine exits")
-        return False
-    if getattr(method, "__vllm_dedup_startup__", False):
-        return False
+        return []
+    wrapped = []
+    for name, after in (("load_model", correct_budget), ("compile_or_warm_up_model", lambda worker: end_startup())):
+        method = Worker.__dict__.get(name)
+        if method is None:
+            logger.warning("vllm-dedup: Worker.%s not found; GPU accounting may be off (start-up lock released "
+                           "only when the engine exits)", name)
+            continue
+        if getattr(method, "__vllm_dedup_startup__", False):
+            continue
+        setattr(Worker, name, _run_after(method, after))
+        wrapped.append(f"Worker.{name}")
+    return wrapped
 
+
+def _run_after(method, after):
     @functools.wraps(method)
-    def compile_or_warm_up_model(self, *args, **kwargs):
+    def wrapper(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
         finally:
-            end_startup()
+            after(self)
 
-    compile_or_warm_up_model.__vllm_dedup_startup__ = True
-    Worker.compile_or_warm_up_model = compile_or_warm_up_model
-    return True
+    wrapper.__vllm_dedup_startup__ = True
+    return wrapper

@@ -129,8 +129,9 @@ class DedupModelLoader(BaseModelLoader):
         _LEASES.append(client)
         # The attribute upstream vLLM's hook reads (patches/0001-...): weights in segments.
         model.shared_weight_bytes = self.result.shared_bytes + self.result.published_bytes
-        model.on_startup_done = accounting.end_startup  # read by patches/0002-...
-        accounting.check_prediction(self.result.shared_bytes)
+        # Read by the worker hooks (accounting.install, or upstream: patches/0002-...).
+        model.on_startup_done = accounting.end_startup
+        model.external_weight_correction_bytes = accounting.correction(self.result.shared_bytes)
         logger.info("vllm-dedup: %s: %s", model_config.model, self.result.summary())
         return model
 

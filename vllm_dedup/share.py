@@ -158,7 +158,7 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
     Args:
         model: the loaded ``nn.Module`` (after ``process_weights_after_loading``).
         client: a connection that has said hello; it must stay open while the model lives.
-        device_type: torch device type of the tensors to share (``"cpu"``).
+        device_type: torch device type of the tensors to share (``"cpu"``, ``"cuda"``).
         min_tensor_bytes: smaller tensors stay private.
         verify: compare bytes before swapping a shared tensor in.
         fail: on a registry error, raise instead of leaving the rest private.

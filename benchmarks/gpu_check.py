@@ -171,14 +171,12 @@ class Child:
         self.info = self._read()
 
     def _read(self, timeout_s: float = 300) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                return {"error": f"exited with status {self.proc.wait()}", "exit": self.proc.returncode}
-            if line.startswith(("OK ", "ERR ")):
-                return json.loads(line.split(" ", 1)[1])
-        raise TimeoutError(f"{self.name}: no answer")
+        from vllm_dedup.measure import ChildExited, read_reply
+
+        try:
+            return json.loads(read_reply(self.proc, ("OK ", "ERR "), timeout_s, self.name))
+        except ChildExited as e:  # e.g. killed by the fault of a write through a read-only mapping
+            return {"error": f"exited with status {e.returncode}", "exit": e.returncode}
 
     def ask(self, op: str, **args) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")

@@ -16,6 +16,7 @@ import pytest
 
 from helpers import wait_for
 from vllm_dedup.broker import BrokerClient, BrokerServer, RegistryUnavailable, registry_stats
+from vllm_dedup.measure import read_reply
 from vllm_dedup.registry import Registry
 
 PEER = Path(__file__).with_name("segment_peer.py")
@@ -39,14 +40,7 @@ class Peer:
                                      text=True)
 
     def result(self, timeout_s: float = 60) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"peer exited {self.proc.wait()}: {self.proc.stderr.read()[-3000:]}")
-            if line.startswith("OK "):
-                return json.loads(line[3:])
-        raise TimeoutError
+        return json.loads(read_reply(self.proc, "OK ", timeout_s, "peer", lambda: self.proc.stderr.read()[-3000:]))
 
     def pss_shmem(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/smaps_rollup").read_text().splitlines():

@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from vllm_dedup.broker import BrokerServer, registry_stats
+from vllm_dedup.measure import read_reply
 from vllm_dedup.packing import plan_packs
 from vllm_dedup.registry import Registry
 from vllm_dedup.share import FORCE_COLLISIONS_ENV
@@ -31,14 +31,8 @@ class SharePeer:
                                      text=True, env={**os.environ, **(env or {})})
 
     def read(self, timeout_s: float = 60) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"peer exited {self.proc.wait()}: {self.proc.stderr.read()[-3000:]}")
-            if line.startswith("OK "):
-                return json.loads(line[3:])
-        raise TimeoutError
+        return json.loads(read_reply(self.proc, "OK ", timeout_s, "share peer",
+                                     lambda: self.proc.stderr.read()[-3000:]))
 
     def check(self) -> dict:
         self.proc.stdin.write("check\n")

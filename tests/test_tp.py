@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from helpers import wait_for
-from vllm_dedup.measure import descendants
+from vllm_dedup.measure import descendants, read_reply
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +32,7 @@ class TPEngine:
                                      env=env)
 
     def tokens(self, timeout_s: float = 400) -> list[int]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"TP engine exited with {self.proc.wait()}")
-            if line.startswith("RESULT "):
-                return json.loads(line[7:])
-        raise TimeoutError
+        return json.loads(read_reply(self.proc, "RESULT ", timeout_s, "TP engine"))
 
     def stop(self) -> None:
         self.proc.stdin.close()

@@ -30,7 +30,49 @@ from pathlib import Path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 
-__all__ = ["PROMPTS", "pss_bytes", "tree_pss_bytes", "descendants", "processes_matching", "memfd_holders", "free_port", "ServeProcess", "EngineProcess"]
+__all__ = ["PROMPTS", "ChildExited", "read_reply", "pss_bytes", "tree_pss_bytes", "descendants", "processes_matching", "memfd_holders", "free_port", "ServeProcess", "EngineProcess"]
+
+
+class ChildExited(RuntimeError):
+    """A child process closed its stdout (it exited) before giving the answer waited for.
+
+    Attributes:
+        returncode: its exit status (negative: killed by that signal).
+    """
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def read_reply(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeout_s: float, name: str,
+               details=lambda: "") -> str:
+    """The rest of the first line on ``proc``'s (text) stdout that starts with ``prefix``, stripped;
+    other lines are skipped.  The deadline is checked between lines.
+
+    Args:
+        proc: a child started with ``stdout=PIPE, text=True``.
+        prefix: one line prefix or several.
+        timeout_s: seconds to wait.
+        name: the child's name in error messages.
+        details: called when the child exited, for the message (e.g. its log's tail).
+
+    Raises:
+        ChildExited: the child exited first.
+        TimeoutError: no such line within ``timeout_s``.
+    """
+    prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            code = proc.wait()
+            extra = details()
+            raise ChildExited(f"{name} exited ({code})" + (f":\n{extra}" if extra else ""), code)
+        for p in prefixes:
+            if line.startswith(p):
+                return line[len(p):].strip()
+    raise TimeoutError(f"{name} did not answer in {timeout_s} s")
 
 
 def pss_bytes(pid: int) -> int:
@@ -265,14 +307,7 @@ class EngineProcess:
         return self
 
     def _read_line(self, prefix: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"engine for {self.model} exited ({self.proc.wait()}):\n{self.log()[-6000:]}")
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        raise TimeoutError(f"engine for {self.model} did not answer in {timeout_s} s")
+        return read_reply(self.proc, prefix, timeout_s, f"engine for {self.model}", lambda: self.log()[-6000:])
 
     def _send(self, obj: dict) -> None:
         self.proc.stdin.write(json.dumps(obj) + "\n")

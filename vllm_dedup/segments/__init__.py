@@ -16,6 +16,7 @@ granularity (`Segment.granularity`: small tensors are packed into one segment, `
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 __all__ = ["Segment", "segment_class", "typed_view"]
@@ -70,9 +71,11 @@ class Segment(ABC):
     def attach(cls, fd: int, nbytes: int, device: str) -> Segment:
         """Map a segment another process created, read-only.  Takes ownership of ``fd``."""
 
-    @abstractmethod
+    _fd: int  # the segment's descriptor in this process, -1 once closed
+
     def fileno(self) -> int:
         """The descriptor to pass to other processes (still owned by the segment)."""
+        return self._fd
 
     @abstractmethod
     def tensor(self, offset: int, dtype, shape, stride):
@@ -81,9 +84,21 @@ class Segment(ABC):
         The tensor keeps the mapping alive; the segment object may be dropped before it.
         """
 
-    @abstractmethod
     def close_fd(self) -> None:
-        """Close the descriptor; existing mappings and tensors stay valid."""
+        """Close the descriptor (idempotent); existing mappings and tensors stay valid.
+
+        Once it has been passed on, close it: an open descriptor is itself a reference that
+        keeps the memory alive (a memfd's pages, a CUDA allocation) beyond the mappings.
+        """
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        try:
+            self.close_fd()
+        except Exception:  # interpreter shutdown
+            pass
 
 
 def segment_class(device_type: str) -> type[Segment]:

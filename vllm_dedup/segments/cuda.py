@@ -352,21 +352,5 @@ class CudaSegment(Segment):
             _call("cuMemRelease", handle)
         return cls(mapping, fd, nbytes, device)
 
-    def fileno(self) -> int:
-        return self._fd
-
     def tensor(self, offset: int, dtype, shape, stride):
         return typed_view(self._mapping.bytes_tensor()[: self.nbytes], offset, dtype, shape, stride)
-
-    def close_fd(self) -> None:
-        # An imported allocation stays alive through its mapping; an open descriptor would
-        # keep it alive beyond that (it is a reference too), so close it once passed on.
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        try:
-            self.close_fd()
-        except Exception:
-            pass

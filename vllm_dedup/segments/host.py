@@ -89,9 +89,6 @@ class HostSegment(Segment):
             raise ValueError(f"received memfd is not sealed read-only or is too small ({size} < {nbytes} bytes)")
         return cls(fd, nbytes, device)
 
-    def fileno(self) -> int:
-        return self._fd
-
     def tensor(self, offset: int, dtype, shape, stride):
         import torch
 
@@ -100,14 +97,3 @@ class HostSegment(Segment):
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(self._map, dtype=torch.uint8)
         return typed_view(raw[: self.nbytes], offset, dtype, shape, stride)
-
-    def close_fd(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self):
-        try:
-            self.close_fd()
-        except Exception:
-            pass

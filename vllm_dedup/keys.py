@@ -207,24 +207,11 @@ def _weights(n: int, salt: int, device):
     return (idx * _GOLDEN) | 1
 
 
-def _words(t):
-    """``t``'s bytes as the widest of int32/int16/uint8 that divides their count (no copy)."""
-    import torch
-
-    flat = t.detach().reshape(-1).view(torch.uint8)
-    n = flat.numel()
-    if n % 4 == 0:
-        return flat.view(torch.int32)
-    if n % 2 == 0:
-        return flat.view(torch.int16)
-    return flat
-
-
 def _fingerprint_pair(t):
     """Two int64 scalars (a [2] tensor on ``t``'s device) fingerprinting ``t``'s bytes."""
     import torch
 
-    words = _words(t)
+    words = _int_view(t, widest=4)
     rows = words.numel() // _FP_COLUMNS
     out = torch.zeros(2, dtype=torch.int64, device=t.device)
     if rows:
@@ -288,14 +275,16 @@ def same_bytes(a, b) -> bool:
     """
     if a.numel() * a.element_size() != b.numel() * b.element_size():
         return False
-    return bool((_widest(a) == _widest(b)).all())
+    return bool((_int_view(a) == _int_view(b)).all())
 
 
-def _widest(t):
+def _int_view(t, widest: int = 8):
+    """``t``'s bytes, without a copy, as the widest integer type of at most ``widest`` bytes
+    (8, 4, 2 or 1) whose size divides their count: fewer, wider elements for torch to reduce."""
     import torch
 
     flat = t.detach().reshape(-1).view(torch.uint8)
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if flat.numel() % size == 0:
+        if size <= widest and flat.numel() % size == 0:
             return flat.view(dtype)
     return flat

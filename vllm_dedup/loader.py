@@ -21,6 +21,7 @@ On vLLM's CPU backend, ``cpu_share_linear`` (default on) marks linear layers wit
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -81,9 +82,8 @@ class DedupModelLoader(BaseModelLoader):
         Raises:
             RuntimeError: registry or lock trouble with ``on_registry_error="fail"``.
         """
-        connect = lambda device, signature: self._connect(vllm_config.model_config, device, signature)  # noqa: E731
         return self.inner.get_external_weight_memory(vllm_config) + accounting.begin_startup(
-            self.config, vllm_config, connect)
+            self.config, vllm_config, functools.partial(self._connect, vllm_config.model_config))
 
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         model = self.inner.create_model(vllm_config, model_config, prefix)

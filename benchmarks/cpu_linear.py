@@ -28,8 +28,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_dedup.broker import registry_stats, shutdown_registry
-from vllm_dedup.measure import EngineProcess
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+
+from harness.engines import EngineProcess  # noqa: E402
+from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = [
@@ -51,7 +54,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.model is None:
-        from vllm_dedup.sample_models import smollm2_hf
+        from harness.sample_models import smollm2_hf
 
         args.model = smollm2_hf()
 
@@ -71,7 +74,7 @@ def main() -> int:
                         rates[case].append(sum(len(ids) for ids in res["ids"]) / res["seconds"])
                         outputs[case] = res["ids"]
                         if fmt == "dedup":
-                            load = {e["pid"]: e["load"] for e in registry_stats()["engines"]}[engine.pid]
+                            load = registry_stats().engine(engine.pid).load
                             published[case] = load["published_bytes"] + load["shared_bytes"]
         finally:
             shutdown_registry()

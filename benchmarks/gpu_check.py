@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runs from a bare checkout too (the lent GPU machines)
+sys.path.insert(0, str(ROOT))  # harness/ and a bare checkout's vllm_dedup (the lent GPU machines)
 
 RESULTS = ROOT / "benchmarks" / "results"
 KEY = "gpu-check-weight"
@@ -46,8 +46,8 @@ def child(sock: str, backend: str, segment_mb: int) -> None:
     """An engine: answers one JSON command per stdin line with one ``OK``/``ERR`` JSON line."""
     import torch
 
-    from vllm_dedup.broker import BrokerClient
-    from vllm_dedup.keys import device_fingerprints
+    from vllm_dedup.content.fingerprint import device_fingerprints
+    from vllm_dedup.registry.client import BrokerClient
     from vllm_dedup.segments import segment_class
 
     device = torch.device("cuda", 0) if backend == "cuda" else torch.device("cpu")
@@ -131,7 +131,7 @@ def throughput(device, mb: int) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from vllm_dedup.keys import device_fingerprints, same_bytes
+    from vllm_dedup.content.fingerprint import device_fingerprints, same_bytes
 
     n = mb * MB // 2
     a = torch.randn(n, device=device, dtype=torch.float32).to(torch.bfloat16)
@@ -163,30 +163,31 @@ def throughput(device, mb: int) -> dict:
 
 # parent ------------------------------------------------------------------------------------
 class Child:
+    """An engine child (``--child``) with its protocol: one JSON command per line, one ``OK``
+    or ``ERR`` JSON reply."""
+
     def __init__(self, name: str, sock: Path, backend: str, segment_mb: int):
+        from harness.procs import PeerProcess
+
         self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(sock), "--backend", backend, "--segment-mb", str(segment_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.peer = PeerProcess([__file__, "--child", sock, "--backend", backend, "--segment-mb", segment_mb], name)
+        self.proc = self.peer.proc
         self.info = self._read()
 
     def _read(self, timeout_s: float = 300) -> dict:
-        from vllm_dedup.measure import ChildExited, read_reply
+        from harness.procs import ChildExited
 
         try:
-            return json.loads(read_reply(self.proc, ("OK ", "ERR "), timeout_s, self.name))
+            return self.peer.read_json(("OK ", "ERR "), timeout_s)
         except ChildExited as e:  # e.g. killed by the fault of a write through a read-only mapping
             return {"error": f"exited with status {e.returncode}", "exit": e.returncode}
 
     def ask(self, op: str, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
+        self.peer.send({"op": op, **args})
         return self._read()
 
     def end(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-        return self.proc.wait(timeout=60)
+        return self.peer.end()
 
 
 def used_memory(backend: str):
@@ -222,8 +223,9 @@ def settle(measure, wait_s: float = 0.5) -> int:
 
 
 def run(backend: str, segment_mb: int, throughput_mb: int) -> dict:
-    from vllm_dedup.broker import BrokerServer, registry_stats
-    from vllm_dedup.registry import Registry
+    from vllm_dedup.registry.client import registry_stats
+    from vllm_dedup.registry.server import BrokerServer
+    from vllm_dedup.registry.state import Registry
 
     measure = used_memory(backend)
     checks: list[dict] = []
@@ -277,8 +279,8 @@ def run(backend: str, segment_mb: int, throughput_mb: int) -> dict:
             check("after A exits, B and C still compute the same result",
                   all(r.get("result") == reference for r in again.values()), json.dumps(again))
             stats = registry_stats(server.path)
-            check("the registry still holds the segment once", [g["segments"] for g in stats["groups"]] == [1],
-                  json.dumps(stats["groups"]))
+            check("the registry still holds the segment once", [g.segments for g in stats.groups] == [1],
+                  json.dumps(stats.to_dict()["groups"]))
             children["D"] = d = Child("D", server.path, backend, segment_mb)
             d.ask("map")
             wrote = d.ask("write")

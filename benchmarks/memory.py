@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/memory.py --model PATH [--json]
 
-Scenarios (the second engine's checkpoint is built from ``PATH`` by `vllm_dedup.variants`):
+Scenarios (the second engine's checkpoint is built from ``PATH`` by `harness.variants`):
 
 - ``same-model``: both engines serve PATH;
 - ``last-layers-variant``: the second serves PATH with its last two decoder layers retrained;
@@ -34,12 +34,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_dedup.broker import registry_stats, shutdown_registry
-from vllm_dedup.config import DedupConfig
-from vllm_dedup.manifest import ManifestCache, default_cache_dir
-from vllm_dedup.measure import EngineProcess
-from vllm_dedup.scan import Report, scan_model
-from vllm_dedup.variants import cached_variant
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+
+from harness.engines import EngineProcess  # noqa: E402
+from harness.variants import cached_variant  # noqa: E402
+from vllm_dedup.config import DedupConfig  # noqa: E402
+from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
+from vllm_dedup.scan.files import scan_model  # noqa: E402
+from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
+from vllm_dedup.scan.report import Report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
@@ -65,7 +69,7 @@ def phase(models: list[Path], load_format: str, groups: list[str] | None = None)
         pss = [e.pss() for e in engines]
         loads = {}
         if load_format == "dedup":
-            loads = {e["pid"]: e["load"] for e in registry_stats()["engines"]}
+            loads = {e.pid: e.load for e in registry_stats().engines}
         return {"pss": pss, "outputs": outputs, "loads": [loads.get(e.pid, {}) for e in engines]}
     finally:
         for e in engines:
@@ -103,7 +107,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the JSON result as the last line")
     args = parser.parse_args()
     if args.model is None:
-        from vllm_dedup.sample_models import smollm2_hf
+        from harness.sample_models import smollm2_hf
 
         args.model = smollm2_hf()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,16 +31,19 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from vllm_dedup.manifest import ManifestCache, default_cache_dir
-from vllm_dedup.scan import scan_model
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+
+from vllm_dedup.scan.files import scan_model  # noqa: E402
+from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def float64_smollm2() -> Path:
     """SmolLM2-135M-Instruct's real weights in float64: a 1.08 GB safetensors checkpoint."""
-    from vllm_dedup.sample_models import smollm2_hf
-    from vllm_dedup.variants import load_state_dict, save_state_dict
+    from harness.sample_models import smollm2_hf
+    from harness.variants import load_state_dict, save_state_dict
 
     out = default_cache_dir() / "bench" / "SmolLM2-135M-Instruct-float64"
     if not (out / "model.safetensors").exists():

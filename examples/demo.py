@@ -3,7 +3,7 @@
     python examples/demo.py [--engines 3] [--json]
 
 Engines: SmolLM2-135M-Instruct, its last-layers variant and its vocab-extended variant (see
-`vllm_dedup.variants`), each a real ``vllm serve`` on 127.0.0.1 (CPU backend).  The run:
+`harness.variants`), each a real ``vllm serve`` on 127.0.0.1 (CPU backend).  The run:
 
 1. expected sharing, from the checkpoints' content keys (`vllm_dedup.scan`): for each engine,
    the bytes of its tensors (>= ``min_tensor_bytes``) already held by the engines before it;
@@ -29,12 +29,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_dedup.broker import registry_stats, shutdown_registry
-from vllm_dedup.config import DedupConfig
-from vllm_dedup.manifest import ManifestCache, default_cache_dir
-from vllm_dedup.measure import ServeProcess, memfd_holders, processes_matching
-from vllm_dedup.scan import Report, scan_model
-from vllm_dedup.variants import smollm2_family
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+
+from harness.engines import ServeProcess  # noqa: E402
+from harness.procs import memfd_holders, processes_matching  # noqa: E402
+from harness.variants import smollm2_family  # noqa: E402
+from vllm_dedup.config import DedupConfig  # noqa: E402
+from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
+from vllm_dedup.scan.files import scan_model  # noqa: E402
+from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
+from vllm_dedup.scan.report import Report  # noqa: E402
 
 PROMPT = "The capital of France is"
 MB = 1e6
@@ -86,7 +91,7 @@ def main() -> int:
         print("dedup engines (--load-format dedup):", file=sys.stderr)
         dedup_pss, dedup_texts, stats = run_phase(models, "dedup", logs, while_up=registry_stats)
         # The registry records each engine's model path and what it mapped from the others.
-        by_model = {e["model"]: e["load"] for e in stats["engines"]}
+        by_model = {e.model: e.load for e in stats.engines}
         shared = [by_model[str(m)]["shared_bytes"] for m in models]
 
         rows = []

@@ -8,7 +8,7 @@ one ``LLMServer`` deployment per model, each a vLLM engine (CPU backend here) lo
 ``load_format="dedup"``, behind one ``/v1`` route that picks the deployment from the request's
 ``model`` field.  `vllm_dedup.serve.build_dedup_app` builds it and creates the registry actor in
 the same Ray cluster first.  Models: SmolLM2-135M-Instruct and two variants of it
-(`vllm_dedup.variants.smollm2_family`).
+(`harness.variants.smollm2_family`).
 
 ``--smoke`` runs the same application twice in one Ray cluster, plain (vLLM's default loader)
 then dedup: deploy, query every model once (greedy), measure PSS, delete.  PSS is summed over
@@ -27,10 +27,15 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
-from vllm_dedup.broker import registry_stats, shutdown_registry
-from vllm_dedup.measure import free_port, openai_complete, serve_replica_pids, tree_pss_bytes
-from vllm_dedup.variants import smollm2_family
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+
+from harness.engines import openai_complete  # noqa: E402
+from harness.procs import free_port, serve_replica_pids, tree_pss_bytes  # noqa: E402
+from harness.variants import smollm2_family  # noqa: E402
+from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 
 PROMPT = "The capital of France is"
 MB = 1e6
@@ -70,7 +75,7 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
         pss = {model: sum(tree_pss_bytes(p) for p in serve_replica_pids(app_name, f"LLMServer:{model}"))
                for model in models}
         stats = registry_stats() if dedup else None
-        registry_pss = tree_pss_bytes(stats["registry_pid"]) if dedup else 0
+        registry_pss = tree_pss_bytes(stats.registry_pid) if dedup else 0
     finally:
         serve.delete(app_name)
     return {"deploy_s": deploy_s, "answers": answers, "pss": pss, "registry_pss": registry_pss, "stats": stats}
@@ -79,7 +84,7 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
 def smoke(models: dict, port: int) -> dict:
     plain = run_phase(models, dedup=False, port=port)
     dedup = run_phase(models, dedup=True, port=port)
-    by_model = {e["model"]: e["load"] for e in dedup["stats"]["engines"]}
+    by_model = {e.model: e.load for e in dedup["stats"].engines}
     rows = []
     for model, path in models.items():
         load = by_model.get(str(path), {})

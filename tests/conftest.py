@@ -1,7 +1,12 @@
-"""Shared fixtures: the real checkpoints and their variants, built once per test session.
+"""Shared fixtures: the real checkpoints and their variants (built once per test session), a
+private registry location per test, an in-process broker, and a real Ray cluster on loopback.
 
 Everything a test writes lives under pytest's temporary directories: the manifest cache and
 the converted models are pointed there through ``VLLM_DEDUP_CACHE_DIR``.
+
+Layout: ``unit/`` (no engine, no child process beyond the CLI; seconds), ``integration/`` (real
+processes sharing real memory through a real broker), ``e2e/`` (real vLLM engines, Ray, Ray
+Serve; marked ``slow``).  ``bash tests/run.sh -m "not slow"`` runs the first two.
 """
 
 from __future__ import annotations
@@ -16,14 +21,35 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dedup.broker import registry_stats, shutdown_registry
-from vllm_dedup.measure import processes_matching
-from vllm_dedup.sample_models import minilm_dir, smollm2_gguf, smollm2_hf
-from vllm_dedup.variants import VARIANT_KINDS, build_variant
+import xxhash
+
+from harness.procs import ROOT, processes_matching
+from harness.sample_models import MODELS_ENV, minilm_dir, smollm2_gguf, smollm2_hf
+from harness.variants import VARIANT_KINDS, cached_variant
+from vllm_dedup.registry.client import registry_stats, shutdown_registry
+from vllm_dedup.registry.server import BrokerServer
+from vllm_dedup.registry.state import Registry, RegistryStats
+
+E2E = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(items):
+    """Every end-to-end test (real vLLM engines, Ray) is ``slow``."""
+    for item in items:
+        if E2E in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
+
+
+# Converted models and variants outlive a test run (converting takes ~20 s), under .venv/ with the
+# code that makes them in the folder's name: a change to that code builds them anew.
+_MAKERS = [ROOT / "harness" / "sample_models.py", ROOT / "harness" / "variants.py"]
+os.environ[MODELS_ENV] = str(ROOT / ".venv" / "test-models" /
+                             xxhash.xxh3_64_hexdigest(b"".join(p.read_bytes() for p in _MAKERS)))
 
 
 @pytest.fixture(scope="session")
 def cache_root(tmp_path_factory) -> Path:
+    """The manifest cache of this test session (empty at its start)."""
     root = tmp_path_factory.mktemp("vllm-dedup-cache")
     os.environ["VLLM_DEDUP_CACHE_DIR"] = str(root)
     return root
@@ -31,8 +57,9 @@ def cache_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(cache_root) -> Path:
-    """SmolLM2-135M-Instruct converted from the packaged GGUF (bfloat16 HF folder)."""
-    return smollm2_hf(cache_root)
+    """SmolLM2-135M-Instruct converted from the packaged GGUF (bfloat16 HF folder: 272 tensors,
+    the embedding 49152 x 576)."""
+    return smollm2_hf()
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +73,9 @@ def minilm() -> Path:
 
 
 @pytest.fixture(scope="session")
-def variants(smollm2, tmp_path_factory) -> dict[str, Path]:
+def variants(smollm2) -> dict[str, Path]:
     """Every kind in `VARIANT_KINDS`, built from the converted SmolLM2."""
-    root = tmp_path_factory.mktemp("variants")
-    return {kind: build_variant(smollm2, kind, root / kind) for kind in VARIANT_KINDS}
+    return {kind: cached_variant(smollm2, kind) for kind in VARIANT_KINDS}
 
 
 
@@ -64,15 +90,15 @@ class RegistryEnv:
     def socket(self) -> Path:
         return self.run_dir / "vllm-dedup.sock"
 
-    def stats(self) -> dict:
+    def stats(self) -> RegistryStats:
         return registry_stats(self.socket)
 
     def engine_loads(self) -> dict[int, dict]:
         """pid -> that engine's reported load (tensors and bytes shared/published/private)."""
-        return {e["pid"]: e["load"] for e in self.stats()["engines"]}
+        return {e.pid: e.load for e in self.stats().engines}
 
     def daemon_pids(self) -> list[int]:
-        return processes_matching(b"vllm_dedup.broker", str(self.socket).encode())
+        return processes_matching(b"vllm_dedup.registry.daemon", str(self.socket).encode())
 
     def shutdown(self) -> None:
         shutdown_registry(self.socket)
@@ -91,6 +117,14 @@ def registry(tmp_path, monkeypatch) -> RegistryEnv:
     while env.daemon_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not env.daemon_pids(), "the registry daemon did not exit"
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A real broker serving a fresh `Registry` on a socket of this test's own, in this process."""
+    server = BrokerServer(Registry(), tmp_path / "run" / "test.sock").start()
+    yield server
+    server.stop()
 
 
 # Ray on loopback only (single-machine mode), and no auth token written into a home directory.

@@ -10,14 +10,23 @@ import time
 from pathlib import Path
 
 
-def run_cli(*args: str, cache: Path | None = None, check: bool = False, user: int | None = None):
-    """Run the installed ``vllm-dedup`` console script in a subprocess, as a user would."""
+# Run as root, a command still obeys file permission bits once it lacks these capabilities: a
+# file of mode 000 is then unreadable to it, while the checkout and the interpreter stay
+# reachable (running as another uid would not reach them in a private, mode-0700 checkout).
+DROP_PERMISSION_OVERRIDE = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def run_cli(*args: str, cache: Path | None = None, check: bool = False, obey_permissions: bool = False):
+    """Run the installed ``vllm-dedup`` console script in a subprocess, as a user would.
+
+    ``obey_permissions``: as root, run it without the capabilities that override file
+    permissions, as an unprivileged user would be."""
     env = dict(os.environ)
     if cache is not None:
         env["VLLM_DEDUP_CACHE_DIR"] = str(cache)
     cmd = [str(Path(sys.executable).with_name("vllm-dedup")), *args]
-    if user is not None:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    if obey_permissions and os.geteuid() == 0:
+        cmd = [*DROP_PERMISSION_OVERRIDE, *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

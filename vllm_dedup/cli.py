@@ -14,9 +14,11 @@ import argparse
 import json
 import sys
 
-from .checkpoints import CheckpointError
-from .manifest import ManifestCache, default_cache_dir
-from .scan import Report, scan_model
+from .errors import CheckpointError, RegistryUnavailable
+from .registry.state import RegistryStats
+from .scan.files import scan_model
+from .scan.manifest import ManifestCache, default_cache_dir
+from .scan.report import Report
 
 
 def _size(n: int) -> str:
@@ -92,45 +94,46 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-def format_status(stats: dict) -> str:
+def format_status(stats: RegistryStats) -> str:
     """The human-readable registry status (what ``vllm-dedup status`` prints)."""
     out = [
         _table(
-            [[g["device"], g["share_group"], g["engines"], g["segments"], _size(g["resident_bytes"]),
-              _size(g["shared_bytes"]), _size(g["saved_bytes"])] for g in stats["groups"]],
+            [[g.device, g.share_group, g.engines, g.segments, _size(g.resident_bytes), _size(g.shared_bytes),
+              _size(g.saved_bytes)] for g in stats.groups],
             ["device", "share group", "engines", "segments", "resident", "shared", "saved"],
         ),
         "",
     ]
-    if stats["engines"]:
+    if stats.engines:
         out.append(
             _table(
-                [[e["pid"], e["share_group"], e["segments"], _size(e["load"].get("shared_bytes", 0)),
-                  _size(e["load"].get("published_bytes", 0)), _size(e["load"].get("private_bytes", 0)), e["model"]]
-                 for e in stats["engines"]],
+                [[e.pid, e.share_group, e.segments, _size(e.load.get("shared_bytes", 0)),
+                  _size(e.load.get("published_bytes", 0)), _size(e.load.get("private_bytes", 0)), e.model]
+                 for e in stats.engines],
                 ["pid", "share group", "segments", "shared", "published", "private", "model"],
             )
         )
     else:
         out.append("no engines connected")
-    for name, pid in stats.get("locks", {}).items():
+    for name, pid in stats.locks.items():
         out.append(f"lock {name} held by pid {pid}")
-    deferred = sum(g.get("deferred_segments", 0) for g in stats["groups"])
+    deferred = sum(g.deferred_segments for g in stats.groups)
     if deferred:
         out.append(f"{deferred} unheld segment(s) kept until a start-up on their device ends")
-    out.append(f"hash collisions caught: {stats['collisions']}   keep_warm_s: {stats['keep_warm_s']}")
+    out.append(f"hash collisions caught: {stats.collisions}   keep_warm_s: {stats.keep_warm_s}")
     return "\n".join(out)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from .broker import RegistryUnavailable, registry_stats, socket_path
+    from .registry.client import registry_stats
+    from .registry.protocol import socket_path
 
     try:
         stats = registry_stats(socket_path(args.namespace))
     except RegistryUnavailable as e:
         print(f"vllm-dedup status: no registry for namespace {args.namespace!r} on this node ({e})", file=sys.stderr)
         return 1
-    print(json.dumps(stats) if args.json else format_status(stats))
+    print(json.dumps(stats.to_dict()) if args.json else format_status(stats))
     return 0
 
 

@@ -33,10 +33,10 @@ class DedupConfig:
         cpu_share_linear: on vLLM's CPU backend, keep plain linear weights (``F.linear``) so
             that they can be shared, instead of letting vLLM repack them into oneDNN memory
             (then only embeddings, norms and untied heads are shared).
-        registry_address: ``None`` (find or start one: see `ray_actor.connect_registry`),
+        registry_address: ``None`` (find or start one: see `registry.discovery.connect_registry`),
             ``"local"`` (standalone daemon, no Ray), or a Ray address.
         registry_namespace: the registry's Ray namespace and socket name.
-        accounting: where the memory saved on a GPU goes (`accounting.py`): ``kv_cache`` (a
+        accounting: where the memory saved on a GPU goes (`engine.session`): ``kv_cache`` (a
             bigger KV cache) or ``external`` (the KV cache of a plain load; the engine's
             footprint shrinks instead, leaving room for more engines).
         startup_lock_timeout_s: seconds to wait for the GPU's start-up lock (another engine

@@ -2,7 +2,7 @@
 
 vLLM calls `register` once in every process it starts (front end, engine core, each worker).
 The load format must be known in the worker, where the loader is built; vLLM's CLI accepts any
-``--load-format`` string and only the worker checks it (DESIGN.md, "Plugin").
+``--load-format`` string and only the worker checks it (docs/architecture.md, "vLLM facts").
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ LOAD_FORMAT = "dedup"
 
 
 def register() -> None:
-    """Register `DedupModelLoader` as load format ``dedup``, install the guards and the GPU
-    start-up lock's release hook (`accounting.install`).  Idempotent."""
+    """Register `DedupModelLoader` as load format ``dedup`` and install the Worker wrappers
+    (`engine.worker_hooks.install`: guards and the GPU start-up hooks).  Idempotent."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
-    from . import accounting, guards
-    from .loader import DedupModelLoader
+    from .engine import worker_hooks
+    from .engine.loader import DedupModelLoader
 
     # register_model_loader warns when a format is registered twice; plugins may load more
     # than once per process (LLM() in a process that already imported them).
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not DedupModelLoader:
         register_model_loader(LOAD_FORMAT)(DedupModelLoader)
-    guards.install()
-    accounting.install()
+    worker_hooks.install()

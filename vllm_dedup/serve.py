@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .broker import DEFAULT_NAMESPACE, socket_path
+from .registry.protocol import DEFAULT_NAMESPACE, socket_path
 
 __all__ = ["build_dedup_app", "dedup_engine_kwargs", "dedup_llm_config", "ensure_registry"]
 
@@ -44,11 +44,11 @@ def ensure_registry(namespace: str = DEFAULT_NAMESPACE) -> Path:
 
     Raises:
         RuntimeError: Ray is not initialized in this process.
-        broker.RegistryUnavailable: the actor could not be created.
+        RegistryUnavailable: the actor could not be created.
     """
     import ray
 
-    from .ray_actor import ensure_actor
+    from .registry.ray_actor import ensure_actor
 
     if not ray.is_initialized():
         raise RuntimeError("vllm_dedup.serve.ensure_registry needs a Ray connection: call ray.init() first")

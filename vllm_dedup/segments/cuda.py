@@ -3,7 +3,7 @@
 Why VMM and not legacy CUDA IPC (``cudaIpcGetMemHandle``, torch's ``reduce_tensor``): an IPC
 handle dies with the process that exported it, while a VMM allocation exported as a POSIX file
 descriptor lives as long as any descriptor, handle or mapping of it does.  The engine that
-loaded a tensor first can exit, even by SIGKILL, and the others keep computing (DESIGN.md,
+loaded a tensor first can exit, even by SIGKILL, and the others keep computing (docs/architecture.md,
 "Segments").  The registry keeps one descriptor per segment, so it decides when memory is freed.
 
 Creating a segment (the engine that loads a tensor first):
@@ -33,7 +33,9 @@ import logging
 import os
 import threading
 
-from . import Segment, typed_view
+from ..content.views import typed_view
+from ..errors import SegmentError
+from .base import Segment
 
 __all__ = ["CudaError", "CudaSegment"]
 
@@ -45,7 +47,7 @@ _granularity: dict[int, int] = {}  # ordinal -> bytes
 _read_only_refused = False
 
 
-class CudaError(RuntimeError):
+class CudaError(SegmentError):
     """A CUDA driver call failed, or the driver (or cuda-bindings) is missing."""
 
 
@@ -325,7 +327,7 @@ class CudaSegment(Segment):
             device: the device key the registry filed the segment under.
 
         Raises:
-            ValueError: the descriptor is not a CUDA allocation of at least ``nbytes`` on
+            SegmentError: the descriptor is not a CUDA allocation of at least ``nbytes`` on
                 ``device`` (import or map refused).
             CudaError: the driver is not usable, or the device is not visible here.
         """
@@ -342,12 +344,12 @@ class CudaSegment(Segment):
                            drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         except CudaError as e:
             os.close(fd)
-            raise ValueError(f"received descriptor is not a CUDA allocation ({e})") from None
+            raise SegmentError(f"received descriptor is not a CUDA allocation ({e})") from None
         try:
             mapping = _Mapping(handle, size, ordinal, read_only=True)
         except CudaError as e:
             os.close(fd)
-            raise ValueError(f"cannot map {size} bytes of the received allocation ({e})") from None
+            raise SegmentError(f"cannot map {size} bytes of the received allocation ({e})") from None
         finally:
             _call("cuMemRelease", handle)
         return cls(mapping, fd, nbytes, device)

@@ -5,7 +5,7 @@ The creator copies the tensor's bytes into a fresh memfd and then seals it
 any writable shared mapping and any ``write`` to it, in every process, the creator's included:
 a stray in-place write into a shared weight faults instead of silently changing another
 engine's model.  All processes map it ``PROT_READ``, ``MAP_SHARED``, so its pages exist once
-and are counted once across processes (PSS splits them; ENV-NOTES.md).
+and are counted once across processes (PSS splits them).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import mmap
 import os
 import warnings
 
-from . import Segment, typed_view
+from ..content.views import tensor_bytes, typed_view
+from ..errors import SegmentError
+from .base import Segment
 
 __all__ = ["HostSegment"]
 
@@ -43,8 +45,6 @@ class HostSegment(Segment):
             ValueError: a part does not fit in ``nbytes``.
             OSError: memfd_create, write or sealing failed (e.g. out of memory).
         """
-        from ..keys import tensor_bytes
-
         views = [(tensor_bytes(t), offset) for t, offset in parts]
         for view, offset in views:
             if offset < 0 or offset + view.nbytes > nbytes:
@@ -75,7 +75,7 @@ class HostSegment(Segment):
         """Map a received memfd read-only.
 
         Raises:
-            ValueError: the descriptor is not a fully sealed memfd of at least ``nbytes``
+            SegmentError: the descriptor is not a fully sealed memfd of at least ``nbytes``
                 (a peer could otherwise change the bytes under us after the compare).
         """
         try:
@@ -83,10 +83,10 @@ class HostSegment(Segment):
             size = os.fstat(fd).st_size
         except OSError as e:
             os.close(fd)
-            raise ValueError(f"received descriptor is not a memfd ({e})") from None
+            raise SegmentError(f"received descriptor is not a memfd ({e})") from None
         if seals & _SEALS != _SEALS or size < nbytes:
             os.close(fd)
-            raise ValueError(f"received memfd is not sealed read-only or is too small ({size} < {nbytes} bytes)")
+            raise SegmentError(f"received memfd is not sealed read-only or is too small ({size} < {nbytes} bytes)")
         return cls(fd, nbytes, device)
 
     def tensor(self, offset: int, dtype, shape, stride):

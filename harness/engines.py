@@ -1,0 +1,240 @@
+"""Real vLLM engines in child processes, for the tests, benchmarks and demo.  Not shipped.
+
+- `ServeProcess`: ``vllm serve`` on 127.0.0.1, the multi-process path users run;
+- `EngineProcess`: ``LLM()`` in one child process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), driven
+  over stdin/stdout by ``python -m harness.engines``: starts in seconds, and its own PSS is the
+  engine's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .procs import PeerProcess, descendants, free_port, pss_bytes, tree_pss_bytes
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+
+__all__ = ["PROMPTS", "EngineProcess", "ServeProcess", "openai_complete", "start_engines"]
+
+
+def openai_complete(port: int, model: str, prompt: str, max_tokens: int = 16, logprobs: int | None = None) -> dict:
+    """One greedy completion through an OpenAI-compatible ``/v1/completions`` route on
+    127.0.0.1:``port``; returns the response JSON.
+
+    Raises:
+        urllib.error.URLError: the server cannot be reached or answered an error status.
+    """
+    request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if logprobs is not None:
+        request["logprobs"] = logprobs
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(request).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+class ServeProcess:
+    """One ``vllm serve`` engine on 127.0.0.1, in its own process group.
+
+    Args:
+        model: model folder.
+        load_format: ``auto``, ``dedup``, ...
+        extra_config: ``--model-loader-extra-config`` (dict), if any.
+        log: file for the server's output.
+        core: CPU core for the engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``).
+        kv_cache_bytes: the KV cache's size (the CPU backend needs one given explicitly).
+    """
+
+    def __init__(self, model, load_format: str, log: Path, extra_config: dict | None = None,
+                 core: int | None = None, kv_cache_bytes: int = 32 << 20, env: dict | None = None):
+        self.model = str(model)
+        self.port = free_port()
+        self.log_path = Path(log)
+        self._log = open(self.log_path, "wb")
+        cmd = [str(Path(sys.executable).with_name("vllm")), "serve", self.model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--load-format", load_format, "--seed", "0"]
+        if extra_config:
+            cmd += ["--model-loader-extra-config", json.dumps(extra_config)]
+        full_env = {**os.environ, **(env or {})}
+        if core is not None:
+            full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 300) -> ServeProcess:
+        """Wait for ``/health``.
+
+        Raises:
+            RuntimeError: the server exited (the message holds its log's tail).
+            TimeoutError: not ready within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve {self.model} exited ({self.proc.returncode}):\n"
+                                   + self.log_path.read_text(errors="replace")[-5000:])
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"vllm serve {self.model} not ready after {timeout_s} s")
+
+    def complete(self, prompts: list[str] = PROMPTS, max_tokens: int = 16) -> list[str]:
+        """Greedy completions through the OpenAI-compatible ``/v1/completions`` route."""
+        return [openai_complete(self.port, self.model, p, max_tokens)["choices"][0]["text"] for p in prompts]
+
+    def pss(self) -> int:
+        """PSS of the server's process tree, in bytes."""
+        return tree_pss_bytes(self.proc.pid)
+
+    def pids(self) -> list[int]:
+        return descendants(self.proc.pid)
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """SIGTERM the process group, SIGKILL it after ``timeout_s``; close the log."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+class EngineProcess(PeerProcess):
+    """A vLLM engine (``LLM()``) alone in a child process.
+
+    Args:
+        model: model folder.
+        load_format: ``auto``, ``dedup``, ...
+        extra: ``model_loader_extra_config``.
+        env: extra environment for the child.
+        core: CPU core for its OpenMP threads.
+        kv_cache_bytes: the KV cache's size in bytes.
+
+    The child prints ``READY`` once loaded; `generate`, `complete` and `rpc` talk to it; its
+    stderr (vLLM's log) is kept for `log`.
+    """
+
+    def __init__(self, model, load_format: str = "dedup", extra: dict | None = None, env: dict | None = None,
+                 core: int | None = None, kv_cache_bytes: int = 32 << 20):
+        # vLLM logs to stdout by default; to stderr here, so that stdout carries only the
+        # protocol and `log` holds everything the engine said.
+        full_env = {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+        if core is not None:
+            full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        self.model = str(model)
+        super().__init__(["-m", "harness.engines", self.model, load_format, json.dumps(extra or {}),
+                          str(kv_cache_bytes)], f"engine for {self.model}", full_env)
+
+    def wait_ready(self, timeout_s: float = 300) -> EngineProcess:
+        """Wait until the engine has loaded.
+
+        Raises:
+            ChildExited: the child exited (the message holds its log's tail).
+        """
+        self.read("READY", timeout_s)
+        return self
+
+    def complete(self, prompts: list[str] = PROMPTS, max_tokens: int = 16) -> dict:
+        """Greedy completions: ``{"ids": [[token ids], ...], "texts": [...], "seconds": s}``."""
+        self.send({"prompts": prompts, "max_tokens": max_tokens})
+        return self.read_json("RESULT ", 600)
+
+    def generate(self, prompts: list[str] = PROMPTS, max_tokens: int = 16) -> list[list[int]]:
+        """Greedy token ids for each prompt."""
+        return self.complete(prompts, max_tokens)["ids"]
+
+    def rpc(self, method: str) -> str:
+        """``LLM.collective_rpc(method)``: ``"ok"`` or ``"error <message>"``."""
+        self.send({"rpc": method})
+        return self.read("RPC ", 120)
+
+    def pss(self, trim: bool = True) -> int:
+        """The engine's PSS in bytes (engine core and worker run in this one process).
+
+        With ``trim``, the engine first runs ``gc.collect()`` and ``malloc_trim(0)``, so that
+        heap memory already freed but kept by the allocator does not count: it varies from run
+        to run by tens of MB and would drown the differences measured.
+        """
+        if trim and self.proc.poll() is None:
+            self.send({"trim": True})
+            self.read("TRIMMED", 60)
+        return pss_bytes(self.pid)
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """Ask the engine to exit, SIGKILL it after ``timeout_s``; close its pipes."""
+        if self.proc.poll() is None:
+            try:
+                self.send({"exit": True})
+            except OSError:
+                pass
+        self.end(timeout_s)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_engines(specs: list[dict]) -> list[EngineProcess]:
+    """Start engines one after another (each waits for the previous: the first publishes, the
+    next ones map), each bound to its own core.  ``specs``: `EngineProcess` arguments."""
+    engines = []
+    try:
+        for i, spec in enumerate(specs):
+            engines.append(EngineProcess(core=i % (os.cpu_count() or 1), **spec).wait_ready())
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines
+
+
+def _engine_main(argv: list[str]) -> None:
+    """The child side of `EngineProcess`: load, say READY, answer requests until EOF."""
+    from vllm import LLM, SamplingParams
+
+    model, fmt = argv[0], argv[1]
+    extra = json.loads(argv[2]) if len(argv) > 2 else {}
+    kv_bytes = int(argv[3]) if len(argv) > 3 else 32 << 20
+    llm = LLM(model, load_format=fmt, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              kv_cache_memory_bytes=kv_bytes, seed=0, **({"model_loader_extra_config": extra} if extra else {}))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("exit"):
+            break
+        if req.get("trim"):
+            import ctypes
+            import gc
+
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            print("TRIMMED", flush=True)
+            continue
+        if "rpc" in req:
+            try:
+                llm.collective_rpc(req["rpc"])
+                print("RPC ok", flush=True)
+            except Exception as e:  # reported to the parent, which decides
+                print("RPC error " + str(e).replace("\n", " "), flush=True)
+            continue
+        start = time.perf_counter()
+        outs = llm.generate(req["prompts"], SamplingParams(temperature=0, max_tokens=req.get("max_tokens", 16)),
+                            use_tqdm=False)
+        print("RESULT " + json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs],
+                                      "texts": [o.outputs[0].text for o in outs],
+                                      "seconds": time.perf_counter() - start}), flush=True)
+
+
+if __name__ == "__main__":
+    _engine_main(sys.argv[1:])

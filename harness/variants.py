@@ -1,0 +1,158 @@
+"""Variants of an HF model folder, built the way users end up with them.
+
+Nothing on PyPI ships a real base model together with a fine-tune of it, so the
+tests, the demo and the benchmarks derive variants from a real model.  Each kind mimics how such
+checkpoints arise; the text says what a content-matching scan or loader should find shared with
+the base:
+
+``renamed-resharded``
+    The same weights saved again as a headless base model (``LlamaModel.save_pretrained``: no
+    ``model.`` prefix) in shards of at most 64 MB.  Every file's bytes differ; every tensor is
+    shared.  For scans only: vLLM's causal-LM classes expect the prefixed names.
+``last-layers``
+    The last two decoder layers retrained (here: perturbed with seeded noise of 1% of each
+    tensor's standard deviation).  Shared: everything except those layers' tensors.
+``vocab-extended``
+    A few tokens added to the vocabulary: the embedding matrix (and an untied head) grows by
+    that many rows, the tokenizer and ``vocab_size`` follow.  Shared: everything except the
+    embedding and head.
+``fp16``
+    A float16 copy.  Shared: nothing (a different dtype is different content).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+__all__ = ["VARIANT_KINDS", "build_variant", "cached_variant", "load_state_dict", "save_state_dict"]
+
+VARIANT_KINDS = ("renamed-resharded", "last-layers", "vocab-extended", "fp16")
+
+_ADDED_TOKENS = [f"<|variant_token_{i}|>" for i in range(8)]
+
+
+def load_state_dict(model_dir: Path) -> dict:
+    """Every tensor of an HF folder's safetensors files, read into memory (name -> tensor)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def save_state_dict(tensors: dict, out_dir: Path, max_shard_size: str | int | None = None) -> None:
+    """Write tensors as ``model.safetensors``, or as shards plus ``model.safetensors.index.json``.
+
+    Sharding uses huggingface_hub's ``split_torch_state_dict_into_shards`` (the same rule
+    transformers uses); ``max_shard_size`` is bytes or a string like ``"64MB"``.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if max_shard_size is None:
+        save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+        return
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, out_dir / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _layer_count(config: dict) -> int:
+    return int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
+
+
+def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
+    """Build variant ``kind`` (one of `VARIANT_KINDS`) of the HF folder ``base`` in ``out_dir``.
+
+    Non-weight files (config, tokenizer, templates) are copied.  The folder appears atomically.
+
+    Raises:
+        ValueError: ``kind`` is not a known variant kind.
+    """
+    import torch
+
+    if kind not in VARIANT_KINDS:
+        raise ValueError(f"unknown variant kind {kind!r}; choose one of {', '.join(VARIANT_KINDS)}")
+    base, out_dir = Path(base), Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy2(f, tmp / f.name)
+    config = json.loads((base / "config.json").read_text())
+    tensors = load_state_dict(base)
+    shard = None
+
+    if kind == "renamed-resharded":
+        tensors = {re.sub(r"^model\.", "", k): v for k, v in tensors.items()}
+        shard = "64MB"
+    elif kind == "last-layers":
+        n = _layer_count(config)
+        changed = re.compile(rf"\.layers\.({n - 2}|{n - 1})\.")
+        gen = torch.Generator().manual_seed(seed)
+        for name, t in tensors.items():
+            if changed.search(name) and t.is_floating_point():
+                noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+                tensors[name] = (t.float() + 0.01 * t.float().std() * noise).to(t.dtype)
+    elif kind == "vocab-extended":
+        from transformers import AutoTokenizer
+
+        extra = len(_ADDED_TOKENS)
+        for name, t in tensors.items():
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                # New rows start at the mean embedding, as transformers' resize does by default.
+                tensors[name] = torch.cat([t, t.float().mean(0, keepdim=True).to(t.dtype).expand(extra, -1)])
+        config["vocab_size"] = int(config["vocab_size"]) + extra
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer.add_tokens(_ADDED_TOKENS)
+        tokenizer.save_pretrained(tmp)
+    elif kind == "fp16":
+        tensors = {k: (v.half() if v.is_floating_point() else v) for k, v in tensors.items()}
+        config["torch_dtype"] = config["dtype"] = "float16"
+
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_state_dict(tensors, tmp, shard)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def cached_variant(base: Path, kind: str) -> Path:
+    """Variant ``kind`` of ``base``, built once under ``<models_dir>/variants/`` and reused after
+    (`sample_models.models_dir`).
+
+    Raises:
+        ValueError: ``kind`` is not a known variant kind.
+    """
+    from .sample_models import models_dir
+
+    out = models_dir() / "variants" / f"{Path(base).name}-{kind}"
+    return out if (out / "config.json").exists() else build_variant(base, kind, out)
+
+
+def smollm2_family(n: int = 3) -> dict[str, Path]:
+    """The demo's model family: SmolLM2-135M-Instruct and up to two of its variants
+    (``last-layers``, ``vocab-extended``), as model id -> folder, built once and cached.
+
+    Raises:
+        ValueError: ``n`` is not 1, 2 or 3.
+    """
+    from .sample_models import smollm2_hf
+
+    if not 1 <= n <= 3:
+        raise ValueError(f"the SmolLM2 family has 1 to 3 members, asked for {n}")
+    base = smollm2_hf()
+    family = {"smollm2": base}
+    for kind in ("last-layers", "vocab-extended")[: n - 1]:
+        family[f"smollm2-{kind}"] = cached_variant(base, kind)
+    return family

@@ -1,0 +1,230 @@
+"""Several real vLLM engines (CPU backend) sharing their common weights through the registry.
+
+Every engine is a real vLLM engine in its own process (`harness.engines.EngineProcess`); the registry is the
+real daemon, or the real Ray actor on a real Ray cluster on loopback.  Counts come from the
+registry; expected counts are derived here from the checkpoints, independently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from harness.engines import PROMPTS, EngineProcess, ServeProcess, start_engines
+from harness.procs import free_port, memfd_holders, processes_matching
+from helpers import wait_for
+
+def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2, registry):
+    with EngineProcess(smollm2, "auto") as plain:
+        plain.wait_ready()
+        reference = plain.generate()
+        assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
+
+    # Baseline: the same code path with nothing shared (two share groups), so that the
+    # difference below is what sharing saves and nothing else.
+    apart = start_engines([{"model": smollm2, "extra": {"share_group": "x"}},
+                           {"model": smollm2, "extra": {"share_group": "y"}}])
+    for e in apart:
+        assert e.generate() == reference
+    apart_pss = sum(e.pss() for e in apart)  # both phases measured after the same work
+    for e in apart:
+        e.stop()
+
+    a, b = start_engines([{"model": smollm2}, {"model": smollm2}])
+    try:
+        assert a.generate() == reference and b.generate() == reference
+        loads = registry.engine_loads()
+        la, lb = loads[a.pid], loads[b.pid]
+        assert la["shared_tensors"] == 0 and la["published_tensors"] > 0 and la["collisions"] == 0
+        assert lb["shared_tensors"] == la["published_tensors"] and lb["published_tensors"] == 0
+        assert lb["shared_bytes"] == la["published_bytes"] > 0.95 * 269e6  # all but small tensors
+        together_pss = a.pss() + b.pss()
+        saved = apart_pss - together_pss
+        print(f"PSS apart {apart_pss / 1e6:.0f} MB, together {together_pss / 1e6:.0f} MB, "
+              f"saved {saved / 1e6:.0f} MB of {lb['shared_bytes'] / 1e6:.0f} MB shareable")
+        assert saved >= 0.9 * lb["shared_bytes"]
+
+        # Guards: in-place weight writers are refused while weights are shared.
+        for op in ("reset_weights", "sleep", "reload_weights"):
+            reply = b.rpc(op)
+            assert reply.startswith("error") and f"{op} is refused" in reply, reply
+        assert b.generate() == reference and a.generate() == reference
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _linear_bytes(model_dir: Path, layers: tuple[int, ...]) -> tuple[int, int]:
+    """Bytes of the checkpoint's linear weights in ``layers``, and how many fused vLLM
+    parameters they become (qkv_proj, o_proj, gate_up_proj, down_proj per layer)."""
+    tensors = load_file(model_dir / "model.safetensors")
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    total = sum(t.numel() * t.element_size() for n, t in tensors.items()
+                if any(f".layers.{i}." in n for i in layers) and any(f".{p}." in n for p in names))
+    return total, 4 * len(layers)
+
+
+def test_variants_share_exactly_their_unchanged_tensors(smollm2, variants, registry):
+    last, vocab = variants["last-layers"], variants["vocab-extended"]
+    plain = EngineProcess(last, "auto").wait_ready()
+    plain_out = plain.generate()
+    plain.stop()
+    engines = start_engines([{"model": smollm2}, {"model": last}, {"model": vocab}])
+    try:
+        base_e, last_e, vocab_e = engines
+        assert last_e.generate() == plain_out
+        loads = registry.engine_loads()
+        n = loads[base_e.pid]["published_tensors"]
+
+        changed_bytes, changed_tensors = _linear_bytes(last, (28, 29))
+        ll = loads[last_e.pid]
+        assert (ll["published_tensors"], ll["published_bytes"]) == (changed_tensors, changed_bytes)
+        assert ll["shared_tensors"] == n - changed_tensors
+        assert ll["shared_bytes"] == loads[base_e.pid]["published_bytes"] - changed_bytes
+
+        lv = loads[vocab_e.pid]
+        vocab_size = json.loads((vocab / "config.json").read_text())["vocab_size"]
+        padded = math.ceil(vocab_size / 64) * 64  # vLLM pads the embedding to 64 rows
+        assert (lv["published_tensors"], lv["published_bytes"]) == (1, padded * 576 * 2)
+        assert lv["shared_tensors"] == n - 1
+        assert registry.stats().collisions == 0
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_sigkill_of_the_first_engine(smollm2, registry):
+    a, b = start_engines([{"model": smollm2}, {"model": smollm2}])
+    try:
+        reference = b.generate()
+        n = registry.engine_loads()[a.pid]["published_tensors"]
+        a.kill()
+        assert wait_for(lambda: [e.pid for e in registry.stats().engines] == [b.pid])
+        assert b.generate() == reference  # still answers, from segments the dead engine made
+        assert registry.stats().groups[0].segments == n  # held by b alone now
+        c = EngineProcess(smollm2, core=0).wait_ready()
+        try:
+            lc = registry.engine_loads()[c.pid]
+            assert (lc["shared_tensors"], lc["published_tensors"]) == (n, 0)
+            assert c.generate() == reference
+        finally:
+            c.stop()
+    finally:
+        b.stop()
+    assert wait_for(lambda: registry.stats().groups == [])
+
+
+def test_unreachable_registry_falls_back_or_fails(smollm2, registry):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with EngineProcess(smollm2, extra={"registry_address": address}) as e:
+        e.wait_ready()
+        assert len(e.generate()) == len(PROMPTS)
+        assert "cannot reach the weight registry" in e.log() and "loading without sharing" in e.log()
+    failing = EngineProcess(smollm2, extra={"registry_address": address, "on_registry_error": "fail"})
+    with pytest.raises(RuntimeError) as err:
+        failing.wait_ready()
+    assert failing.proc.returncode != 0
+    assert "cannot reach the weight registry" in str(err.value)
+    assert f"no Ray cluster answers at {address}" in str(err.value)
+
+
+def test_share_groups_never_share(smollm2, registry):
+    engines = start_engines([{"model": smollm2, "extra": {"share_group": "a"}},
+                             {"model": smollm2, "extra": {"share_group": "b"}},
+                             {"model": smollm2, "extra": {"share_group": "a"}}])
+    try:
+        loads = registry.engine_loads()
+        a1, b, a2 = (loads[e.pid] for e in engines)
+        assert b["shared_tensors"] == 0 and b["published_tensors"] == a1["published_tensors"]
+        assert a2["shared_tensors"] == a1["published_tensors"]
+        groups = {g.share_group: g for g in registry.stats().groups}
+        assert groups["a"].engines == 2 and groups["b"].engines == 1
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_forced_hash_collisions_never_swap_in_other_bytes(smollm2, variants, registry):
+    last = variants["last-layers"]
+    plain = EngineProcess(last, "auto").wait_ready()
+    reference = plain.generate()
+    plain.stop()
+    env = {"VLLM_DEDUP_TEST_FORCE_COLLISIONS": "1"}  # every key of a dtype and shape collides
+    engines = start_engines([{"model": smollm2, "env": env}, {"model": last, "env": env}])
+    try:
+        assert engines[1].generate() == reference
+        loads = registry.engine_loads()
+        assert loads[engines[1].pid]["collisions"] > 0
+        assert loads[engines[0].pid]["collisions"] > 0  # within one model, same shapes collide too
+        assert registry.stats().collisions > 0
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_vllm_serve_with_dedup_answers_like_auto(smollm2, registry, tmp_path):
+    plain = ServeProcess(smollm2, "auto", tmp_path / "auto.log", core=0).wait_ready()
+    try:
+        expected = plain.complete(PROMPTS)
+    finally:
+        plain.stop()
+    served = ServeProcess(smollm2, "dedup", tmp_path / "dedup.log", core=0).wait_ready()
+    try:
+        assert served.complete(PROMPTS) == expected
+        # The served engine's worker process published its weights; a second engine maps them.
+        with EngineProcess(smollm2, core=1) as second:
+            second.wait_ready()
+            loads = registry.engine_loads()
+            assert loads[second.pid]["shared_tensors"] > 0 and loads[second.pid]["published_tensors"] == 0
+        assert served.complete(PROMPTS) == expected
+    finally:
+        served.stop()
+    assert processes_matching(str(served.port).encode()) == []
+    # vLLM's shutdown kills the server's whole process tree; the registry its worker started
+    # has detached from that tree and lives on, with the engine's lease gone.
+    assert registry.daemon_pids()
+    assert wait_for(lambda: registry.stats().engines == [])
+
+
+RAY_ACTORS = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print(json.dumps([a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("vllm-dedup-registry")]))
+"""
+
+
+def _registry_actors(address: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", RAY_ACTORS, address], capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ray_address):
+    reference = None
+    fds_after_first = None
+    for cycle in range(10):
+        with EngineProcess(smollm2, core=cycle % 2) as e:
+            e.wait_ready()
+            if cycle in (0, 9):
+                out = e.generate()
+                reference = reference or out
+                assert out == reference
+            stats = registry.stats()
+            assert [x.pid for x in stats.engines] == [e.pid]
+            registry_pid = stats.registry_pid
+        assert e.proc.returncode == 0
+        assert wait_for(lambda: registry.stats().groups == [] and registry.stats().engines == [])
+        fds = len(os.listdir(f"/proc/{registry_pid}/fd"))
+        fds_after_first = fds_after_first or fds
+        assert fds <= fds_after_first, f"cycle {cycle}: the registry holds {fds} descriptors"
+        assert memfd_holders() == []
+    assert registry_pid != os.getpid() and not registry.daemon_pids()  # the Ray actor, not a daemon
+    assert len(_registry_actors(ray_address)) == 1
+    assert processes_matching(b"harness.engines") == []

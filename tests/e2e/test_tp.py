@@ -1,0 +1,71 @@
+"""Tensor parallelism: every TP rank shares its own shards, and the same rank of two engines of
+one model finds identical shards under identical keys.  Real vLLM engines (CPU backend,
+``tensor_parallel_size=3``: SmolLM2 has 9 attention heads and 3 KV heads), one worker process
+per rank, the real registry daemon."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from harness.procs import PeerProcess, descendants
+from helpers import wait_for
+
+SCRIPT = Path(__file__).resolve().parents[1] / "peers" / "tp_engine.py"
+TP = 3
+
+
+class TPEngine(PeerProcess):
+    """``tests/peers/tp_engine.py``: a TP engine that answers its greedy tokens once loaded."""
+
+    def __init__(self, model: Path, load_format: str):
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)),
+               "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+        super().__init__([SCRIPT, model, load_format, TP], f"TP engine {load_format}", env)
+
+    def tokens(self, timeout_s: float = 400) -> list[int]:
+        return self.read_json("RESULT ", timeout_s)
+
+    def stop(self) -> None:
+        self.end(timeout_s=120)
+
+
+def rank_loads(registry, engine: TPEngine) -> dict[int, dict]:
+    """TP rank -> the load that rank's worker reported."""
+    pids = set(descendants(engine.pid))
+    out = {}
+    for e in registry.stats().engines:
+        if e.pid in pids:
+            rank = int(e.signature.split("|tp")[1].split("|")[0].split(".")[1])
+            out[rank] = e.load
+    return out
+
+
+def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(smollm2, registry):
+    plain = TPEngine(smollm2, "auto")
+    reference = plain.tokens()
+    plain.stop()
+
+    first = TPEngine(smollm2, "dedup")
+    try:
+        assert first.tokens() == reference
+        second = TPEngine(smollm2, "dedup")
+        try:
+            assert second.tokens() == reference
+            one, two = rank_loads(registry, first), rank_loads(registry, second)
+            assert sorted(one) == sorted(two) == list(range(TP))
+            for rank in range(TP):
+                held = one[rank]["published_bytes"] + one[rank]["shared_bytes"]
+                # A third of the model per rank (plus replicated small tensors), all of it mapped.
+                assert 0.3 * 269e6 < held < 0.4 * 269e6
+                assert two[rank]["published_tensors"] == 0, two[rank]
+                assert two[rank]["shared_bytes"] == held, (rank, one[rank], two[rank])
+            (group,) = registry.stats().groups
+            assert group.engines == 2 * TP
+            # Shards of different ranks differ: the resident bytes are one model, not one per rank.
+            assert group.resident_bytes < 1.05 * 269e6
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+    assert wait_for(lambda: registry.stats().groups == [], 30)

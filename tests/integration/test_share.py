@@ -1,0 +1,83 @@
+"""Packed segments end to end on the host backend: two processes share a small model through
+a real broker with a forced 1 MiB granularity, the packing the CUDA backend uses at 2 MiB."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.procs import PeerProcess
+from peers.share_peer import SIZES
+from vllm_dedup.engine.share import FORCE_COLLISIONS_ENV
+from vllm_dedup.registry.client import registry_stats
+from vllm_dedup.segments.packing import plan_packs
+
+PEER = Path(__file__).resolve().parents[1] / "peers" / "share_peer.py"
+GRANULARITY = 1 << 20
+
+
+class SharePeer(PeerProcess):
+    """``tests/peers/share_peer.py``: shares a small model of VARIANT through the broker."""
+
+    def __init__(self, sock: Path, variant: str, env: dict | None = None):
+        super().__init__([PEER, sock, variant, GRANULARITY], f"share peer {variant}", env)
+
+    def check(self) -> dict:
+        """The digests of the peer's parameters, read through whatever memory backs them now."""
+        self.send("check")
+        return self.read_json()["digests"]
+
+
+def test_packed_segments_are_published_mapped_and_outlive_their_creator(broker):
+    plan = plan_packs(list(SIZES.values()), GRANULARITY, max_pack_bytes=GRANULARITY)
+    assert len(plan.packs) < len(SIZES)  # the layout does pack several tensors together
+    base = SharePeer(broker.path, "base")
+    first = base.read_json()
+    r = first["result"]
+    assert first["digests"] == first["expected"]
+    packed_bytes = sum(SIZES[n] for n in SIZES) - sum(list(SIZES.values())[i] for i in plan.private)
+    assert (r["published_tensors"], r["published_bytes"]) == (len(SIZES) - len(plan.private), packed_bytes)
+    assert r["private_tensors"] == len(plan.private)
+    assert r["padding_bytes"] == plan.padding_bytes
+    (group,) = registry_stats(broker.path).groups
+    assert group.segments == len(plan.packs)
+    assert group.resident_bytes == plan.segment_bytes
+
+    tuned = SharePeer(broker.path, "tuned")  # mid1 differs, everything else is base's
+    second = tuned.read_json()
+    r2 = second["result"]
+    assert second["digests"] == second["expected"]
+    assert second["expected"]["mid1"] != first["expected"]["mid1"]
+    assert r2["shared_bytes"] == packed_bytes - SIZES["mid1"]
+    assert r2["published_bytes"] + r2["private_bytes"] == SIZES["mid1"] + sum(
+        list(SIZES.values())[i] for i in plan.private)
+
+    assert base.end() == 0  # the creator of every shared pack exits
+    assert tuned.check() == second["expected"]  # its mappings still hold base's bytes
+    (group,) = registry_stats(broker.path).groups
+    assert group.engines == 1
+    assert tuned.end() == 0
+    assert registry_stats(broker.path).groups == []
+
+
+def test_a_pack_stays_held_for_the_tensors_taken_when_others_in_it_collide(broker):
+    """Every key collides (digests zeroed): tensors of one shape share a key.  The base engine
+    publishes one tensor per shape, all in one pack; the retuned engine finds every key in that
+    pack, takes the tensors whose bytes match and keeps the others private, and keeps holding
+    the pack although every tensor of one of its keys (small0, small1) differs."""
+    force = {FORCE_COLLISIONS_ENV: "1"}
+    base = SharePeer(broker.path, "base", force)
+    r1 = base.read_json()["result"]
+    assert (r1["published_tensors"], r1["collisions"]) == (3, 4)  # big0, mid0, small0; the rest differ
+    (group,) = registry_stats(broker.path).groups
+    assert group.segments == 1
+    tuned = SharePeer(broker.path, "retuned", force)
+    second = tuned.read_json()
+    r2 = second["result"]
+    assert second["digests"] == second["expected"]  # no other bytes were ever swapped in
+    assert (r2["shared_tensors"], r2["collisions"], r2["published_tensors"]) == (2, 5, 0)
+    assert base.end() == 0
+    assert tuned.check() == second["expected"]
+    (group,) = registry_stats(broker.path).groups
+    assert (group.engines, group.segments) == (1, 1)  # the pack is still held by the tuned engine
+    assert tuned.end() == 0
+    assert registry_stats(broker.path).groups == []

@@ -1,0 +1,101 @@
+"""The manifest cache: a re-scan reads no tensor bytes; damaged or stale entries are redone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from helpers import scan_json
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_rescan_reads_no_tensor_bytes(minilm, tmp_path):
+    model = _copy(minilm, tmp_path / "m")
+    cache = tmp_path / "cache"
+    first = scan_json(model, cache=cache)["models"][0]
+    assert first["hashed_bytes"] == first["bytes"] > 0 and first["cached_files"] == 0
+
+    second = scan_json(model, cache=cache)["models"][0]
+    assert second["hashed_bytes"] == 0 and second["cached_files"] == 1
+
+    # Proof that no tensor byte was read: change bytes in the middle of the tensor data while
+    # keeping size, header and mtime.  A scan that read the data would see the change.
+    f = model / "model.safetensors"
+    st = os.stat(f)
+    with open(f, "r+b") as fh:
+        fh.seek(st.st_size // 2)
+        fh.write(b"\x5a" * 4096)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    third = scan_json(model, minilm, cache=cache)
+    assert third["models"][0]["hashed_bytes"] == 0
+    assert third["pairs"][0]["shared_bytes"] == third["models"][0]["bytes"]  # the old keys
+
+    # --no-cache reads the bytes and sees the change.
+    fresh = scan_json(model, minilm, cache=cache, extra=("--no-cache",))
+    assert fresh["models"][0]["hashed_bytes"] > 0
+    assert fresh["pairs"][0]["shared_bytes"] < fresh["models"][0]["bytes"]
+
+
+def test_rewritten_file_is_rescanned(minilm, tmp_path):
+    model = _copy(minilm, tmp_path / "m")
+    cache = tmp_path / "cache"
+    scan_json(model, cache=cache)
+    f = model / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))  # a normal rewrite: new mtime
+    again = scan_json(model, minilm, cache=cache)
+    assert again["models"][0]["hashed_bytes"] > 0
+    assert again["pairs"][0]["shared_bytes"] < again["models"][0]["bytes"]
+
+
+def _damage_invalid_json(text: str, other: str) -> str:
+    return text[: len(text) // 2]
+
+
+def _damage_a_key_digit(text: str, other: str) -> str:
+    # Valid JSON, wrong content: one hex digit of a content key flipped, checksum kept.
+    i = text.index(":", text.index("bfloat16[") if "bfloat16[" in text else text.index("float32[")) + 1
+    return text[:i] + ("0" if text[i] != "0" else "1") + text[i + 1 :]
+
+
+def _damage_other_files_manifest(text: str, other: str) -> str:
+    # A well-formed manifest, but made for another file: its identity does not match.
+    return other
+
+
+def _scan(*models, cache, no_cache: bool = False) -> dict:
+    """What ``vllm-dedup scan --json`` reports, computed in this process (same code, no
+    interpreter start-up per scan)."""
+    from vllm_dedup.scan.files import scan_model
+    from vllm_dedup.scan.manifest import ManifestCache
+    from vllm_dedup.scan.report import Report
+
+    store = ManifestCache(None if no_cache else cache)
+    return Report([scan_model(m, cache=store, progress=False) for m in models]).to_dict()
+
+
+@pytest.mark.parametrize("damage", [_damage_invalid_json, _damage_a_key_digit, _damage_other_files_manifest])
+def test_damaged_or_stale_manifest_is_detected_and_recomputed(minilm, tmp_path, damage):
+    model = _copy(minilm, tmp_path / "m")
+    other_cache = tmp_path / "other"
+    _scan(minilm, cache=other_cache)
+    (other_entry,) = (other_cache / "manifests").glob("*.json")
+
+    cache = tmp_path / "cache"
+    clean = _scan(model, minilm, cache=cache, no_cache=True)
+    _scan(model, cache=cache)
+    (entry,) = (cache / "manifests").glob("*.json")
+    entry.write_text(damage(entry.read_text(), other_entry.read_text()))
+
+    again = _scan(model, minilm, cache=cache)
+    assert again["models"][0]["hashed_bytes"] == again["models"][0]["bytes"]
+    assert again["pairs"] == clean["pairs"]
+    # ...and the entry was rewritten, so the next scan trusts it again.
+    assert _scan(model, cache=cache)["models"][0]["hashed_bytes"] == 0

@@ -1,0 +1,48 @@
+"""The plugin in real vLLM: the entry point, the load format and its configuration.
+
+Greedy outputs of real engines with dedup and auto are compared in test_engines.py."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import pytest
+from vllm.config.load import LoadConfig
+
+from vllm_dedup.engine.loader import DedupModelLoader
+
+
+def test_entry_point_is_in_vllms_plugin_group():
+    (ep,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "dedup"]
+    assert ep.value == "vllm_dedup.plugin:register"
+
+
+def test_vllm_loads_the_plugin_and_knows_the_format():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    load_general_plugins()  # idempotent
+    loader = get_model_loader(LoadConfig(load_format="dedup"))
+    assert isinstance(loader, DedupModelLoader)
+    assert type(loader.inner).__name__ == "DefaultModelLoader"
+
+
+def test_unknown_config_key_lists_the_valid_ones():
+    with pytest.raises(ValueError) as err:
+        DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"share_grup": "a"}))
+    assert "'share_grup'" in str(err.value) and "inner_load_format" in str(err.value)
+
+
+def test_inner_loader_gets_only_its_own_config():
+    loader = DedupModelLoader(
+        LoadConfig(
+            load_format="dedup",
+            model_loader_extra_config={"inner_load_format": "safetensors", "inner_extra_config": {"num_threads": 2}},
+        )
+    )
+    assert loader.inner.load_config.load_format == "safetensors"
+    assert loader.inner.load_config.model_loader_extra_config == {"num_threads": 2}
+    with pytest.raises(ValueError, match="cannot be 'dedup'"):
+        DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"inner_load_format": "dedup"}))

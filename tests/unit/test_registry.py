@@ -1,0 +1,110 @@
+"""The registry's start-up locks, deferred frees and shared-bytes prediction, in-process.
+
+The same `Registry` serves engines through the broker (tests/test_broker.py and
+tests/test_accounting.py drive it from real processes); here its rules are checked directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_dedup.registry.state import Registry, startup_lock_name
+
+GPU0, GPU1 = "cuda:GPU-00000000-0000-0000-0000-000000000000", "cuda:GPU-11111111-1111-1111-1111-111111111111"
+
+
+@pytest.fixture
+def reg():
+    closed: list[int] = []
+    registry = Registry(close=closed.append)
+    registry.closed = closed
+    return registry
+
+
+def engine(reg: Registry, pid: int, device: str = GPU0, signature: str = "") -> int:
+    return reg.add_engine(pid, 0, f"model-{pid}", device, "default", signature)
+
+
+def test_no_segment_of_a_device_is_freed_while_its_startup_lock_is_held(reg):
+    a, b, starting = engine(reg, 1), engine(reg, 2, GPU1), engine(reg, 3)
+    seg = reg.publish(a, 100, 2 << 20, [("k0", 0, 2 << 20)])
+    reg.publish(b, 101, 2 << 20, [("k1", 0, 2 << 20)])
+    assert reg.try_lock(starting, startup_lock_name(GPU0)) is None
+    reg.drop_engine(a)  # its segment on GPU0 is unheld now
+    reg.drop_engine(b)  # GPU1 has no start-up in progress
+    assert reg.closed == [101]
+    assert reg.stats().groups[0].deferred_segments == 1
+    assert [h.segment for h in reg.acquire(starting, ["k0"])] == [seg]  # still resident, and mappable
+    reg.release(starting, [seg])
+    assert reg.closed == [101]
+    reg.unlock(starting, startup_lock_name(GPU0))
+    assert reg.closed == [101, 100]
+    assert reg.segments == {}
+
+
+def test_a_starting_engine_that_dies_frees_what_waited_for_it(reg):
+    a, starting = engine(reg, 1), engine(reg, 2)
+    reg.publish(a, 100, 4096, [("k", 0, 4096)])
+    reg.try_lock(starting, startup_lock_name(GPU0))
+    reg.drop_engine(a)
+    assert reg.closed == []
+    reg.drop_engine(starting)  # crashed mid start-up: lock and deferral end with it
+    assert reg.closed == [100] and reg.locks == {}
+
+
+def test_keep_warm_expiry_waits_for_the_startup_lock():
+    closed = []
+    reg = Registry(keep_warm_s=1.0, close=closed.append)
+    a, starting = engine(reg, 1), engine(reg, 2)
+    reg.publish(a, 100, 4096, [("k", 0, 4096)])
+    reg.drop_engine(a)
+    reg.try_lock(starting, startup_lock_name(GPU0))
+    assert reg.expire(now=1e12) == 0 and closed == []
+    reg.unlock(starting, startup_lock_name(GPU0))
+    assert reg.expire(now=1e12) == 1 and closed == [100]
+
+
+def test_ranks_of_one_instance_share_a_lock_other_instances_wait(reg):
+    rank0, rank1, other = engine(reg, 10), engine(reg, 11, GPU1), engine(reg, 20)
+    names = sorted([startup_lock_name(GPU0), startup_lock_name(GPU1)])
+    assert reg.try_lock(rank0, names, owner="vllm-instance:A") is None
+    assert reg.try_lock(rank1, names, owner="vllm-instance:A") is None  # shared, no wait
+    assert reg.try_lock(other, names[:1], owner="vllm-instance:B") == 10
+    reg.unlock(rank0, names)
+    assert reg.try_lock(other, names[:1], owner="vllm-instance:B") == 11  # rank 1 still holds it
+    reg.drop_engine(rank1)
+    assert reg.try_lock(other, names[:1], owner="vllm-instance:B") is None
+
+
+def test_locks_are_all_or_nothing_so_two_multi_gpu_engines_cannot_deadlock(reg):
+    a, b = engine(reg, 1), engine(reg, 2)
+    g0, g1 = startup_lock_name(GPU0), startup_lock_name(GPU1)
+    assert reg.try_lock(a, [g1]) is None
+    assert reg.try_lock(b, [g0, g1]) == 1
+    assert list(reg.locks) == [g1]  # b took nothing, not even the free GPU0 lock
+    assert reg.try_lock(a, [g0, g1]) is None  # a can take the rest: no one holds part of it
+    reg.unlock(a, [g0, g1])
+    assert reg.try_lock(b, [g0, g1]) is None
+
+
+def test_expected_shared_bytes_comes_from_the_last_engine_with_that_signature(reg):
+    first = engine(reg, 1, signature="m|tp1.0")
+    reg.publish(first, 100, 6 << 20, [("k0", 0, 2 << 20), ("k1", 2 << 20, 4 << 20)])
+    reg.report(first, {"published_bytes": 6 << 20})
+    second = engine(reg, 2, signature="m|tp1.0")
+    assert reg.expected_shared_bytes(GPU0, "default", "m|tp1.0") == 6 << 20
+    assert reg.expected_shared_bytes(GPU0, "default", "m|tp2.0") == 0  # never loaded
+    assert reg.expected_shared_bytes(GPU1, "default", "m|tp1.0") == 0  # nothing resident there
+    assert reg.expected_shared_bytes(GPU0, "other-group", "m|tp1.0") == 0
+    reg.drop_engine(first)
+    reg.drop_engine(second)  # segment freed: nothing left to map
+    assert reg.expected_shared_bytes(GPU0, "default", "m|tp1.0") == 0
+
+
+def test_keys_released_after_a_failed_compare_are_not_predicted(reg):
+    first, second = engine(reg, 1, signature="base"), engine(reg, 2, signature="tuned")
+    reg.publish(first, 100, 4096, [("k", 0, 4096)])
+    (hit,) = reg.acquire(second, ["k"])
+    reg.release(second, [hit.segment])  # exact compare failed: a collision
+    reg.report(second, {})
+    assert reg.expected_shared_bytes(GPU0, "default", "tuned") == 0

@@ -1,0 +1,114 @@
+"""Bad input: one clear line naming the file, a non-zero exit, nothing written but the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+from helpers import run_cli
+
+
+def _tree(path):
+    return sorted((str(p.relative_to(path)), p.stat().st_size) for p in path.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def bad_inputs(minilm, gguf_path, tmp_path):
+    """name -> (path, words the error line must contain)."""
+    root = tmp_path / "inputs"
+    root.mkdir()
+    data = (minilm / "model.safetensors").read_bytes()
+
+    (root / "truncated.safetensors").write_bytes(data[: len(data) // 2])
+
+    corrupt = bytearray(data)
+    corrupt[12:15] = b"\xff\xff\xff"
+    (root / "corrupt-header.safetensors").write_bytes(bytes(corrupt))
+
+    (root / "weights.npz").write_bytes(b"PK\x03\x04 not weights")
+    (root / "empty-folder").mkdir()
+
+    gdata = gguf_path.read_bytes()
+    (root / "truncated.gguf").write_bytes(gdata[: len(gdata) // 3])
+
+    writer = gguf.GGUFWriter(str(root / "unknown-type.gguf"), "llama")
+    writer.add_tensor("t", np.arange(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(root / "unknown-type.gguf"), "r+")
+    reader.tensors[0].field.parts[4][0] = 999  # the tensor-info's GGML type field
+    del reader
+
+    (root / "truncated.bin").write_bytes(b"PK\x03\x04" + os.urandom(100))
+
+    return {
+        "missing": (root / "does-not-exist", "no such file or directory"),
+        "truncated safetensors": (root / "truncated.safetensors", "corrupt or truncated safetensors"),
+        "corrupt header": (root / "corrupt-header.safetensors", "header"),
+        "unknown format": (root / "weights.npz", "unknown weight format '.npz'"),
+        "folder without weights": (root / "empty-folder", "holds no weight files"),
+        "truncated gguf": (root / "truncated.gguf", "GGUF"),
+        "unknown gguf tensor type": (root / "unknown-type.gguf", "unknown GGML tensor type"),
+        "truncated bin": (root / "truncated.bin", "cannot load PyTorch weights"),
+    }
+
+
+def test_each_bad_input_gives_one_clear_line_and_exit_2(bad_inputs, tmp_path):
+    cache = tmp_path / "cache"
+    for name, (path, words) in bad_inputs.items():
+        before = _tree(path.parent)
+        proc = run_cli("scan", str(path), cache=cache)
+        assert proc.returncode == 2, (name, proc.stdout, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, (name, proc.stderr)
+        assert lines[0].startswith(f"vllm-dedup scan: error: {path}: "), (name, lines[0])
+        assert words in lines[0], (name, lines[0])
+        assert "Traceback" not in proc.stderr
+        assert _tree(path.parent) == before, name
+    # Nothing but manifests (of no file at all here) was written to the cache.
+    assert not cache.exists() or all(p.suffix == ".json" for p in cache.rglob("*") if p.is_file())
+
+
+def test_keep_going_reports_the_readable_models(bad_inputs, minilm, tmp_path):
+    bad = [str(p) for p, _ in bad_inputs.values()]
+    proc = run_cli("scan", "--json", "--keep-going", str(minilm), *bad, str(minilm), cache=tmp_path / "c")
+    assert proc.returncode == 1
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [m["path"] for m in data["models"]] == [str(minilm), str(minilm)]
+    assert data["pairs"][0]["shared_bytes"] == data["models"][0]["bytes"]
+    assert sorted(e["path"] for e in data["errors"]) == sorted(bad)
+    assert len([line for line in proc.stderr.splitlines() if "error:" in line]) == len(bad)
+
+
+def test_unreadable_file_is_reported(minilm, tmp_path):
+    """A file the user may not read (as root, checked without the capabilities that override
+    file permissions)."""
+    folder = tmp_path / "unreadable"
+    folder.mkdir()
+    shutil.copy(minilm / "model.safetensors", folder / "model.safetensors")
+    (folder / "model.safetensors").chmod(0)
+    try:
+        proc = run_cli("scan", "--no-cache", str(folder), obey_permissions=True)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == (
+            f"vllm-dedup scan: error: {folder / 'model.safetensors'}: cannot read: Permission denied"
+        )
+
+        folder.chmod(0)  # now the folder itself cannot be entered
+        proc = run_cli("scan", "--no-cache", str(folder / "model.safetensors"), obey_permissions=True)
+        assert proc.returncode == 2, proc.stderr
+        assert "cannot read: Permission denied" in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        folder.chmod(0o700)
+
+
+def test_negative_min_bytes_is_a_usage_error(minilm):
+    proc = run_cli("scan", "--min-bytes", "-1", str(minilm))
+    assert proc.returncode == 2 and "must be >= 0" in proc.stderr

@@ -1,0 +1,134 @@
+"""Content keys: what names a weight tensor's bytes and layout.
+
+A content key is the XXH3-128 digest of a tensor's bytes together with its dtype, shape and
+stride.  Two tensors with equal keys are, with overwhelming probability, bit-identical and
+laid out the same way, so one resident copy can serve both.  "Overwhelming" is not "certain":
+wherever a key decides that memory is swapped, the bytes are compared exactly first
+(docs/architecture.md, "Invariants"), so a collision costs time, never correctness.
+
+Hashing is zero-copy: the digest is taken over a memoryview of host memory or of a file's
+mmap, never over a copy (a copy first cuts xxhash's rate to about a quarter).  `content_keys`
+hashes many buffers in parallel threads; xxhash releases the GIL while it hashes, so threads
+overlap page faults on mmapped files with hashing.
+
+On a GPU the bytes are not copied to the host to be hashed: `fingerprint.py` computes keys on
+the device instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import xxhash
+
+from .views import contiguous_stride, dtype_name, tensor_bytes
+
+__all__ = ["ContentKey", "content_key", "content_keys", "tensor_key"]
+
+
+@dataclass(frozen=True, slots=True)
+class ContentKey:
+    """The identity of a tensor's content.
+
+    Attributes:
+        digest: 16 bytes, XXH3-128 of the tensor's bytes in memory order.
+        dtype: the element type's name: torch's (``"bfloat16"``) for tensors, or the file
+            format's own for raw blocks (``"gguf:Q4_1"``).
+        shape: the tensor's shape, in elements (for GGUF blocks, GGUF's logical shape).
+        stride: the tensor's strides, in elements.
+    """
+
+    digest: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.shape))
+        strides = ",".join(map(str, self.stride))
+        return f"{self.dtype}[{dims}]/[{strides}]:{self.digest.hex()}"
+
+    @classmethod
+    def parse(cls, text: str) -> ContentKey:
+        """Inverse of ``str(key)``.
+
+        Raises:
+            ValueError: ``text`` is not a key's string form.
+        """
+        try:
+            layout, digest = text.rsplit(":", 1)
+            dtype, rest = layout.split("[", 1)
+            dims, strides = rest.split("]/[", 1)
+            if not strides.endswith("]"):
+                raise ValueError("missing closing bracket")
+
+            def ints(s: str) -> tuple[int, ...]:
+                return tuple(int(x) for x in s.split(",")) if s else ()
+
+            raw = bytes.fromhex(digest)
+            if len(raw) != 16:
+                raise ValueError("digest is not 16 bytes")
+            return cls(raw, dtype, ints(dims), ints(strides[:-1]))
+        except ValueError as e:
+            raise ValueError(f"not a content key: {text!r} ({e})") from None
+
+
+def content_key(
+    data, dtype: str, shape: Sequence[int], stride: Sequence[int] | None = None
+) -> ContentKey:
+    """Key of one buffer.
+
+    Args:
+        data: any object exposing the buffer protocol over the tensor's bytes (memoryview,
+            numpy array, mmap slice); read in place, never copied.
+        dtype: element type name (see `ContentKey.dtype`).
+        shape: shape in elements.
+        stride: strides in elements; row-major when omitted.
+    """
+    shape = tuple(int(d) for d in shape)
+    stride = contiguous_stride(shape) if stride is None else tuple(int(s) for s in stride)
+    return ContentKey(xxhash.xxh3_128_digest(data), dtype, shape, stride)
+
+
+def tensor_key(tensor) -> ContentKey:
+    """Key of a contiguous CPU torch tensor: its bytes (zero-copy), dtype, shape and stride.
+
+    Raises:
+        ValueError: see `tensor_bytes`.
+    """
+    return content_key(tensor_bytes(tensor), dtype_name(tensor.dtype), tensor.shape, tensor.stride())
+
+
+def content_keys(
+    loaders: Iterable[Callable[[], ContentKey]],
+    threads: int | None = None,
+    on_done: Callable[[int], None] | None = None,
+) -> list[ContentKey]:
+    """Run key computations in parallel threads, keeping their order.
+
+    Args:
+        loaders: callables, each computing one key (typically ``content_key`` over an
+            mmapped tensor).  Exceptions propagate to the caller.
+        threads: worker threads; default ``min(8, os.cpu_count())``.
+        on_done: called with each finished key's index, in completion order (progress bars).
+    """
+    loaders = list(loaders)
+    threads = threads or min(8, os.cpu_count() or 1)
+    if threads <= 1 or len(loaders) <= 1:
+        out = []
+        for i, fn in enumerate(loaders):
+            out.append(fn())
+            if on_done:
+                on_done(i)
+        return out
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vllm-dedup-key") as pool:
+        futures = [pool.submit(fn) for fn in loaders]
+        out = []
+        for i, fut in enumerate(futures):
+            out.append(fut.result())
+            if on_done:
+                on_done(i)
+        return out

@@ -1,0 +1,84 @@
+"""A model's tensors grouped by storage, and the swap that rebinds them to shared memory.
+
+A *slot* is one storage of the model (identified by data pointer and size, dtype, shape and
+stride, as safetensors identifies shared storage) and every place that refers to it: a
+parameter of a module, or a buffer.  Tied weights are one slot with several places.
+
+Swapping keeps every ``nn.Parameter`` object (its class, its attributes such as
+``weight_loader``, and every module that refers to it, so tied weights stay tied): only
+``param.data`` is rebound.  Buffers are replaced in their modules' ``_buffers``.  A tensor that
+is only a view into a larger storage stays private: swapping it would free nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Slot", "collect_slots", "swap"]
+
+
+@dataclass
+class Slot:
+    """One storage of the model and every place (module, attribute name, is a parameter) that
+    refers to it.  ``tensor`` is the tensor currently bound there."""
+
+    tensor: object
+    refs: list[tuple[object, str, bool]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def collect_slots(model, device_type: str, min_bytes: int) -> tuple[list[Slot], int, int]:
+    """Group ``model``'s parameters and buffers by storage.
+
+    Args:
+        model: an ``nn.Module``.
+        device_type: only tensors on this torch device type are candidates.
+        min_bytes: smaller tensors stay private.
+
+    Returns:
+        (candidate slots, private tensors, private bytes): private are the slots too small, on
+        another device, on the meta device, non-contiguous, or views of a larger storage.
+    """
+    slots: dict[tuple, Slot] = {}
+    for module in model.modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else (id(t),)
+                slot = slots.setdefault(ident, Slot(t, []))
+                slot.refs.append((module, name, is_param))
+    candidates, private_n, private_b = [], 0, 0
+    for slot in slots.values():
+        t = slot.tensor
+        ok = (
+            t.device.type == device_type
+            and not t.is_meta
+            and t.is_contiguous()
+            and slot.nbytes >= max(min_bytes, 1)
+            and t.untyped_storage().nbytes() == slot.nbytes  # covers its whole storage
+        )
+        if ok:
+            candidates.append(slot)
+        else:
+            private_n += 1
+            private_b += slot.nbytes
+    return candidates, private_n, private_b
+
+
+def swap(slot: Slot, new) -> None:
+    """Bind every place of ``slot`` to the tensor ``new`` (same dtype, shape and stride) and make
+    it the slot's tensor; the slot no longer references the old one."""
+    done = set()
+    for module, name, is_param in slot.refs:
+        if is_param:
+            param = module._parameters[name]
+            if id(param) not in done:
+                param.data = new
+                done.add(id(param))
+        else:
+            module._buffers[name] = new
+    slot.tensor = new

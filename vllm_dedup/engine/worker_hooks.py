@@ -1,0 +1,122 @@
+"""The plugin's wrappers around vLLM's Worker methods, installed once per process (`install`).
+
+vLLM's ``worker_extension_cls`` cannot override Worker methods, so the plugin wraps them.  Two
+kinds, both reading this process's `session.EngineSession`:
+
+- **guards**: refuse the operations that would write into shared weights (sleep mode, weight
+  reload, weight updates, weight reset).  A shared tensor is mapped read-only in several
+  engines: an in-place write would fault (host segments are sealed) or, on a device without
+  read-only mappings, silently change every other engine's model.  Each guard refuses with a
+  clear error while this process holds tensors in segments and passes through otherwise.
+- **start-up hooks** (GPU accounting, `session.py`): after ``Worker.load_model`` the engine's
+  budget is corrected by the bytes mapped beyond the prediction; after
+  ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
+  even when warm-up fails.
+
+Each wrapper is tied to the vLLM versions it was checked against (`CHECKED_VLLM_VERSIONS`); on
+another version a method that no longer exists is skipped with a warning, never guessed at.
+``patches/`` holds the upstream-vLLM form of both kinds, which would make this module
+unnecessary.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+from ..errors import SharedWeightsError
+from .session import EngineSession
+
+__all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "STARTUP_HOOKS", "install"]
+
+logger = logging.getLogger("vllm.dedup.worker_hooks")  # under "vllm": vLLM's handlers and format apply
+
+CHECKED_VLLM_VERSIONS = ("0.32.0",)
+
+# (module, class, method, what the operation does to weights)
+GUARDED = (
+    ("vllm.v1.worker.gpu_worker", "Worker", "sleep", "sleep mode offloads or discards the weights"),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker", "sleep", "sleep mode offloads or discards the weights"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "reload_weights", "weight reload writes new weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "start_weight_update", "weight updates write weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "update_weights", "weight updates write weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "reset_weights", "weight reset zeroes the weights in place"),
+)
+
+# (module, class, method, what runs after it)
+STARTUP_HOOKS = (
+    ("vllm.v1.worker.gpu_worker", "Worker", "load_model",
+     lambda worker: EngineSession.current().correct_budget(worker)),
+    ("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model",
+     lambda worker: EngineSession.current().end_startup()),
+)
+
+_MARK = "__vllm_dedup_hook__"
+
+
+def install() -> list[str]:
+    """Wrap every method of `GUARDED` and `STARTUP_HOOKS` that exists.  Idempotent.
+
+    Returns:
+        the methods wrapped now (``"Class.method"``).
+    """
+    import vllm
+
+    if vllm.__version__ not in CHECKED_VLLM_VERSIONS:
+        logger.warning("vllm-dedup: worker hooks were checked against vLLM %s, this is %s",
+                       ", ".join(CHECKED_VLLM_VERSIONS), vllm.__version__)
+    wrapped = []
+    for module_name, cls_name, name, why in GUARDED:
+        if _wrap(module_name, cls_name, name, functools.partial(_guard, name=name, why=why)):
+            wrapped.append(f"{cls_name}.{name}")
+    for module_name, cls_name, name, after in STARTUP_HOOKS:
+        if _wrap(module_name, cls_name, name, functools.partial(_run_after, after=after)):
+            wrapped.append(f"{cls_name}.{name}")
+    return wrapped
+
+
+def _wrap(module_name: str, cls_name: str, name: str, make) -> bool:
+    """Replace ``cls.name`` by ``make(method)`` unless missing or already wrapped."""
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError):
+        logger.warning("vllm-dedup: %s.%s not found; its %s hook is skipped", module_name, cls_name, name)
+        return False
+    method = cls.__dict__.get(name)
+    if method is None:
+        if not any(name in base.__dict__ for base in cls.__mro__):
+            logger.warning("vllm-dedup: %s.%s has no %s; its hook is skipped", module_name, cls_name, name)
+        return False
+    if getattr(method, _MARK, False):
+        return False
+    wrapper = make(method)
+    setattr(wrapper, _MARK, True)
+    setattr(cls, name, wrapper)
+    return True
+
+
+def _guard(method, name: str, why: str):
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        held = EngineSession.current().segment_bytes
+        if held:
+            raise SharedWeightsError(
+                f"vllm-dedup: {name} is refused: {why}, and this engine maps {held / 1e6:.1f} MB of "
+                "weights shared read-only with other engines. Start this engine with another "
+                "--load-format (e.g. auto) to use it."
+            )
+        return method(self, *args, **kwargs)
+
+    return guarded
+
+
+def _run_after(method, after):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            after(self)
+
+    return wrapper

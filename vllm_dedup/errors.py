@@ -1,0 +1,56 @@
+"""The exception types of vllm-dedup: one per kind of failure, all under `DedupError`.
+
+What each means for an engine (docs/architecture.md, "Failures"): a registry or segment failure
+leaves the tensors concerned private and the engine running, unless the user asked for
+``on_registry_error="fail"``; a refused operation on shared weights and an unreadable
+checkpoint are reported to the caller as they are.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "CheckpointError",
+    "DedupError",
+    "ProtocolError",
+    "RegistryUnavailable",
+    "SegmentError",
+    "SharedWeightsError",
+]
+
+
+class DedupError(Exception):
+    """Base class of every error vllm-dedup raises on purpose."""
+
+
+class RegistryUnavailable(DedupError, ConnectionError):
+    """The registry cannot be reached, refused us, went away, or answered with an error."""
+
+
+class ProtocolError(RegistryUnavailable):
+    """A registry message broke the protocol (`registry.protocol`): not JSON, an unknown op, a
+    missing or mistyped field, the wrong number of descriptors, or too big to send."""
+
+
+class SegmentError(DedupError):
+    """Shareable memory could not be created, exported, imported or mapped (a segment backend
+    failed, or a received descriptor is not a sealed segment of the expected size)."""
+
+
+class SharedWeightsError(DedupError, RuntimeError):
+    """An operation that writes weights in place was asked of an engine with shared weights."""
+
+
+class CheckpointError(DedupError):
+    """A checkpoint cannot be read: missing, unreadable, truncated, corrupt or unknown.
+
+    Attributes:
+        path: the file or folder at fault.
+        reason: what is wrong, and what to do about it.
+    """
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")

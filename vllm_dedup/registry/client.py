@@ -1,0 +1,196 @@
+"""A connection to the registry: `BrokerClient`, one method per request of `protocol.py`.
+
+For an engine, the connection is its lease (docs/architecture.md, "Registry"): keep the client
+open as long as the engine maps shared tensors; when it closes, however the engine ended, the
+registry drops the engine's references and locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+from ..errors import ProtocolError, RegistryUnavailable
+from . import protocol as p
+from .state import Hit, RegistryStats
+
+__all__ = ["BrokerClient", "registry_stats", "shutdown_registry"]
+
+
+class BrokerClient:
+    """One connection to a registry's socket.
+
+    Args:
+        path: the socket (`protocol.socket_path`).
+        timeout_s: seconds to wait for any one reply.
+
+    Raises (the constructor and every method):
+        RegistryUnavailable: cannot connect, refused, the registry went away or answered an
+            error (`ProtocolError`, a subclass, when a message broke the protocol).
+    """
+
+    def __init__(self, path: Path, timeout_s: float = 30.0):
+        self.path = Path(path)
+        p.ensure_private_dir(self.path.parent)
+        try:
+            info = os.lstat(self.path)
+            if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
+                raise RegistryUnavailable(f"{self.path} is a symlink or not ours; refusing to connect")
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._sock.settimeout(timeout_s)
+            self._sock.connect(str(self.path))
+        except RegistryUnavailable:
+            raise
+        except FileNotFoundError:
+            raise RegistryUnavailable(f"no registry serves {self.path}") from None
+        except OSError as e:
+            raise RegistryUnavailable(f"cannot connect to the registry at {self.path}: {e}") from None
+        self._lock = threading.Lock()
+        self.engine_id: int | None = None
+        self.group: str | None = None  # the share group said in `hello`
+
+    def _call(self, request: p.Message, reply_type: type[p.Message] | None, fds: list[int] = ()):
+        """Send ``request``, return ``(reply, descriptors)``; ``reply`` is a ``reply_type``
+        (or the raw dict when None).  The caller owns the descriptors."""
+        with self._lock:
+            try:
+                p.send(self._sock, request.to_wire(), fds)
+                reply, got = p.recv(self._sock)
+            except ProtocolError:
+                raise
+            except OSError as e:
+                raise RegistryUnavailable(f"registry at {self.path} went away: {e}") from None
+        if reply is None:
+            raise RegistryUnavailable(f"registry at {self.path} closed the connection")
+        try:
+            if "error" in reply:
+                raise RegistryUnavailable(f"registry at {self.path}: {reply['error']}")
+            return (reply_type.from_wire(reply) if reply_type else reply), got
+        except BaseException:
+            for fd in got:
+                os.close(fd)
+            raise
+
+    def hello(self, model: str, device: str, group: str, signature: str = "") -> int:
+        """Make this connection an engine's lease.  ``device`` is a device key
+        (`Segment.device_key`); ``signature`` names what decides the engine's tensors' bytes
+        (default: ``model``), for `expected_shared_bytes`.  Returns the engine id."""
+        reply, _ = self._call(p.Hello(os.getpid(), model, device, group, signature), p.HelloReply)
+        self.engine_id, self.group = reply.engine, group
+        return self.engine_id
+
+    def expected_shared_bytes(self) -> int:
+        """Bytes of this engine's tensors predicted to be resident already (bytes; 0 when no
+        engine with its signature has reported; `Registry.expected_shared_bytes`)."""
+        return self._call(p.Expect(), p.ExpectReply)[0].bytes
+
+    def acquire(self, keys: list[str]) -> list[tuple[Hit, int]]:
+        """Look up ``keys``; returns each hit with a descriptor of its segment (the caller owns
+        every descriptor; hits in one segment get duplicates)."""
+        out = []
+        for start in range(0, len(keys), p.MAX_FDS):
+            reply, fds = self._call(p.Acquire(keys[start : start + p.MAX_FDS]), p.AcquireReply)
+            by_segment = dict(zip(reply.segments, fds))
+            used = set()
+            for key, seg, offset, nbytes in reply.hits:
+                fd = by_segment[seg] if seg not in used else os.dup(by_segment[seg])
+                used.add(seg)
+                out.append((Hit(key, seg, offset, nbytes), fd))
+        return out
+
+    def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]]) -> int:
+        """Publish a segment (its descriptor ``fd``, ``nbytes`` usable bytes) holding
+        ``(content key, offset, bytes)`` tensors; returns its id.  The caller keeps ``fd``."""
+        return self._call(p.Publish(nbytes, list(keys)), p.PublishReply, [fd])[0].segment
+
+    def release(self, segments: list[int]) -> None:
+        self._call(p.Release(list(segments)), p.Empty)
+
+    def report(self, load: dict) -> None:
+        self._call(p.Report(load), p.Empty)
+
+    def stats(self) -> RegistryStats:
+        return RegistryStats.from_dict(self._call(p.Stats(), None)[0])
+
+    def lock(self, names: str | list[str], owner: str | None = None, timeout_s: float = 600.0,
+             poll_s: float = 0.05) -> None:
+        """Take registry locks ``names``, all or none (`Registry.try_lock`; needs `hello` first).
+
+        Waiting polls (``poll_s``) rather than blocking in the registry, so a waiter never
+        stalls other requests and a timed-out waiter leaves no reply behind.  A lock whose
+        holder dies is free at once: it goes with the holder's connection.
+
+        Args:
+            names: one lock name or several.
+            owner: connections passing the same owner share the locks (TP ranks of one engine).
+            timeout_s: give up after this many seconds.
+
+        Raises:
+            TimeoutError: still held by another engine after ``timeout_s`` (the message names its pid).
+            RegistryUnavailable: as every method.
+        """
+        names = [names] if isinstance(names, str) else list(names)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply, _ = self._call(p.Lock(names, owner), p.LockReply)
+            if reply.granted:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"registry lock(s) {', '.join(names)} still held by engine pid "
+                                   f"{reply.holder_pid} after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+    def unlock(self, names: str | list[str]) -> None:
+        """Give locks back; a registry that is gone took them with it (no error then)."""
+        try:
+            self._call(p.Unlock([names] if isinstance(names, str) else list(names)), p.Empty)
+        except RegistryUnavailable:
+            pass
+
+    @contextlib.contextmanager
+    def locked(self, names: str | list[str], owner: str | None = None, timeout_s: float = 600.0,
+               poll_s: float = 0.05):
+        """Hold registry locks for the ``with`` block (see `lock`, whose errors it raises)."""
+        self.lock(names, owner, timeout_s, poll_s)
+        try:
+            yield
+        finally:
+            self.unlock(names)
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop the registry (refused while engines are connected, unless ``force``)."""
+        self._call(p.Shutdown(force), p.ShutdownReply)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def registry_stats(path: Path | None = None) -> RegistryStats:
+    """`Registry.stats` of the registry at ``path`` (default: this node's, default namespace).
+
+    Raises:
+        RegistryUnavailable: no registry answers there.
+    """
+    with BrokerClient(path or p.socket_path(), timeout_s=10) as client:
+        return client.stats()
+
+
+def shutdown_registry(path: Path | None = None) -> bool:
+    """Stop the registry at ``path`` even with engines connected; False if none answered."""
+    try:
+        with BrokerClient(path or p.socket_path(), timeout_s=10) as client:
+            client.shutdown(force=True)
+        return True
+    except RegistryUnavailable:
+        return False

@@ -1,0 +1,103 @@
+"""The standalone registry daemon, for machines without Ray (``python -m vllm_dedup.registry.daemon``).
+
+The first engine that finds no registry starts one (`start_daemon`, called by
+`discovery.connect_registry`); nobody starts it by hand.  It serves a `state.Registry` with the
+same `server.BrokerServer` the Ray actor uses, outlives the engine that started it, and exits
+when nothing has been connected or held for a while.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import RegistryUnavailable
+from .client import BrokerClient
+from .protocol import ensure_private_dir, socket_path
+from .server import BrokerServer
+from .state import Registry
+
+__all__ = ["main", "start_daemon"]
+
+
+def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0, timeout_s: float = 30.0) -> None:
+    """Start a standalone registry daemon for ``path`` (if none runs) and wait until it answers.
+
+    The daemon detaches (forks once more and starts its own session), so it is no longer a
+    descendant of the engine that started it: vLLM's shutdown kills its process tree, and the
+    registry must outlive any one engine.  It exits after ``idle_exit_s`` seconds with no
+    engine connected and no segment held.  Two engines starting at once race harmlessly: the
+    daemon takes a lock, the loser exits.
+
+    Raises:
+        RegistryUnavailable: it did not answer within ``timeout_s``.
+    """
+    ensure_private_dir(path.parent)
+    # The daemon's stderr goes to an unlinked temporary file: nothing is left behind, and if
+    # it dies before answering, its last words are still readable through our descriptor.
+    with tempfile.TemporaryFile(dir=path.parent) as err:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "vllm_dedup.registry.daemon", "--detach", "--socket", str(path),
+             "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True, close_fds=True,
+        )
+        launcher.wait(timeout=timeout_s)  # returns as soon as the daemon has forked off
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                BrokerClient(path, timeout_s=5).close()
+                return
+            except RegistryUnavailable:
+                if time.monotonic() > deadline:
+                    err.seek(0)
+                    tail = err.read()[-2000:].decode(errors="replace").strip()
+                    raise RegistryUnavailable(
+                        f"the registry daemon for {path} did not start: {tail or 'no answer'}"
+                    ) from None
+                time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The daemon's entry point: serve until stopped or idle; 0 also when another daemon
+    already owns the socket (it holds ``<socket>.lock``)."""
+    parser = argparse.ArgumentParser(prog="python -m vllm_dedup.registry.daemon",
+                                     description="standalone vllm-dedup registry")
+    parser.add_argument("--socket", type=Path, default=None)
+    parser.add_argument("--keep-warm-s", type=float, default=0.0)
+    parser.add_argument("--idle-exit-s", type=float, default=None, help="exit when idle this long (default: never)")
+    parser.add_argument("--detach", action="store_true", help="fork into the background and return at once")
+    args = parser.parse_args(argv)
+    if args.detach:
+        if os.fork() > 0:
+            os._exit(0)  # the launcher returns; the daemon is re-parented away from its engine
+        os.setsid()
+    path = args.socket or socket_path()
+    ensure_private_dir(path.parent)
+    lock = open(f"{path}.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return 0  # another daemon owns this socket
+        raise
+    server = BrokerServer(Registry(keep_warm_s=args.keep_warm_s), path).start()
+    try:
+        server.wait(args.idle_exit_s)
+    finally:
+        server.stop()
+        Path(f"{path}.lock").unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""How an engine finds its node's registry, or starts one (`connect_registry`).
+
+In this order:
+
+1. a registry already answers on this node's socket for the namespace: use it;
+2. ``registry_address="local"``: start the standalone daemon (`daemon.py`, no Ray);
+3. a Ray cluster is reachable (``registry_address``, ``RAY_ADDRESS``, this process already in
+   Ray, or a cluster running on this machine): get or create the node's actor (`ray_actor.py`);
+4. otherwise start the standalone daemon, which outlives the engine that started it.
+
+Nobody starts a registry by hand (docs/architecture.md, "Registry").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ..errors import RegistryUnavailable
+from .client import BrokerClient
+from .daemon import start_daemon
+from .protocol import socket_path
+from .ray_actor import ensure_actor
+
+__all__ = ["connect_registry"]
+
+
+def _ray_cluster_hint(address: str | None) -> bool:
+    if address or os.environ.get("RAY_ADDRESS"):
+        return True
+    try:
+        import ray
+    except ImportError:
+        return False
+    if ray.is_initialized():
+        return True
+    # A cluster started on this machine leaves its address here (Ray's own convention).
+    tmp = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    return tmp.exists()
+
+
+def connect_registry(namespace: str, address: str | None = None, keep_warm_s: float = 0.0,
+                     timeout_s: float = 60.0) -> BrokerClient:
+    """A connection to this node's registry for ``namespace``, starting one if needed.
+
+    Args:
+        namespace: the registry namespace (one registry, one socket per namespace and node).
+        address: ``None`` (decide as the module docstring says), ``"local"`` (standalone
+            daemon, no Ray) or a Ray address (``"auto"``, ``"host:port"``).
+        keep_warm_s: for a registry this call starts: seconds an unheld segment stays.
+
+    Raises:
+        RegistryUnavailable: no registry could be reached or started.
+    """
+    path = socket_path(namespace)
+    try:
+        return BrokerClient(path)
+    except RegistryUnavailable:
+        pass
+    if address != "local" and _ray_cluster_hint(address):  # an explicit Ray address always lands here
+        # An actor that already exists serves the path its creator chose (its environment may
+        # differ from ours, e.g. another VLLM_DEDUP_RUNTIME_DIR): connect there.
+        path = Path(ensure_actor(namespace, path, keep_warm_s, address))
+    else:
+        start_daemon(path, keep_warm_s=keep_warm_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return BrokerClient(path)
+        except RegistryUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

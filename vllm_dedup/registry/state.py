@@ -1,0 +1,372 @@
+"""The registry: which content is resident where, and who holds it.
+
+Plain state and small methods, no I/O: the server (`server.py`) drives it from its socket
+thread, the Ray actor (`ray_actor.py`) and the standalone daemon (`daemon.py`) host that
+server, and tests call it directly.  Everything lives in one place, `Registry`:
+
+- segments: id -> `SegmentEntry` (the broker's own descriptor, size, device, share group, the
+  content keys it holds, the engines holding it);
+- index: (device, share group, content key) -> (segment id, offset, bytes);
+- engines: id -> `EngineEntry` (pid, uid, model, device, share group, segments held);
+- locks: name -> `LockEntry` (an owner and the engines holding it for that owner).  One publish
+  lock per device and share group makes engines loading at the same moment map each other's
+  tensors instead of each publishing its own copy.  One start-up lock per device
+  (`startup_lock_name`) serialises engines' memory profiling on a GPU; while it is held, no
+  segment of that device is freed (a free would make the starting engine's profile see memory
+  appear that it did not release).  Engines that are the TP ranks of one vLLM instance pass one
+  owner and so share a lock instead of waiting for each other;
+- models: (share group, load signature) -> the keys and sizes its last engine mapped or
+  published, so that the next engine with that signature can be told before it loads how many
+  of its bytes are already resident (`expected_shared_bytes`, for vLLM's memory accounting).
+
+An engine's references and locks live exactly as long as its connection (its lease):
+`drop_engine` runs when the connection closes, however the engine ended.  A segment nobody holds is freed at once,
+or after ``keep_warm_s`` seconds so that a restarting engine maps instead of loading.
+
+Keys never cross share groups or devices: a lookup only sees entries of its own pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["EngineEntry", "EngineStats", "GroupStats", "Hit", "LockEntry", "Registry", "RegistryStats", "SegmentEntry",
+           "startup_lock_name"]
+
+STARTUP_LOCK_PREFIX = "startup:"
+
+
+def startup_lock_name(device: str) -> str:
+    """The start-up lock of a device key (``"startup:cuda:GPU-..."``)."""
+    return STARTUP_LOCK_PREFIX + device
+
+
+@dataclass
+class SegmentEntry:
+    """A published segment.  ``fd`` is the registry's own copy of its descriptor."""
+
+    id: int
+    fd: int
+    nbytes: int
+    device: str
+    group: str
+    keys: list[tuple[str, int, int]]  # (content key, offset, bytes) of each tensor it holds
+    holders: set[int] = field(default_factory=set)
+    idle_since: float | None = None
+    deferred: bool = False  # unheld, kept because its device's start-up lock is held
+
+
+@dataclass
+class EngineEntry:
+    """A connected engine and what it holds."""
+
+    id: int
+    pid: int
+    uid: int
+    model: str
+    device: str
+    group: str
+    signature: str = ""  # what determines its tensors' bytes (model, dtype, TP rank, ...)
+    segments: set[int] = field(default_factory=set)
+    keys: dict[str, int] = field(default_factory=dict)  # content key -> bytes, mapped or published
+    load: dict = field(default_factory=dict)  # its `engine.share.ShareResult`, as reported
+
+
+@dataclass
+class LockEntry:
+    """A held lock: its owner and the engines holding it on the owner's behalf."""
+
+    owner: str
+    holders: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup result: content ``key`` lies at ``offset`` in segment ``segment``."""
+
+    key: str
+    segment: int
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class GroupStats:
+    """Figures of one (device, share group).  Bytes are segment sizes (allocated bytes).
+
+    Attributes:
+        resident_bytes: bytes of the published segments (stored once).
+        shared_bytes: bytes of the segments that two or more engines map.
+        mapped_bytes: bytes the connected engines map, counted per engine.
+        saved_bytes: bytes the connected engines mapped from others' segments instead of
+            storing them again (their reported ``shared_bytes``).
+        deferred_segments: unheld segments kept because a start-up on the device is running.
+    """
+
+    device: str
+    share_group: str
+    engines: int = 0
+    segments: int = 0
+    resident_bytes: int = 0
+    shared_bytes: int = 0
+    mapped_bytes: int = 0
+    saved_bytes: int = 0
+    deferred_segments: int = 0
+
+
+@dataclass
+class EngineStats:
+    """One connected engine: who it is and what its load did (``load``: the numbers of its
+    `engine.share.ShareResult`, empty until it reported)."""
+
+    id: int
+    pid: int
+    model: str
+    device: str
+    share_group: str
+    signature: str
+    segments: int
+    load: dict
+
+
+@dataclass
+class RegistryStats:
+    """What `Registry.stats` returns; ``to_dict`` is what ``vllm-dedup status --json`` prints
+    and what travels over the socket (`from_dict` reads it back)."""
+
+    groups: list[GroupStats]
+    engines: list[EngineStats]
+    locks: dict[str, int]  # lock name -> pid of an engine holding it
+    collisions: int
+    keep_warm_s: float
+    registry_pid: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RegistryStats:
+        return cls(groups=[GroupStats(**g) for g in data["groups"]],
+                   engines=[EngineStats(**e) for e in data["engines"]],
+                   locks=dict(data["locks"]), collisions=data["collisions"], keep_warm_s=data["keep_warm_s"],
+                   registry_pid=data["registry_pid"])
+
+    def engine(self, pid: int) -> EngineStats | None:
+        """The engine with process id ``pid``, or None."""
+        return next((e for e in self.engines if e.pid == pid), None)
+
+
+class Registry:
+    """Content key -> resident segment, per (device, share group); see the module docstring.
+
+    Args:
+        keep_warm_s: seconds an unheld segment stays published before it is freed.
+        close: called with a segment's descriptor when it is freed (``os.close``; tests may
+            observe it).
+    """
+
+    def __init__(self, keep_warm_s: float = 0.0, close=os.close):
+        self.keep_warm_s = keep_warm_s
+        self._close = close
+        self.segments: dict[int, SegmentEntry] = {}
+        self.index: dict[tuple[str, str, str], tuple[int, int, int]] = {}
+        self.engines: dict[int, EngineEntry] = {}
+        self.locks: dict[str, LockEntry] = {}
+        self.models: dict[tuple[str, str], dict[str, int]] = {}  # (group, signature) -> {key: bytes}
+        self._ids = itertools.count(1)
+        self.collisions = 0  # caught by engines' exact compares, over the registry's life
+
+    # engines ---------------------------------------------------------------------------
+    def add_engine(self, pid: int, uid: int, model: str, device: str, group: str, signature: str = "") -> int:
+        """Register a connected engine; returns its id.  ``signature`` names what decides its
+        tensors' bytes (default: the model)."""
+        engine = EngineEntry(next(self._ids), pid, uid, model, device, group, signature or model)
+        self.engines[engine.id] = engine
+        return engine.id
+
+    def drop_engine(self, engine_id: int) -> None:
+        """Forget an engine, release every segment and lock it held (its connection closed)."""
+        engine = self.engines.pop(engine_id, None)
+        if engine is None:
+            return
+        for seg_id in list(engine.segments):
+            self._unhold(seg_id, engine_id)
+        self.unlock(engine_id, [n for n, lock in self.locks.items() if engine_id in lock.holders])
+
+    # lookups and publishing ------------------------------------------------------------
+    def acquire(self, engine_id: int, keys: list[str]) -> list[Hit]:
+        """Find ``keys`` in the engine's (device, group) and hold the segments of the hits.
+
+        The engine must `release` a hit's segment if its exact compare fails.
+        """
+        engine = self.engines[engine_id]
+        hits = []
+        for key in keys:
+            found = self.index.get((engine.device, engine.group, key))
+            if found is None:
+                continue
+            seg_id, offset, nbytes = found
+            self._hold(seg_id, engine_id)
+            engine.keys[key] = nbytes
+            hits.append(Hit(key, seg_id, offset, nbytes))
+        return hits
+
+    def publish(self, engine_id: int, fd: int, nbytes: int, keys: list[tuple[str, int, int]]) -> int:
+        """Record a new segment (the registry now owns ``fd``) holding ``keys``; the publishing
+        engine holds it.  ``keys``: (content key, offset, bytes) per tensor.  A key already
+        indexed keeps its first segment."""
+        engine = self.engines[engine_id]
+        seg = SegmentEntry(next(self._ids), fd, nbytes, engine.device, engine.group, list(keys))
+        self.segments[seg.id] = seg
+        for key, offset, size in keys:
+            self.index.setdefault((engine.device, engine.group, key), (seg.id, offset, size))
+            engine.keys[key] = size
+        self._hold(seg.id, engine_id)
+        return seg.id
+
+    def release(self, engine_id: int, seg_ids: list[int]) -> None:
+        """The engine no longer maps these segments (e.g. its exact compare failed)."""
+        engine = self.engines[engine_id]
+        for seg_id in seg_ids:
+            seg = self.segments.get(seg_id)
+            for key, _, _ in seg.keys if seg else ():
+                engine.keys.pop(key, None)
+            self._unhold(seg_id, engine_id)
+
+    def report(self, engine_id: int, load: dict) -> None:
+        """Record an engine's load outcome (tensors and bytes shared, published, private, and
+        the hash collisions its exact compares caught, which `stats` totals)."""
+        engine = self.engines[engine_id]
+        engine.load = {k: v for k, v in load.items() if isinstance(v, (int, float))}
+        self.collisions += int(load.get("collisions", 0))
+        self.models[(engine.group, engine.signature)] = dict(engine.keys)
+
+    def expected_shared_bytes(self, device: str, group: str, signature: str) -> int:
+        """Bytes an engine with this load signature will map from resident segments of
+        ``device``, predicted from the last engine with that signature (0 if none reported).
+
+        Exact when the same signature loaded before and nothing it used has been freed since;
+        an engine of a new signature is predicted 0 (it will map what it finds anyway).
+        """
+        known = self.models.get((group, signature), {})
+        return sum(n for key, n in known.items() if (device, group, key) in self.index)
+
+    # locks -------------------------------------------------------------------------------
+    def try_lock(self, engine_id: int, names: str | list[str], owner: str | None = None) -> int | None:
+        """Take every lock of ``names`` for the engine, or none of them.
+
+        All-or-nothing, so two engines each needing several locks (the TP ranks of two
+        instances, each rank taking every device's start-up lock) cannot each hold a part and
+        wait for the other.  A lock held for the same ``owner`` is shared (default owner: the
+        engine alone).
+
+        Returns:
+            None when granted, else the pid of an engine holding one of them for another owner.
+        """
+        names = [names] if isinstance(names, str) else list(names)
+        owner = owner or f"engine:{engine_id}"
+        for name in names:
+            lock = self.locks.get(name)
+            if lock is not None and lock.owner != owner:
+                return self.engines[min(lock.holders)].pid
+        for name in names:
+            self.locks.setdefault(name, LockEntry(owner)).holders.add(engine_id)
+        return None
+
+    def unlock(self, engine_id: int, names: str | list[str]) -> None:
+        """Give locks back (a no-op for those the engine does not hold).  When a device's
+        start-up lock is free again, the segments whose free it deferred are freed."""
+        for name in [names] if isinstance(names, str) else names:
+            lock = self.locks.get(name)
+            if lock is None or engine_id not in lock.holders:
+                continue
+            lock.holders.discard(engine_id)
+            if not lock.holders:
+                del self.locks[name]
+                if name.startswith(STARTUP_LOCK_PREFIX):
+                    self._free_deferred(name.removeprefix(STARTUP_LOCK_PREFIX))
+
+    def fd_of(self, seg_id: int) -> int:
+        return self.segments[seg_id].fd
+
+    # lifetime ----------------------------------------------------------------------------
+    def _hold(self, seg_id: int, engine_id: int) -> None:
+        seg = self.segments[seg_id]
+        seg.holders.add(engine_id)
+        seg.idle_since = None
+        seg.deferred = False
+        self.engines[engine_id].segments.add(seg_id)
+
+    def _unhold(self, seg_id: int, engine_id: int) -> None:
+        seg = self.segments.get(seg_id)
+        if engine_id in self.engines:
+            self.engines[engine_id].segments.discard(seg_id)
+        if seg is None:
+            return
+        seg.holders.discard(engine_id)
+        if not seg.holders:
+            if self.keep_warm_s > 0:
+                seg.idle_since = time.monotonic()
+            elif startup_lock_name(seg.device) in self.locks:
+                seg.deferred = True
+            else:
+                self._free(seg)
+
+    def _free_deferred(self, device: str) -> None:
+        for seg in [s for s in self.segments.values() if s.device == device and s.deferred and not s.holders]:
+            self._free(seg)
+
+    def expire(self, now: float | None = None) -> int:
+        """Free unheld segments whose keep-warm time is over; returns how many."""
+        now = time.monotonic() if now is None else now
+        due = [s for s in self.segments.values() if not s.holders and s.idle_since is not None
+               and now - s.idle_since >= self.keep_warm_s and startup_lock_name(s.device) not in self.locks]
+        for seg in due:
+            self._free(seg)
+        return len(due)
+
+    def _free(self, seg: SegmentEntry) -> None:
+        del self.segments[seg.id]
+        for key, _, _ in seg.keys:
+            if self.index.get((seg.device, seg.group, key), (None,))[0] == seg.id:
+                del self.index[(seg.device, seg.group, key)]
+        self._close(seg.fd)
+
+    def close(self) -> None:
+        """Free everything (the registry is shutting down)."""
+        for seg in list(self.segments.values()):
+            self._free(seg)
+        self.engines.clear()
+
+    # reporting ---------------------------------------------------------------------------
+    def stats(self) -> RegistryStats:
+        """Engines, segments and bytes per (device, share group) (see `GroupStats`)."""
+        groups: dict[tuple[str, str], GroupStats] = {}
+
+        def group(device: str, share_group: str) -> GroupStats:
+            return groups.setdefault((device, share_group), GroupStats(device, share_group))
+
+        for seg in self.segments.values():
+            g = group(seg.device, seg.group)
+            g.segments += 1
+            g.resident_bytes += seg.nbytes
+            g.deferred_segments += seg.deferred
+            g.mapped_bytes += seg.nbytes * len(seg.holders)
+            if len(seg.holders) >= 2:
+                g.shared_bytes += seg.nbytes
+        for engine in self.engines.values():
+            g = group(engine.device, engine.group)
+            g.engines += 1
+            g.saved_bytes += engine.load.get("shared_bytes", 0)
+        return RegistryStats(
+            groups=[groups[k] for k in sorted(groups)],
+            engines=[EngineStats(e.id, e.pid, e.model, e.device, e.group, e.signature, len(e.segments), e.load)
+                     for e in self.engines.values()],
+            locks={name: self.engines[min(lock.holders)].pid for name, lock in self.locks.items()},
+            collisions=self.collisions,
+            keep_warm_s=self.keep_warm_s,
+            registry_pid=os.getpid(),
+        )

@@ -1,0 +1,196 @@
+"""The manifest cache: content keys of a weight file, remembered across scans.
+
+Hashing a 100 GB checkpoint costs seconds even at memory speed, and a cold read costs far
+more; a scan of files already scanned should read no tensor bytes at all.  A manifest holds one
+file's tensor entries and content keys, stored under the user's cache directory and looked up
+by the file's identity:
+
+    (st_dev, st_ino, st_size, st_mtime_ns, XXH3-128 of the file's header bytes)
+
+The header (safetensors' JSON header, GGUF's metadata and tensor table) changes whenever names,
+dtypes, shapes or offsets do; size and mtime change on every ordinary rewrite.  This is the
+identity rule of make and rsync: a tool that rewrites tensor bytes in place *and* restores the
+old mtime defeats it, and ``vllm-dedup scan --no-cache`` is the answer for such files.
+
+A manifest is never trusted blindly: its JSON carries the identity it was made for and an
+XXH3-128 checksum over its body.  An entry that does not parse, whose checksum fails, or whose
+identity differs from the file's is recomputed and rewritten (atomically: write to a temporary
+file, then ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from ..content.keys import ContentKey, content_key, content_keys
+from .readers import TensorEntry, open_weight_file
+
+__all__ = ["FileIdentity", "Manifest", "ManifestCache", "default_cache_dir", "file_manifest"]
+
+logger = logging.getLogger(__name__)
+
+_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    """``$VLLM_DEDUP_CACHE_DIR``, else ``$XDG_CACHE_HOME/vllm-dedup``, else ``~/.cache/vllm-dedup``."""
+    if env := os.environ.get("VLLM_DEDUP_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm-dedup"
+
+
+@dataclass(frozen=True, slots=True)
+class FileIdentity:
+    """What a file is, without reading its tensor bytes."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    header_digest: str
+
+    @classmethod
+    def of(cls, path: Path, header: bytes) -> FileIdentity:
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, xxhash.xxh3_128_hexdigest(header))
+
+    def cache_name(self) -> str:
+        return xxhash.xxh3_128_hexdigest(repr(self).encode()) + ".json"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """One file's tensors and their content keys, in file order."""
+
+    identity: FileIdentity
+    entries: tuple[TensorEntry, ...]
+    keys: tuple[ContentKey, ...]
+
+    def to_json(self) -> str:
+        body = {
+            "version": _VERSION,
+            "identity": [getattr(self.identity, f) for f in FileIdentity.__slots__],
+            "tensors": [
+                [e.name, e.dtype, list(e.shape), e.nbytes, str(k)]
+                for e, k in zip(self.entries, self.keys)
+            ],
+        }
+        text = json.dumps(body, separators=(",", ":"), sort_keys=True)
+        return json.dumps({"body": body, "checksum": xxhash.xxh3_128_hexdigest(text.encode())})
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Parse and check a stored manifest.
+
+        Raises:
+            ValueError: it does not parse, its checksum fails, or its version is not ours.
+        """
+        outer = json.loads(text)
+        body = outer["body"]
+        canonical = json.dumps(body, separators=(",", ":"), sort_keys=True)
+        if xxhash.xxh3_128_hexdigest(canonical.encode()) != outer["checksum"]:
+            raise ValueError("checksum mismatch")
+        if body["version"] != _VERSION:
+            raise ValueError(f"manifest version {body['version']}, expected {_VERSION}")
+        identity = FileIdentity(*body["identity"])
+        entries, keys = [], []
+        for name, dtype, shape, nbytes, key in body["tensors"]:
+            entries.append(TensorEntry(name, dtype, tuple(shape), int(nbytes)))
+            keys.append(ContentKey.parse(key))
+        return cls(identity, tuple(entries), tuple(keys))
+
+
+class ManifestCache:
+    """Manifests stored as one JSON file per weight-file identity under ``root/manifests``.
+
+    ``root=None`` disables the cache (every lookup misses, nothing is written).
+    """
+
+    def __init__(self, root: Path | None):
+        self.dir = None if root is None else Path(root) / "manifests"
+        self.rejected = 0  # entries found damaged or stale, then recomputed
+
+    def get(self, identity: FileIdentity) -> Manifest | None:
+        """The stored manifest for ``identity``, or None if absent, damaged or stale."""
+        if self.dir is None:
+            return None
+        path = self.dir / identity.cache_name()
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self.rejected += 1
+            return None
+        try:
+            manifest = Manifest.from_json(text)
+        except (ValueError, KeyError, TypeError, IndexError):
+            self.rejected += 1
+            return None
+        if manifest.identity != identity:
+            self.rejected += 1
+            return None
+        return manifest
+
+    def put(self, manifest: Manifest) -> None:
+        """Store ``manifest`` atomically.  A cache that cannot be written is skipped."""
+        if self.dir is None:
+            return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(manifest.to_json())
+                os.replace(tmp, self.dir / manifest.identity.cache_name())
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:
+            logger.warning("manifest cache %s not written (%s); the next scan hashes again", self.dir, e)
+
+
+def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
+                  progress=None) -> tuple[Manifest, int]:
+    """The manifest of one weight file: from the cache, or by hashing its tensors (then cached).
+
+    Args:
+        path: a weight file (`readers.open_weight_file` reads it).
+        cache: where manifests are kept (``ManifestCache(None)``: nowhere).
+        threads: hashing threads (`content.keys.content_keys`).
+        progress: a tqdm-like bar updated with bytes, or None.
+
+    Returns:
+        (manifest, tensor bytes hashed: 0 when the cache had it).
+
+    Raises:
+        CheckpointError: the file cannot be read.
+    """
+    with open_weight_file(path) as wf:
+        identity = FileIdentity.of(path, wf.header())
+        manifest = cache.get(identity)
+        if manifest is not None:
+            if progress is not None:
+                progress.update(sum(e.nbytes for e in manifest.entries))
+            return manifest, 0
+        entries = wf.entries()
+
+        def key_of(e: TensorEntry):
+            def compute() -> ContentKey:
+                return content_key(wf.data(e.name), e.dtype, e.shape)
+
+            return compute
+
+        done = (lambda i: progress.update(entries[i].nbytes)) if progress is not None else None
+        keys = content_keys([key_of(e) for e in entries], threads=threads, on_done=done)
+    manifest = Manifest(identity, tuple(entries), tuple(keys))
+    cache.put(manifest)
+    return manifest, sum(e.nbytes for e in entries)

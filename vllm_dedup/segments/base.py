@@ -1,0 +1,121 @@
+"""Segments: memory that several processes map, freed when the last holder lets go.
+
+A segment is a file descriptor plus a size.  The descriptor is what crosses processes (the
+broker passes it with SCM_RIGHTS) and what keeps the memory alive: the engine that created a
+segment can exit, even by SIGKILL, while the others go on using it (docs/architecture.md, "Segments").
+
+One backend per device type, one module each, behind `Segment`:
+
+- ``host`` (`HostSegment`): memfd + mmap, for vLLM's CPU backend and every test without a GPU;
+- ``cuda`` (`CudaSegment`): CUDA virtual memory management through ``cuda-bindings``.
+
+`segment_class` picks the backend for a torch device type.  A backend also names devices
+(`Segment.device_key`: the registry keeps each device's segments apart) and says its allocation
+granularity (`Segment.granularity`: small tensors are packed into one segment, `packing.py`).
+
+Every backend failure raises `errors.SegmentError`, so the engine side has one thing to catch
+(the tensors concerned stay private).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+
+__all__ = ["Segment", "segment_class"]
+
+
+class Segment(ABC):
+    """Shareable memory holding one or more tensors' bytes.
+
+    Attributes:
+        nbytes: usable size in bytes.
+        size: allocated size in bytes: ``nbytes`` rounded up to the backend's granularity.
+        device: the device the memory lives on, as its key (``"cpu"``, ``"cuda:GPU-<uuid>"``).
+    """
+
+    nbytes: int
+    size: int
+    device: str
+
+    @classmethod
+    def create(cls, data, device: str | None = None) -> Segment:
+        """A new segment holding a copy of ``data`` (a contiguous torch tensor), sealed.
+        ``device``: its device key; by default `device_key` of the tensor's device."""
+        return cls.create_packed([(data, 0)], data.numel() * data.element_size(),
+                                 device or cls.device_key(data.device))
+
+    @classmethod
+    @abstractmethod
+    def create_packed(cls, parts, nbytes: int, device: str) -> Segment:
+        """A new sealed segment of ``nbytes`` usable bytes holding copies of several tensors.
+
+        Args:
+            parts: ``(tensor, offset)`` pairs: each contiguous tensor's bytes are copied to
+                ``offset`` (bytes); the ranges must not overlap and must fit in ``nbytes``.
+            nbytes: the segment's usable size in bytes (the backend may round it up).
+            device: the segment's device key (`device_key`).
+        """
+
+    @classmethod
+    @abstractmethod
+    def device_key(cls, device) -> str:
+        """The registry's name for a torch device: stable across processes and across
+        ``CUDA_VISIBLE_DEVICES`` renumbering (``"cpu"``, ``"cuda:GPU-<uuid>"``)."""
+
+    @classmethod
+    @abstractmethod
+    def granularity(cls, device) -> int | None:
+        """Allocation granularity in bytes on a torch device, or None when a segment per
+        tensor costs nothing worth packing for (host pages)."""
+
+    @classmethod
+    @abstractmethod
+    def attach(cls, fd: int, nbytes: int, device: str) -> Segment:
+        """Map a segment another process created, read-only.  Takes ownership of ``fd``."""
+
+    _fd: int  # the segment's descriptor in this process, -1 once closed
+
+    def fileno(self) -> int:
+        """The descriptor to pass to other processes (still owned by the segment)."""
+        return self._fd
+
+    @abstractmethod
+    def tensor(self, offset: int, dtype, shape, stride):
+        """A zero-copy torch tensor over ``[offset, offset + bytes)`` of the segment.
+
+        The tensor keeps the mapping alive; the segment object may be dropped before it.
+        """
+
+    def close_fd(self) -> None:
+        """Close the descriptor (idempotent); existing mappings and tensors stay valid.
+
+        Once it has been passed on, close it: an open descriptor is itself a reference that
+        keeps the memory alive (a memfd's pages, a CUDA allocation) beyond the mappings.
+        """
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        try:
+            self.close_fd()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def segment_class(device_type: str) -> type[Segment]:
+    """The segment backend for a torch device type (``"cpu"``, ``"cuda"``).
+
+    Raises:
+        NotImplementedError: no backend for that device type yet.
+    """
+    if device_type == "cpu":
+        from .host import HostSegment
+
+        return HostSegment
+    if device_type == "cuda":
+        from .cuda import CudaSegment
+
+        return CudaSegment
+    raise NotImplementedError(f"vllm-dedup has no segment backend for device type {device_type!r} yet")

@@ -121,13 +121,14 @@ class EngineProcess(PeerProcess):
         env: extra environment for the child.
         core: CPU core for its OpenMP threads.
         kv_cache_bytes: the KV cache's size in bytes.
+        rlimits: resource limits for the engine's process (`PeerProcess`).
 
     The child prints ``READY`` once loaded; `generate`, `complete` and `rpc` talk to it; its
     stderr (vLLM's log) is kept for `log`.
     """
 
     def __init__(self, model, load_format: str = "dedup", extra: dict | None = None, env: dict | None = None,
-                 core: int | None = None, kv_cache_bytes: int = 32 << 20):
+                 core: int | None = None, kv_cache_bytes: int = 32 << 20, rlimits: dict[int, int] | None = None):
         # vLLM logs to stdout by default; to stderr here, so that stdout carries only the
         # protocol and `log` holds everything the engine said.
         full_env = {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
@@ -135,7 +136,7 @@ class EngineProcess(PeerProcess):
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         self.model = str(model)
         super().__init__(["-m", "harness.engines", self.model, load_format, json.dumps(extra or {}),
-                          str(kv_cache_bytes)], f"engine for {self.model}", full_env)
+                          str(kv_cache_bytes)], f"engine for {self.model}", full_env, rlimits=rlimits)
 
     def wait_ready(self, timeout_s: float = 300) -> EngineProcess:
         """Wait until the engine has loaded.

@@ -181,9 +181,12 @@ class PeerProcess:
         name: the child's name in error messages.
         env: extra environment variables.
         user: run the child as this uid (``setpriv``), or None for ours.
+        rlimits: resource limits for the child (``resource.RLIMIT_*`` -> soft and hard value).
     """
 
-    def __init__(self, argv: list[str], name: str, env: dict | None = None, user: int | None = None):
+    def __init__(self, argv: list[str], name: str, env: dict | None = None, user: int | None = None,
+                 rlimits: dict[int, int] | None = None):
+        import resource
         import tempfile
 
         self.name = name
@@ -193,8 +196,9 @@ class PeerProcess:
         cmd = [sys.executable, *map(str, argv)]
         if user is not None:
             cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+        limit = (lambda: [resource.setrlimit(k, (v, v)) for k, v in rlimits.items()]) if rlimits else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                     text=True, env=full_env)
+                                     text=True, env=full_env, preexec_fn=limit)
         self.pid = self.proc.pid
 
     def read(self, prefix: str | tuple[str, ...] = "OK ", timeout_s: float = 60) -> str:

@@ -21,11 +21,19 @@ from harness.engines import PROMPTS, EngineProcess, ServeProcess, start_engines
 from harness.procs import free_port, memfd_holders, processes_matching
 from helpers import wait_for
 
-def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2, registry):
+@pytest.fixture(scope="module")
+def plain_smollm2(smollm2) -> list[list[int]]:
+    """Greedy tokens of a plain (``auto``) engine of SmolLM2 for `PROMPTS`; the plain engine
+    also shows that the guards let in-place writers through when nothing is shared."""
     with EngineProcess(smollm2, "auto") as plain:
         plain.wait_ready()
         reference = plain.generate()
         assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
+    return reference
+
+
+def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2, plain_smollm2, registry):
+    reference = plain_smollm2
 
     # Baseline: the same code path with nothing shared (two share groups), so that the
     # difference below is what sharing saves and nothing else.
@@ -119,6 +127,31 @@ def test_sigkill_of_the_first_engine(smollm2, registry):
     finally:
         b.stop()
     assert wait_for(lambda: registry.stats().groups == [])
+
+
+def test_a_segment_that_cannot_be_created_leaves_its_tensors_private_and_the_engine_serving(
+        smollm2, plain_smollm2, registry):
+    """A real backend failure: the engine runs with a 16 MiB file-size limit (RLIMIT_FSIZE), so
+    growing a memfd beyond it fails (EFBIG) and the 56.6 MB embedding gets no segment.  The
+    engine still starts and answers as plain; with ``on_registry_error="fail"`` it stops with a
+    clear error."""
+    import resource
+
+    limit = {resource.RLIMIT_FSIZE: 16 << 20}
+    embedding = 49152 * 576 * 2
+    with EngineProcess(smollm2, rlimits=limit) as e:
+        e.wait_ready()
+        assert e.generate() == plain_smollm2
+        load = registry.engine_loads()[e.pid]
+        assert load["private_bytes"] >= embedding and load["published_bytes"] > 0.7 * 269e6
+        log = e.log()
+        assert "1 tensor(s) (56.6 MB) stay private: 1 segment(s) could not be created" in log, log[-3000:]
+        assert "File too large" in log
+    failing = EngineProcess(smollm2, extra={"on_registry_error": "fail"}, rlimits=limit)
+    with pytest.raises(RuntimeError) as err:
+        failing.wait_ready()
+    assert "shared memory for the weights could not be created or mapped" in str(err.value)
+    failing.end()
 
 
 def test_unreachable_registry_falls_back_or_fails(smollm2, registry):

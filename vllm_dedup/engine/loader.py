@@ -122,6 +122,10 @@ class DedupModelLoader(BaseModelLoader):
             )
         except RegistryUnavailable as e:
             raise RuntimeError(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
+        except SegmentError as e:
+            raise RuntimeError(
+                f"vllm-dedup: shared memory for the weights could not be created or mapped ({e}); "
+                "set on_registry_error='fallback' to load such tensors privately instead") from None
         session = EngineSession.current()
         session.hold(client, self.result.segment_bytes, self.result.shared_bytes)
         _describe_for_upstream_hooks(model, session)

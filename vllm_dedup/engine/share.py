@@ -18,6 +18,11 @@ are exactly those the kernels use.  The steps, in order (one method each of `_Sh
 Steps 3 to 5 hold the registry's publish lock of the device and share group, so engines that
 finish loading together map each other's tensors instead of each publishing a copy.
 
+Failures never stop the engine (unless ``fail``): the registry failing mid-way leaves the
+remaining tensors private; a segment that cannot be created or mapped (`errors.SegmentError`:
+out of memory, a descriptor that is not a sealed segment, a driver refusing) leaves the tensors
+it would have held private.  Either is said in one warning, with the first error.
+
 Freed private copies go back to the operating system (``malloc_trim``): glibc otherwise keeps
 large freed blocks in its heap and the process's memory would not shrink.  On a GPU they go back
 to the driver (``torch.cuda.empty_cache``) every gigabyte or so while publishing: torch's
@@ -106,10 +111,11 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
 
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
+        SegmentError: a segment could not be created or mapped and ``fail`` is set.
     """
     start = time.perf_counter()
     result = _Sharing(model, client, device_type, min_tensor_bytes, verify, device_key,
-                      pack_granularity).run(fail, lock_timeout_s)
+                      pack_granularity, fail).run(lock_timeout_s)
     # Only now, with the `_Sharing` pass gone, are all replaced private copies unreferenced.
     gc.collect()
     _malloc_trim()
@@ -126,8 +132,10 @@ class _Sharing:
     """One model's sharing pass: the steps of the module docstring, one method each."""
 
     def __init__(self, model, client: BrokerClient, device_type: str, min_tensor_bytes: int, verify: bool,
-                 device_key: str, pack_granularity: int | None):
+                 device_key: str, pack_granularity: int | None, fail: bool):
         self.client, self.device_type, self.verify, self.device_key = client, device_type, verify, device_key
+        self.fail = fail
+        self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
         self.seg_cls = segment_class(device_type)
         # 1. collect
         slots, private_n, private_b = collect_slots(model, device_type, min_tensor_bytes)
@@ -139,20 +147,36 @@ class _Sharing:
         self.granularity = pack_granularity or (self.seg_cls.granularity(slots[0].tensor.device) if slots else None)
         self.freed = 0  # private bytes dropped since the allocator's cache was last emptied
 
-    def run(self, fail: bool, lock_timeout_s: float) -> ShareResult:
+    def run(self, lock_timeout_s: float) -> ShareResult:
         try:
             with self.client.locked(f"publish:{self.device_key}:{self.client.group}", timeout_s=lock_timeout_s):
                 self.acquire_and_adopt()
                 self.plan_and_publish()
         except (RegistryUnavailable, TimeoutError) as e:
-            if fail:
+            if self.fail:
                 raise RegistryUnavailable(str(e)) from None
             self.result.errors.append(str(e))
             logger.warning("vllm-dedup: registry failed mid-load (%s); the remaining tensors stay private", e)
             for group in self.pending.values():
                 self.keep_private(group)
             self.pending.clear()
+        if self.segment_failures:
+            tensors = sum(n for n, _, _ in self.segment_failures)
+            nbytes = sum(b for _, b, _ in self.segment_failures)
+            first = self.segment_failures[0][2]
+            self.result.errors.append(first)
+            logger.warning("vllm-dedup: %d tensor(s) (%.1f MB) stay private: %d segment(s) could not be created or "
+                           "mapped (first: %s)", tensors, nbytes / 1e6, len(self.segment_failures), first)
         return self.result
+
+    def segment_failed(self, groups: list[list[Slot]], error: SegmentError) -> None:
+        """A segment for ``groups`` could not be created or mapped: they stay private."""
+        if self.fail:
+            raise error
+        for group in groups:
+            self.keep_private(group)
+        self.segment_failures.append((sum(len(g) for g in groups), sum(s.nbytes for g in groups for s in g),
+                                      str(error)))
 
     # 3. acquire, compare, adopt -------------------------------------------------------------
     def acquire_and_adopt(self) -> None:
@@ -170,11 +194,9 @@ class _Sharing:
             groups = [self.pending.pop(hit.key) for hit in seg_hits]
             try:
                 seg = self.seg_cls.attach(fds[seg_id][0], max(h.offset + h.nbytes for h in seg_hits), self.device_key)
-            except SegmentError as e:  # not a sealed segment: never map it
-                logger.warning("vllm-dedup: resident segment %d refused (%s); its tensors stay private", seg_id, e)
+            except SegmentError as e:  # not a sealed segment, or it cannot be mapped: never use it
                 self.client.release([seg_id])
-                for group in groups:
-                    self.keep_private(group)
+                self.segment_failed(groups, SegmentError(f"resident segment {seg_id} refused: {e}"))
                 continue
             taken = 0
             for hit, group in zip(seg_hits, groups):
@@ -234,7 +256,11 @@ class _Sharing:
     def publish(self, keys: list[str], offsets: list[int], nbytes: int) -> None:
         """One new segment holding the first tensor of each key's group at its offset."""
         parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
-        seg = self.seg_cls.create_packed(parts, nbytes, self.device_key)
+        try:
+            seg = self.seg_cls.create_packed(parts, nbytes, self.device_key)
+        except SegmentError as e:
+            self.segment_failed([self.pending.pop(k) for k in keys], e)
+            return
         try:
             self.client.publish(seg.fileno(), seg.size,
                                 [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)])

@@ -34,7 +34,11 @@ class HostSegment(Segment):
         # MAP_POPULATE fills the page tables now: no page faults in the first forward passes,
         # and the pages show in this process's PSS like a private copy's would.  An empty
         # tensor still needs a (1-byte) mapping: mmap of length 0 is an error.
-        self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+        try:
+            self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+        except OSError as e:
+            self.close_fd()
+            raise SegmentError(f"cannot map a {nbytes}-byte memfd segment: {e}") from None
 
     @classmethod
     def create_packed(cls, parts, nbytes: int, device: str = "cpu", name: str = "vllm-dedup") -> HostSegment:
@@ -43,13 +47,17 @@ class HostSegment(Segment):
 
         Raises:
             ValueError: a part does not fit in ``nbytes``.
-            OSError: memfd_create, write or sealing failed (e.g. out of memory).
+            SegmentError: memfd_create, write, sealing or mapping failed (out of memory, a file
+                size limit, too many open descriptors); the message says which.
         """
         views = [(tensor_bytes(t), offset) for t, offset in parts]
         for view, offset in views:
             if offset < 0 or offset + view.nbytes > nbytes:
                 raise ValueError(f"a {view.nbytes}-byte part at offset {offset} does not fit in {nbytes} bytes")
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as e:
+            raise SegmentError(f"cannot create a memfd segment: {e}") from None
         try:
             os.ftruncate(fd, max(nbytes, 1))
             for view, offset in views:
@@ -57,10 +65,13 @@ class HostSegment(Segment):
                 while done < view.nbytes:
                     done += os.pwrite(fd, view[done:], offset + done)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            return cls(fd, nbytes, device)
+        except OSError as e:
+            os.close(fd)
+            raise SegmentError(f"cannot fill a {nbytes}-byte memfd segment: {e}") from None
         except BaseException:
             os.close(fd)
             raise
+        return cls(fd, nbytes, device)
 
     @classmethod
     def device_key(cls, device="cpu") -> str:
@@ -76,7 +87,8 @@ class HostSegment(Segment):
 
         Raises:
             SegmentError: the descriptor is not a fully sealed memfd of at least ``nbytes``
-                (a peer could otherwise change the bytes under us after the compare).
+                (a peer could otherwise change the bytes under us after the compare), or it
+                cannot be mapped.  The descriptor is closed.
         """
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)

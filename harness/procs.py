@@ -254,3 +254,45 @@ class PeerProcess:
 
     def __exit__(self, *exc) -> None:
         self.end()
+
+
+def evict_from_page_cache(path) -> None:
+    """Write back and drop ``path``'s pages from the page cache (``fsync`` then
+    ``posix_fadvise(POSIX_FADV_DONTNEED)``), so that a later reader must read it from disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(path) -> int:
+    """Bytes of ``path`` in the page cache now (``mincore`` over a fresh read-only mapping, which
+    itself reads nothing).  With `evict_from_page_cache` before, this is what was read since."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            pages = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if libc.mincore(addr, size, pages) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(p & 1 for p in pages) * page

@@ -5,12 +5,16 @@ more; a scan of files already scanned should read no tensor bytes at all.  A man
 file's tensor entries and content keys, stored under the user's cache directory and looked up
 by the file's identity:
 
-    (st_dev, st_ino, st_size, st_mtime_ns, XXH3-128 of the file's header bytes)
+    (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns, XXH3-128 of the file's header bytes)
 
 The header (safetensors' JSON header, GGUF's metadata and tensor table) changes whenever names,
-dtypes, shapes or offsets do; size and mtime change on every ordinary rewrite.  This is the
-identity rule of make and rsync: a tool that rewrites tensor bytes in place *and* restores the
-old mtime defeats it, and ``vllm-dedup scan --no-cache`` is the answer for such files.
+dtypes, shapes or offsets do; size and mtime change on every ordinary rewrite.  ``st_ctime_ns``
+is what catches the rest: the kernel sets it on every write and on every change of the file's
+metadata, mtime included, and no user tool can set it back.  A checkpoint rewritten in place
+with its size, header and mtime restored therefore gets a new identity and is hashed again.
+(vLLM's own weight cache keys on file headers and would serve such a file stale.)  The engine
+trusts these keys without reading the file (docs/architecture.md, "Loading only what is not
+resident"), which is why the identity must catch every rewrite.
 
 A manifest is never trusted blindly: its JSON carries the identity it was made for and an
 XXH3-128 checksum over its body.  An entry that does not parse, whose checksum fails, or whose
@@ -36,7 +40,7 @@ __all__ = ["FileIdentity", "Manifest", "ManifestCache", "default_cache_dir", "fi
 
 logger = logging.getLogger(__name__)
 
-_VERSION = 1
+_VERSION = 2  # 2: identity carries st_ctime_ns
 
 
 def default_cache_dir() -> Path:
@@ -55,12 +59,15 @@ class FileIdentity:
     ino: int
     size: int
     mtime_ns: int
+    ctime_ns: int
     header_digest: str
 
     @classmethod
     def of(cls, path: Path, header: bytes) -> FileIdentity:
+        """The identity of ``path`` now, given its header bytes (`WeightFile.header`)."""
         st = os.stat(path)
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, xxhash.xxh3_128_hexdigest(header))
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                   xxhash.xxh3_128_hexdigest(header))
 
     def cache_name(self) -> str:
         return xxhash.xxh3_128_hexdigest(repr(self).encode()) + ".json"

@@ -11,6 +11,8 @@ says what is wrong and what to do.
 
 from __future__ import annotations
 
+import json
+import mmap
 import os
 import struct
 from abc import ABC, abstractmethod
@@ -91,41 +93,101 @@ def register_reader(*suffixes: str) -> Callable[[type[WeightFile]], type[WeightF
 
 @register_reader(".safetensors")
 class SafetensorsFile(WeightFile):
-    """A ``.safetensors`` file, read through safetensors' own mmap (``safe_open``)."""
+    """A ``.safetensors`` file, per the format's documented layout: an 8-byte little-endian
+    header size, a JSON header giving each tensor's ``dtype``, ``shape`` and ``data_offsets``
+    (relative to the end of the header), then the data.
+
+    Opening reads only the header (and checks it against the file's size); tensor bytes are
+    zero-copy slices of one read-only mmap of the file, made on first use of `data`.  This is
+    what lets a cached scan or an engine read no tensor byte at all: safetensors' own
+    ``safe_open`` maps the whole file (the kernel then reads ahead megabytes) and its
+    ``get_tensor`` copies each tensor.
+    """
 
     format = "safetensors"
+    MAX_HEADER = 100 << 20  # bytes; safetensors' own limit
 
     def __init__(self, path: Path):
         super().__init__(path)
-        from safetensors import SafetensorError, safe_open
+        self._header = self._read_header()
+        self._data_start = 8 + len(self._header)
+        self._layout = self._check_layout(os.path.getsize(path) - self._data_start)
+        self._names = list(self._layout)
+        self._map: mmap.mmap | None = None
+
+    def _corrupt(self, why: str) -> CheckpointError:
+        return CheckpointError(self.path, f"corrupt or truncated safetensors file ({why}); re-download or re-save it")
+
+    def _read_header(self) -> bytes:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the header
+            prefix = os.pread(fd, 8, 0)
+            if len(prefix) < 8:
+                raise self._corrupt("shorter than its 8-byte header size")
+            (size,) = struct.unpack("<Q", prefix)
+            if size > self.MAX_HEADER:
+                raise self._corrupt(f"header size {size} is over the {self.MAX_HEADER}-byte limit")
+            header = os.pread(fd, size, 8)
+        finally:
+            os.close(fd)
+        if len(header) < size:
+            raise self._corrupt(f"the file ends inside its {size}-byte header")
+        return header
+
+    def _check_layout(self, data_bytes: int) -> dict[str, dict]:
+        """name -> {"dtype", "shape", "data_offsets"}, checked: known dtypes, offsets inside the
+        data section and matching each tensor's size."""
+        from safetensors.torch import _getdtype
 
         try:
-            self._file = safe_open(str(path), framework="pt")
-        except SafetensorError as e:
-            raise CheckpointError(
-                path, f"corrupt or truncated safetensors file ({e}); re-download or re-save it"
-            ) from None
-        self._names = list(self._file.keys())
+            layout = json.loads(self._header)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise self._corrupt(f"its header is not JSON: {e}") from None
+        if not isinstance(layout, dict):
+            raise self._corrupt("its header is not a JSON object")
+        layout.pop("__metadata__", None)
+        for name, info in layout.items():
+            try:
+                itemsize = _getdtype(info["dtype"]).itemsize
+                begin, end = (int(x) for x in info["data_offsets"])
+                numel = 1
+                for dim in info["shape"]:
+                    numel *= int(dim)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise self._corrupt(f"header entry {name!r} is malformed ({type(e).__name__}: {e})") from None
+            if not 0 <= begin <= end <= data_bytes or end - begin != numel * itemsize:
+                raise self._corrupt(f"tensor {name!r} at bytes {begin}..{end} does not fit its shape or the "
+                                    f"{data_bytes}-byte data section")
+        return layout
 
     def header(self) -> bytes:
-        with open(self.path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            return f.read(size)
+        return self._header
 
     def entries(self) -> list[TensorEntry]:
+        from safetensors.torch import _getdtype
+
         out = []
         for name in self._names:
-            t = self._file.get_tensor(name)  # lazy mmap view: reads no bytes yet
-            out.append(
-                TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
-            )
+            info = self._layout[name]
+            start, end = info["data_offsets"]
+            out.append(TensorEntry(name, dtype_name(_getdtype(info["dtype"])), tuple(info["shape"]), end - start))
         return out
 
     def data(self, name: str) -> memoryview:
-        return tensor_bytes(self._file.get_tensor(name))
+        start, end = self._layout[name]["data_offsets"]
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        return memoryview(self._map)[self._data_start + start : self._data_start + end]
 
     def close(self) -> None:
-        self._file = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive: the map goes when it does
+                pass
+            self._map = None
 
 
 @register_reader(".gguf")
@@ -279,9 +341,15 @@ def open_weight_file(path: str | os.PathLike) -> WeightFile:
 
 
 def _check_readable(path: Path) -> None:
+    """Open and read one byte (a folder or an unreadable file fails here, with a clear
+    message), without the kernel reading ahead into the tensor data."""
     try:
-        with open(path, "rb") as f:
-            f.read(1)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.pread(fd, 1, 0)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise CheckpointError(path, "no such file or directory") from None
     except OSError as e:

@@ -267,9 +267,10 @@ def evict_from_page_cache(path) -> None:
         os.close(fd)
 
 
-def resident_bytes(path) -> int:
-    """Bytes of ``path`` in the page cache now (``mincore`` over a fresh read-only mapping, which
-    itself reads nothing).  With `evict_from_page_cache` before, this is what was read since."""
+def resident_bytes(path, start: int = 0) -> int:
+    """Bytes of ``path`` from byte ``start`` on that are in the page cache now (``mincore`` over a
+    fresh read-only mapping, which itself reads nothing).  With `evict_from_page_cache` before,
+    this is what was read since."""
     import ctypes
     import mmap
 
@@ -295,4 +296,4 @@ def resident_bytes(path) -> int:
             libc.munmap(addr, size)
     finally:
         os.close(fd)
-    return sum(p & 1 for p in pages) * page
+    return sum(p & 1 for p in pages[start // page:]) * page

@@ -42,6 +42,9 @@ class DedupConfig:
         startup_lock_timeout_s: seconds to wait for the GPU's start-up lock (another engine
             is profiling its memory) before starting without it (or failing, with
             ``on_registry_error="fail"``).
+        fast_path: map the modules a recipe of an earlier engine matches instead of reading
+            the checkpoint (`engine.fast_path`).  Nothing is compared byte for byte on that
+            path: the trust is the source keys and the load signature, within a share group.
     """
 
     inner_load_format: str = "auto"
@@ -56,6 +59,7 @@ class DedupConfig:
     registry_namespace: str = "vllm-dedup"
     accounting: str = "kv_cache"
     startup_lock_timeout_s: float = 900.0
+    fast_path: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> DedupConfig:
@@ -105,6 +109,7 @@ class DedupConfig:
             ("accounting", c.accounting in ("kv_cache", "external"), "'kv_cache' or 'external'"),
             ("startup_lock_timeout_s", isinstance(c.startup_lock_timeout_s, (int, float))
              and c.startup_lock_timeout_s > 0, "a number > 0 (seconds)"),
+            ("fast_path", isinstance(c.fast_path, bool), "true or false"),
         ]
         for name, ok, expected in checks:
             if not ok:

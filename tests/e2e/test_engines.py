@@ -21,17 +21,6 @@ from harness.engines import PROMPTS, EngineProcess, ServeProcess, start_engines
 from harness.procs import free_port, memfd_holders, processes_matching
 from helpers import wait_for
 
-@pytest.fixture(scope="module")
-def plain_smollm2(smollm2) -> list[list[int]]:
-    """Greedy tokens of a plain (``auto``) engine of SmolLM2 for `PROMPTS`; the plain engine
-    also shows that the guards let in-place writers through when nothing is shared."""
-    with EngineProcess(smollm2, "auto") as plain:
-        plain.wait_ready()
-        reference = plain.generate()
-        assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
-    return reference
-
-
 def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2, plain_smollm2, registry):
     reference = plain_smollm2
 
@@ -79,11 +68,9 @@ def _linear_bytes(model_dir: Path, layers: tuple[int, ...]) -> tuple[int, int]:
     return total, 4 * len(layers)
 
 
-def test_variants_share_exactly_their_unchanged_tensors(smollm2, variants, registry):
+def test_variants_share_exactly_their_unchanged_tensors(smollm2, variants, registry, plain_tokens):
     last, vocab = variants["last-layers"], variants["vocab-extended"]
-    plain = EngineProcess(last, "auto").wait_ready()
-    plain_out = plain.generate()
-    plain.stop()
+    plain_out = plain_tokens(last)
     engines = start_engines([{"model": smollm2}, {"model": last}, {"model": vocab}])
     try:
         base_e, last_e, vocab_e = engines
@@ -184,13 +171,15 @@ def test_share_groups_never_share(smollm2, registry):
             e.stop()
 
 
-def test_forced_hash_collisions_never_swap_in_other_bytes(smollm2, variants, registry):
+def test_forced_hash_collisions_never_swap_in_other_bytes(smollm2, variants, registry, plain_tokens):
+    """The exact compare of the load-then-share path.  The recipes' fast path compares nothing
+    (it trusts XXH3-128 source and content keys within a share group) and is turned off here:
+    with every key forced to collide, trusting keys is wrong by construction."""
     last = variants["last-layers"]
-    plain = EngineProcess(last, "auto").wait_ready()
-    reference = plain.generate()
-    plain.stop()
+    reference = plain_tokens(last)
     env = {"VLLM_DEDUP_TEST_FORCE_COLLISIONS": "1"}  # every key of a dtype and shape collides
-    engines = start_engines([{"model": smollm2, "env": env}, {"model": last, "env": env}])
+    off = {"fast_path": False}
+    engines = start_engines([{"model": smollm2, "env": env, "extra": off}, {"model": last, "env": env, "extra": off}])
     try:
         assert engines[1].generate() == reference
         loads = registry.engine_loads()
@@ -202,12 +191,8 @@ def test_forced_hash_collisions_never_swap_in_other_bytes(smollm2, variants, reg
             e.stop()
 
 
-def test_vllm_serve_with_dedup_answers_like_auto(smollm2, registry, tmp_path):
-    plain = ServeProcess(smollm2, "auto", tmp_path / "auto.log", core=0).wait_ready()
-    try:
-        expected = plain.complete(PROMPTS)
-    finally:
-        plain.stop()
+def test_vllm_serve_with_dedup_answers_like_auto(smollm2, registry, tmp_path, plain_serve_texts):
+    expected = plain_serve_texts
     served = ServeProcess(smollm2, "dedup", tmp_path / "dedup.log", core=0).wait_ready()
     try:
         assert served.complete(PROMPTS) == expected

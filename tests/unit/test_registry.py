@@ -87,24 +87,33 @@ def test_locks_are_all_or_nothing_so_two_multi_gpu_engines_cannot_deadlock(reg):
     assert reg.try_lock(b, [g0, g1]) is None
 
 
-def test_expected_shared_bytes_comes_from_the_last_engine_with_that_signature(reg):
+def test_expected_shared_bytes_come_from_the_newest_recipe_of_that_signature(reg):
     first = engine(reg, 1, signature="m|tp1.0")
     reg.publish(first, 100, 6 << 20, [("k0", 0, 2 << 20), ("k1", 2 << 20, 4 << 20)])
-    reg.report(first, {"published_bytes": 6 << 20})
-    second = engine(reg, 2, signature="m|tp1.0")
+    reg.put_recipe(first, 200, 10, "m|tp1.0", "ckpt-a", {"k0": 2 << 20, "k1": 4 << 20})
     assert reg.expected_shared_bytes(GPU0, "default", "m|tp1.0") == 6 << 20
     assert reg.expected_shared_bytes(GPU0, "default", "m|tp2.0") == 0  # never loaded
     assert reg.expected_shared_bytes(GPU1, "default", "m|tp1.0") == 0  # nothing resident there
     assert reg.expected_shared_bytes(GPU0, "other-group", "m|tp1.0") == 0
-    reg.drop_engine(first)
-    reg.drop_engine(second)  # segment freed: nothing left to map
+    # A fine-tune's recipe, newer, names k0 and a key of its own that is not resident.
+    reg.put_recipe(first, 201, 10, "m|tp1.0", "ckpt-b", {"k0": 2 << 20, "k9": 4 << 20})
+    assert reg.expected_shared_bytes(GPU0, "default", "m|tp1.0") == 2 << 20
+    assert [r.id for r in reg.recipes_for(first, "m|tp1.0")] == ["ckpt-b", "ckpt-a"]
+    reg.drop_engine(first)  # segment freed: nothing left to map, the recipes stay
     assert reg.expected_shared_bytes(GPU0, "default", "m|tp1.0") == 0
+    assert reg.closed == [100]
 
 
-def test_keys_released_after_a_failed_compare_are_not_predicted(reg):
-    first, second = engine(reg, 1, signature="base"), engine(reg, 2, signature="tuned")
-    reg.publish(first, 100, 4096, [("k", 0, 4096)])
-    (hit,) = reg.acquire(second, ["k"])
-    reg.release(second, [hit.segment])  # exact compare failed: a collision
-    reg.report(second, {})
-    assert reg.expected_shared_bytes(GPU0, "default", "tuned") == 0
+def test_a_recipe_of_the_same_checkpoint_replaces_the_old_one_and_old_ones_go_beyond_the_limit(reg):
+    from vllm_dedup.registry.state import MAX_RECIPES
+
+    e = engine(reg, 1)
+    reg.put_recipe(e, 300, 10, "sig", "same", {})
+    reg.put_recipe(e, 301, 10, "sig", "same", {})
+    assert reg.closed == [300] and [r.fd for r in reg.recipes_for(e, "sig")] == [301]
+    for i in range(MAX_RECIPES):
+        reg.put_recipe(e, 400 + i, 10, "sig", f"other-{i}", {})
+    assert reg.closed == [300, 301]  # the oldest went
+    assert len(reg.recipes_for(e, "sig")) == MAX_RECIPES
+    reg.close()
+    assert sorted(reg.closed) == sorted([300, 301, *range(400, 400 + MAX_RECIPES)])

@@ -58,23 +58,9 @@ from ..errors import RegistryUnavailable
 from ..registry.client import BrokerClient
 from ..registry.state import startup_lock_name
 
-__all__ = ["EngineSession", "load_signature", "startup_devices"]
+__all__ = ["EngineSession", "startup_devices"]
 
 logger = logging.getLogger("vllm.dedup.session")  # under "vllm": vLLM's handlers and format apply
-
-
-def load_signature(vllm_config) -> str:
-    """What decides the bytes of a worker's tensors: model and revision, dtype, quantization,
-    and the TP/PP rank and size (each rank holds other shards)."""
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-    except (AssertionError, ImportError):  # distributed state not initialised (single process)
-        tp_rank = pp_rank = 0
-    return (f"{mc.model}@{mc.revision or ''}|{mc.dtype}|{mc.quantization or ''}"
-            f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}")
 
 
 def startup_devices(world_size: int) -> list:
@@ -160,8 +146,10 @@ class EngineSession:
             return 0
         from ..segments.cuda import CudaSegment
 
+        from .signature import load_signature
+
         device = CudaSegment.device_key(torch.cuda.current_device())
-        signature = load_signature(vllm_config)
+        signature = load_signature(vllm_config, config.inner_load_format)
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
         if client is None:
             return 0

@@ -33,7 +33,6 @@ briefly need twice the model's memory.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import logging
 import os
@@ -62,7 +61,14 @@ _RETURN_EVERY = 1 << 30  # bytes of dropped private copies between two empty_cac
 
 @dataclass
 class ShareResult:
-    """What one engine's load did, in tensors and bytes (what it reports to the registry)."""
+    """What one engine's load did, in tensors and bytes (what it reports to the registry).
+
+    The loader fills the load's own figures: ``path`` (``full``: every module mapped from a
+    recipe; ``modules``: some mapped, the others loaded; ``none``: loaded, then shared),
+    ``checkpoint_bytes_read``, ``load_seconds`` (wall time of ``load_model``) and
+    ``peak_bytes`` (`meter.LoadMeter.peak_bytes`).  ``placement`` (``id`` of a tensor bound in
+    the model -> its content key) is for the recipe, not reported.
+    """
 
     shared_tensors: int = 0  # mapped from another engine's segment
     shared_bytes: int = 0
@@ -72,27 +78,39 @@ class ShareResult:
     private_bytes: int = 0
     collisions: int = 0  # equal keys, different bytes: caught by the exact compare
     padding_bytes: int = 0  # bytes of the segments this engine created that hold no tensor
-    seconds: float = 0.0
+    seconds: float = 0.0  # of the sharing pass
+    path: str = "none"
+    checkpoint_bytes_read: int = 0
+    load_seconds: float = 0.0
+    peak_bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    placement: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property
     def segment_bytes(self) -> int:
         """Bytes of this engine's tensors that live in segments (read-only, seen by others)."""
         return self.shared_bytes + self.published_bytes
 
+    def report(self) -> dict:
+        """The figures the registry keeps (numbers and the load path)."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str))}
+
     def summary(self) -> str:
         mb = 1e6
         return (
+            f"path={self.path}, {self.checkpoint_bytes_read / mb:.1f} MB of checkpoint read, "
+            f"load {self.load_seconds:.2f} s, peak +{self.peak_bytes / mb:.1f} MB; "
             f"{self.shared_tensors} tensors / {self.shared_bytes / mb:.1f} MB shared, "
             f"{self.published_tensors} / {self.published_bytes / mb:.1f} MB published, "
             f"{self.private_tensors} / {self.private_bytes / mb:.1f} MB private, "
-            f"{self.collisions} collisions, {self.padding_bytes / mb:.1f} MB padding, {self.seconds:.2f} s"
+            f"{self.collisions} collisions, {self.padding_bytes / mb:.1f} MB padding, sharing {self.seconds:.2f} s"
         )
 
 
 def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tensor_bytes: int = 1 << 16,
                 verify: bool = True, fail: bool = False, lock_timeout_s: float = 600.0,
-                device_key: str = "cpu", pack_granularity: int | None = None) -> ShareResult:
+                device_key: str = "cpu", pack_granularity: int | None = None,
+                mapped: dict[int, str] | None = None, report: bool = True) -> ShareResult:
     """Share ``model``'s tensors through the registry behind ``client`` (see the module docstring).
 
     Args:
@@ -108,6 +126,9 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
             client's ``hello``.
         pack_granularity: pack new segments to this granularity (bytes, a power of two);
             default: the backend's (`Segment.granularity`; none on the host).
+        mapped: tensors already bound from segments (``id`` -> content key; a recipe mapped
+            them): counted as shared, left alone.
+        report: send the result to the registry (the loader reports itself, with its figures).
 
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
@@ -115,16 +136,17 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
     """
     start = time.perf_counter()
     result = _Sharing(model, client, device_type, min_tensor_bytes, verify, device_key,
-                      pack_granularity, fail).run(lock_timeout_s)
-    # Only now, with the `_Sharing` pass gone, are all replaced private copies unreferenced.
-    gc.collect()
+                      pack_granularity, fail, mapped or {}).run(lock_timeout_s)
+    # The private copies replaced are freed by reference counting as they go (nothing here
+    # makes a cycle with them): only the allocator's caches need giving back.
     _malloc_trim()
     _return_cached(device_type)
     result.seconds = time.perf_counter() - start
-    try:
-        client.report(dataclasses.asdict(result))
-    except RegistryUnavailable:
-        pass
+    if report:
+        try:
+            client.report(result.report())
+        except RegistryUnavailable:
+            pass
     return result
 
 
@@ -132,14 +154,18 @@ class _Sharing:
     """One model's sharing pass: the steps of the module docstring, one method each."""
 
     def __init__(self, model, client: BrokerClient, device_type: str, min_tensor_bytes: int, verify: bool,
-                 device_key: str, pack_granularity: int | None, fail: bool):
+                 device_key: str, pack_granularity: int | None, fail: bool, mapped: dict[int, str]):
         self.client, self.device_type, self.verify, self.device_key = client, device_type, verify, device_key
         self.fail = fail
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
         self.seg_cls = segment_class(device_type)
-        # 1. collect
-        slots, private_n, private_b = collect_slots(model, device_type, min_tensor_bytes)
-        self.result = ShareResult(private_tensors=private_n, private_bytes=private_b)
+        # 1. collect (what a recipe mapped is already shared)
+        slots, private_n, private_b = collect_slots(model, device_type, min_tensor_bytes, exclude=set(mapped))
+        self.result = ShareResult(private_tensors=private_n, private_bytes=private_b, placement=dict(mapped))
+        bound = {id(t): t for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()]
+                 if t is not None and id(t) in mapped}
+        self.result.shared_tensors += len(bound)
+        self.result.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
         # 2. key: content key -> the slots with that key (tied or equal tensors of this model)
         self.pending: dict[str, list[Slot]] = defaultdict(list)
         for slot, key in zip(slots, _keys([s.tensor for s in slots], device_type)):
@@ -200,7 +226,7 @@ class _Sharing:
                 continue
             taken = 0
             for hit, group in zip(seg_hits, groups):
-                differ = self.adopt(group, seg, hit.offset, published=False)
+                differ = self.adopt(group, seg, hit.offset, hit.key, published=False)
                 taken += len(group) - len(differ)
                 if differ:
                     self.result.collisions += len(differ)
@@ -211,9 +237,10 @@ class _Sharing:
             if not taken:
                 self.client.release([seg_id])
 
-    def adopt(self, group: list[Slot], seg, offset: int, published: bool) -> list[Slot]:
-        """Swap each slot whose bytes equal the segment's at ``offset``; return the ones that
-        differ.  With ``published``, the segment was copied from the group's first slot."""
+    def adopt(self, group: list[Slot], seg, offset: int, key: str, published: bool) -> list[Slot]:
+        """Swap each slot whose bytes equal the segment's at ``offset`` (content ``key``);
+        return the ones that differ.  With ``published``, the segment was copied from the
+        group's first slot."""
         differ = []
         for i, slot in enumerate(group):
             t = slot.tensor
@@ -223,6 +250,9 @@ class _Sharing:
                 differ.append(slot)
                 continue
             swap(slot, shared)  # the slot held the last reference to the private copy
+            for module, name, is_param in slot.refs:
+                bound = module._parameters[name] if is_param else module._buffers[name]
+                self.result.placement[id(bound)] = key
             self.freed += slot.nbytes
             if source:
                 self.result.published_tensors += 1
@@ -269,7 +299,7 @@ class _Sharing:
         self.result.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
         for key, offset in zip(keys, offsets):
             group = self.pending.pop(key)
-            differ = self.adopt(group, seg, offset, published=True)  # same key in this model, other bytes
+            differ = self.adopt(group, seg, offset, key, published=True)  # same key in this model, other bytes
             self.result.collisions += len(differ)
             self.keep_private(differ)
 

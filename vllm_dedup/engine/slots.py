@@ -30,13 +30,15 @@ class Slot:
         return self.tensor.numel() * self.tensor.element_size()
 
 
-def collect_slots(model, device_type: str, min_bytes: int) -> tuple[list[Slot], int, int]:
+def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = frozenset()
+                  ) -> tuple[list[Slot], int, int]:
     """Group ``model``'s parameters and buffers by storage.
 
     Args:
         model: an ``nn.Module``.
         device_type: only tensors on this torch device type are candidates.
         min_bytes: smaller tensors stay private.
+        exclude: ``id``s of tensor objects to leave out altogether.
 
     Returns:
         (candidate slots, private tensors, private bytes): private are the slots too small, on
@@ -46,7 +48,7 @@ def collect_slots(model, device_type: str, min_bytes: int) -> tuple[list[Slot], 
     for module in model.modules():
         for table, is_param in ((module._parameters, True), (module._buffers, False)):
             for name, t in table.items():
-                if t is None:
+                if t is None or id(t) in exclude:
                     continue
                 ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else (id(t),)
                 slot = slots.setdefault(ident, Slot(t, []))

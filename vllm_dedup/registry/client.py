@@ -114,6 +114,43 @@ class BrokerClient:
     def report(self, load: dict) -> None:
         self._call(p.Report(load), p.Empty)
 
+    def put_recipe(self, data: bytes) -> None:
+        """Give the registry a recipe (its JSON bytes; `engine.recipe.Recipe.to_bytes`).
+
+        Raises:
+            SegmentError: no memfd could be made for it.
+            RegistryUnavailable: as every method (a malformed recipe is refused).
+        """
+        from ..segments.host import HostSegment
+
+        seg = HostSegment.from_bytes(data)
+        try:
+            self._call(p.PutRecipe(len(data)), p.Empty, [seg.fileno()])
+        finally:
+            seg.close_fd()
+
+    def get_recipes(self, signature: str) -> list[bytes]:
+        """The recipes' JSON bytes kept for ``signature`` in this engine's share group, newest
+        first (none: an empty list).
+
+        Raises:
+            SegmentError: a received descriptor is not a sealed memfd.
+            RegistryUnavailable: as every method.
+        """
+        from ..segments.host import HostSegment
+
+        reply, fds = self._call(p.GetRecipes(signature), p.RecipesReply)
+        out = []
+        try:
+            for i, (fd, size) in enumerate(zip(fds, reply.sizes)):
+                fds[i] = -1
+                out.append(HostSegment.attach(fd, size).read())
+        finally:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        return out
+
     def stats(self) -> RegistryStats:
         return RegistryStats.from_dict(self._call(p.Stats(), None)[0])
 

@@ -21,6 +21,8 @@ Requests (one dataclass each, below; ``op`` names it on the wire) and their repl
 ``lock``              names, owner -> granted (bool; all or none), holder_pid (when not granted)
 ``unlock``            names -> {}
 ``expect``            -> bytes (`Registry.expected_shared_bytes` for this engine)
+``put_recipe``        bytes + 1 fd (a sealed memfd holding the recipe's JSON) -> {}
+``get_recipes``       signature -> sizes; one fd per recipe, newest first
 ``stats``             -> `state.RegistryStats` as a dict
 ``shutdown``          force -> stopping (refused while engines are connected, unless forced)
 ====================  ===================================================================
@@ -47,8 +49,9 @@ from ..errors import ProtocolError, RegistryUnavailable
 
 __all__ = [
     "DEFAULT_NAMESPACE", "MAX_FDS", "MAX_MESSAGE", "REQUESTS",
-    "Acquire", "AcquireReply", "Empty", "Expect", "ExpectReply", "Hello", "HelloReply", "Lock", "LockReply",
-    "Message", "Publish", "PublishReply", "Release", "Report", "Shutdown", "ShutdownReply", "Stats", "Unlock",
+    "Acquire", "AcquireReply", "Empty", "Expect", "ExpectReply", "GetRecipes", "Hello", "HelloReply", "Lock",
+    "LockReply", "Message", "Publish", "PublishReply", "PutRecipe", "RecipesReply", "Release", "Report", "Shutdown",
+    "ShutdownReply", "Stats", "Unlock",
     "ensure_private_dir", "parse_request", "peer_uid", "recv", "runtime_dir", "send", "socket_path",
 ]
 
@@ -285,6 +288,19 @@ class Expect(Message, op="expect"):
     """Bytes this engine is predicted to map (`Registry.expected_shared_bytes`)."""
 
 
+class PutRecipe(Message, op="put_recipe", fds=1):
+    """A recipe for the engine's share group: its JSON (`engine.recipe.Recipe.to_bytes`) in a
+    sealed memfd of ``nbytes`` bytes, attached."""
+
+    nbytes: int
+
+
+class GetRecipes(Message, op="get_recipes"):
+    """The recipes kept for a load signature in the engine's share group, newest first."""
+
+    signature: str
+
+
 class Stats(Message, op="stats"):
     """The registry's `state.RegistryStats`."""
 
@@ -296,7 +312,8 @@ class Shutdown(Message, op="shutdown"):
 
 
 REQUESTS: dict[str, type[Message]] = {
-    cls.op: cls for cls in (Hello, Acquire, Publish, Release, Report, Lock, Unlock, Expect, Stats, Shutdown)
+    cls.op: cls for cls in (Hello, Acquire, Publish, Release, Report, Lock, Unlock, Expect, PutRecipe, GetRecipes,
+                            Stats, Shutdown)
 }
 
 
@@ -341,6 +358,12 @@ class LockReply(Message):
 
 class ExpectReply(Message):
     bytes: int
+
+
+class RecipesReply(Message):
+    """The recipes' sizes in bytes, in the order of the attached memfds."""
+
+    sizes: list[int] = field(default_factory=list)
 
 
 class ShutdownReply(Message):

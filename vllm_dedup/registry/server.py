@@ -14,6 +14,7 @@ The same server runs inside the Ray actor (`ray_actor.py`) and in the standalone
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import selectors
@@ -58,7 +59,8 @@ class BrokerServer:
         self._handlers = {
             p.Hello: self._hello, p.Acquire: self._acquire, p.Publish: self._publish, p.Release: self._release,
             p.Report: self._report, p.Lock: self._lock, p.Unlock: self._unlock, p.Expect: self._expect,
-            p.Stats: self._stats, p.Shutdown: self._shutdown,
+            p.PutRecipe: self._put_recipe, p.GetRecipes: self._get_recipes, p.Stats: self._stats,
+            p.Shutdown: self._shutdown,
         }
         assert set(self._handlers) == set(p.REQUESTS.values()), "every request type needs a handler"
 
@@ -237,6 +239,15 @@ class BrokerServer:
         e = self.registry.engines[engine]
         return p.ExpectReply(self.registry.expected_shared_bytes(e.device, e.group, e.signature)), []
 
+    def _put_recipe(self, conn, engine, req: p.PutRecipe, fds):
+        signature, recipe_id, final = _recipe_summary(fds[0], req.nbytes)
+        self.registry.put_recipe(engine, fds[0], req.nbytes, signature, recipe_id, final)
+        return p.Empty(), []
+
+    def _get_recipes(self, conn, engine, req: p.GetRecipes, fds):
+        kept = self.registry.recipes_for(engine, req.signature)[: p.MAX_FDS]
+        return p.RecipesReply([r.nbytes for r in kept]), [r.fd for r in kept]
+
     def _stats(self, conn, engine, req: p.Stats, fds):
         return self.registry.stats().to_dict(), []
 
@@ -245,6 +256,28 @@ class BrokerServer:
             raise ValueError(f"{self.engines} engine(s) still connected; use force")
         self._stop.set()
         return p.ShutdownReply(True), []
+
+
+def _recipe_summary(fd: int, nbytes: int) -> tuple[str, str, dict[str, int]]:
+    """(signature, recipe id, final content key -> bytes) of the recipe JSON in the sealed
+    memfd ``fd`` (docs/architecture.md, "Recipes"); the descriptor stays open.
+
+    Raises:
+        ValueError: not a sealed memfd of ``nbytes`` bytes, or not a recipe.
+    """
+    from ..errors import SegmentError
+    from ..segments.host import HostSegment
+
+    try:
+        data = HostSegment.attach(os.dup(fd), nbytes).read()
+    except SegmentError as e:
+        raise ValueError(f"a recipe must come as a sealed memfd: {e}") from None
+    try:
+        recipe = json.loads(data)
+        final = {str(k): int(v) for k, v in recipe["final"].items()}
+        return str(recipe["signature"]), str(recipe["id"]), final
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a recipe ({type(e).__name__}: {e})") from None
 
 
 def _close(fds: list[int]) -> None:

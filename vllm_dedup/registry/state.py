@@ -15,9 +15,11 @@ server, and tests call it directly.  Everything lives in one place, `Registry`:
   segment of that device is freed (a free would make the starting engine's profile see memory
   appear that it did not release).  Engines that are the TP ranks of one vLLM instance pass one
   owner and so share a lock instead of waiting for each other;
-- models: (share group, load signature) -> the keys and sizes its last engine mapped or
-  published, so that the next engine with that signature can be told before it loads how many
-  of its bytes are already resident (`expected_shared_bytes`, for vLLM's memory accounting).
+- recipes: (share group, load signature) -> up to `MAX_RECIPES` recipes, newest last: how an
+  engine's final tensors came from its checkpoint (docs/architecture.md, "Loading only what is
+  not resident").  The registry keeps each as a sealed memfd it hands to later engines, and
+  knows its final content keys, from which it predicts how many of an engine's bytes are
+  already resident (`expected_shared_bytes`, for vLLM's memory accounting).
 
 An engine's references and locks live exactly as long as its connection (its lease):
 `drop_engine` runs when the connection closes, however the engine ended.  A segment nobody holds is freed at once,
@@ -33,10 +35,11 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["EngineEntry", "EngineStats", "GroupStats", "Hit", "LockEntry", "Registry", "RegistryStats", "SegmentEntry",
-           "startup_lock_name"]
+__all__ = ["EngineEntry", "EngineStats", "GroupStats", "Hit", "LockEntry", "RecipeEntry", "Registry", "RegistryStats",
+           "SegmentEntry", "startup_lock_name"]
 
 STARTUP_LOCK_PREFIX = "startup:"
+MAX_RECIPES = 8  # per (share group, load signature): a base model and a few fine-tunes of it
 
 
 def startup_lock_name(device: str) -> str:
@@ -71,7 +74,6 @@ class EngineEntry:
     group: str
     signature: str = ""  # what determines its tensors' bytes (model, dtype, TP rank, ...)
     segments: set[int] = field(default_factory=set)
-    keys: dict[str, int] = field(default_factory=dict)  # content key -> bytes, mapped or published
     load: dict = field(default_factory=dict)  # its `engine.share.ShareResult`, as reported
 
 
@@ -81,6 +83,17 @@ class LockEntry:
 
     owner: str
     holders: set[int] = field(default_factory=set)
+
+
+@dataclass
+class RecipeEntry:
+    """A recipe: ``fd`` (the registry's own descriptor of the sealed memfd holding it), its
+    size in bytes, and the final content keys it names (key -> bytes)."""
+
+    id: str
+    fd: int
+    nbytes: int
+    final: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -175,7 +188,7 @@ class Registry:
         self.index: dict[tuple[str, str, str], tuple[int, int, int]] = {}
         self.engines: dict[int, EngineEntry] = {}
         self.locks: dict[str, LockEntry] = {}
-        self.models: dict[tuple[str, str], dict[str, int]] = {}  # (group, signature) -> {key: bytes}
+        self.recipes: dict[tuple[str, str], list[RecipeEntry]] = {}  # (group, signature) -> oldest first
         self._ids = itertools.count(1)
         self.collisions = 0  # caught by engines' exact compares, over the registry's life
 
@@ -210,7 +223,6 @@ class Registry:
                 continue
             seg_id, offset, nbytes = found
             self._hold(seg_id, engine_id)
-            engine.keys[key] = nbytes
             hits.append(Hit(key, seg_id, offset, nbytes))
         return hits
 
@@ -223,36 +235,52 @@ class Registry:
         self.segments[seg.id] = seg
         for key, offset, size in keys:
             self.index.setdefault((engine.device, engine.group, key), (seg.id, offset, size))
-            engine.keys[key] = size
         self._hold(seg.id, engine_id)
         return seg.id
 
     def release(self, engine_id: int, seg_ids: list[int]) -> None:
         """The engine no longer maps these segments (e.g. its exact compare failed)."""
-        engine = self.engines[engine_id]
         for seg_id in seg_ids:
-            seg = self.segments.get(seg_id)
-            for key, _, _ in seg.keys if seg else ():
-                engine.keys.pop(key, None)
             self._unhold(seg_id, engine_id)
 
     def report(self, engine_id: int, load: dict) -> None:
-        """Record an engine's load outcome (tensors and bytes shared, published, private, and
-        the hash collisions its exact compares caught, which `stats` totals)."""
+        """Record an engine's load outcome (its `engine.share.ShareResult` numbers and load
+        path; values other than numbers and strings are dropped) and the hash collisions its
+        exact compares caught, which `stats` totals."""
         engine = self.engines[engine_id]
-        engine.load = {k: v for k, v in load.items() if isinstance(v, (int, float))}
+        engine.load = {k: v for k, v in load.items() if isinstance(v, (int, float, str))}
         self.collisions += int(load.get("collisions", 0))
-        self.models[(engine.group, engine.signature)] = dict(engine.keys)
+
+    # recipes -------------------------------------------------------------------------------
+    def put_recipe(self, engine_id: int, fd: int, nbytes: int, signature: str, recipe_id: str,
+                   final: dict[str, int]) -> None:
+        """Keep a recipe (the registry now owns ``fd``) for the engine's share group and
+        ``signature``.  A recipe with the same id replaces the older one; beyond `MAX_RECIPES`
+        the oldest goes."""
+        engine = self.engines[engine_id]
+        kept = self.recipes.setdefault((engine.group, signature), [])
+        for old in [r for r in kept if r.id == recipe_id]:
+            kept.remove(old)
+            self._close(old.fd)
+        kept.append(RecipeEntry(recipe_id, fd, nbytes, dict(final)))
+        while len(kept) > MAX_RECIPES:
+            self._close(kept.pop(0).fd)
+
+    def recipes_for(self, engine_id: int, signature: str) -> list[RecipeEntry]:
+        """The recipes kept for the engine's share group and ``signature``, newest first."""
+        engine = self.engines[engine_id]
+        return list(reversed(self.recipes.get((engine.group, signature), [])))
 
     def expected_shared_bytes(self, device: str, group: str, signature: str) -> int:
         """Bytes an engine with this load signature will map from resident segments of
-        ``device``, predicted from the last engine with that signature (0 if none reported).
+        ``device``: the resident bytes of the newest recipe for that signature (0 if none).
 
-        Exact when the same signature loaded before and nothing it used has been freed since;
-        an engine of a new signature is predicted 0 (it will map what it finds anyway).
-        """
-        known = self.models.get((group, signature), {})
-        return sum(n for key, n in known.items() if (device, group, key) in self.index)
+        Exact when the engine loads the checkpoint that recipe came from and nothing it names
+        has been freed since; a fine-tune of it maps less (its changed modules)."""
+        kept = self.recipes.get((group, signature))
+        if not kept:
+            return 0
+        return sum(n for key, n in kept[-1].final.items() if (device, group, key) in self.index)
 
     # locks -------------------------------------------------------------------------------
     def try_lock(self, engine_id: int, names: str | list[str], owner: str | None = None) -> int | None:
@@ -339,6 +367,10 @@ class Registry:
         """Free everything (the registry is shutting down)."""
         for seg in list(self.segments.values()):
             self._free(seg)
+        for kept in self.recipes.values():
+            for recipe in kept:
+                self._close(recipe.fd)
+        self.recipes.clear()
         self.engines.clear()
 
     # reporting ---------------------------------------------------------------------------

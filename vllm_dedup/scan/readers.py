@@ -174,6 +174,11 @@ class SafetensorsFile(WeightFile):
             out.append(TensorEntry(name, dtype_name(_getdtype(info["dtype"])), tuple(info["shape"]), end - start))
         return out
 
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """Where tensor ``name``'s bytes lie in the file: (first byte, one past the last)."""
+        start, end = self._layout[name]["data_offsets"]
+        return self._data_start + start, self._data_start + end
+
     def data(self, name: str) -> memoryview:
         start, end = self._layout[name]["data_offsets"]
         if self._map is None:

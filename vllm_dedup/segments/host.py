@@ -74,6 +74,22 @@ class HostSegment(Segment):
         return cls(fd, nbytes, device)
 
     @classmethod
+    def from_bytes(cls, data: bytes, name: str = "vllm-dedup-recipe") -> HostSegment:
+        """A new sealed memfd holding ``data`` (e.g. a recipe's JSON).
+
+        Raises:
+            SegmentError: as `create_packed`.
+        """
+        import torch
+
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return cls.create_packed([(raw, 0)], len(data), "cpu", name)
+
+    def read(self) -> bytes:
+        """A copy of the segment's ``nbytes`` bytes."""
+        return bytes(self._map[: self.nbytes])
+
+    @classmethod
     def device_key(cls, device="cpu") -> str:
         return "cpu"
 

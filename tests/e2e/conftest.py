@@ -1,0 +1,44 @@
+"""Plain references for the end-to-end tests, each made once per test session: the greedy
+tokens of a plain (``auto``) engine of SmolLM2 and of its variants, and the completions of a
+plain ``vllm serve``.  Every dedup engine's answers are compared with these."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engines import PROMPTS, EngineProcess, ServeProcess
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(smollm2, variants):
+    """model folder -> greedy token ids of a plain engine for `PROMPTS` (made on first use).
+    The first plain engine also shows that the guards let in-place writers through when
+    nothing is shared."""
+    made: dict = {}
+
+    def tokens(model) -> list[list[int]]:
+        if model not in made:
+            with EngineProcess(model, "auto") as plain:
+                plain.wait_ready()
+                made[model] = plain.generate()
+                if not made.get("guard-checked"):
+                    assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
+                    made["guard-checked"] = True
+        return made[model]
+
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def plain_smollm2(plain_tokens, smollm2) -> list[list[int]]:
+    return plain_tokens(smollm2)
+
+
+@pytest.fixture(scope="session")
+def plain_serve_texts(smollm2, tmp_path_factory) -> list[str]:
+    """Completions of a plain ``vllm serve`` of SmolLM2 for `PROMPTS`."""
+    plain = ServeProcess(smollm2, "auto", tmp_path_factory.mktemp("plain-serve") / "auto.log", core=0).wait_ready()
+    try:
+        return plain.complete(PROMPTS)
+    finally:
+        plain.stop()

@@ -1,0 +1,177 @@
+"""Loading only what is not resident: real vLLM engines (CPU backend) map from recipes instead of
+reading their checkpoint, and answer exactly as plain engines do.
+
+What an engine read is checked twice: the engine's own count (``checkpoint_bytes_read`` in its
+report), and the page cache: the checkpoint file's pages are dropped before the engine starts,
+and afterwards only its header's pages may be back (``mincore``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from harness.engines import PROMPTS, EngineProcess, ServeProcess
+from harness.procs import evict_from_page_cache, resident_bytes
+from helpers import scan_json, wait_for
+from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.scan.readers import SafetensorsFile
+
+# vLLM itself reads a checkpoint's header at start-up, with the kernel's readahead (128 to 256 kB
+# past it); no tensor byte beyond that window may be in the page cache.
+READAHEAD = 512 << 10
+
+
+def tensor_bytes_resident(ckpt) -> int:
+    """Bytes of the checkpoint's tensor data, past the readahead window after its header, in
+    the page cache now."""
+    with SafetensorsFile(ckpt) as f:
+        data_start = 8 + len(f.header())
+    return resident_bytes(ckpt, data_start + READAHEAD)
+
+
+def layer_bytes(model_dir, layers=(28, 29), min_bytes: int = 0) -> int:
+    """Bytes of the checkpoint tensors of the given decoder layers (all of them changed in the
+    last-layers variant), of those of at least ``min_bytes``."""
+    with SafetensorsFile(model_dir / "model.safetensors") as f:
+        return sum(e.nbytes for e in f.entries()
+                   if any(f".layers.{i}." in e.name for i in layers) and e.nbytes >= min_bytes)
+
+
+def dedup_lines(engine) -> str:
+    """What the engine's log says of vllm-dedup (for failure messages)."""
+    return "\n".join(line for line in engine.log().splitlines() if "vllm-dedup" in line)
+
+
+def tensor_bytes_total(model_dir) -> int:
+    with SafetensorsFile(model_dir / "model.safetensors") as f:
+        return sum(e.nbytes for e in f.entries())
+
+
+def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_byte(
+        smollm2, registry, plain_smollm2, plain_serve_texts, tmp_path):
+    ckpt = smollm2 / "model.safetensors"
+    first = EngineProcess(smollm2, core=0).wait_ready()
+    try:
+        l1 = registry.engine_loads()[first.pid]
+        assert l1["path"] == "none" and l1["checkpoint_bytes_read"] == tensor_bytes_total(smollm2)
+        evict_from_page_cache(ckpt)
+        with EngineProcess(smollm2, core=1) as second:  # LLM()
+            second.wait_ready()
+            l2 = registry.engine_loads()[second.pid]
+            assert tensor_bytes_resident(ckpt) == 0
+            assert (l2["path"], l2["checkpoint_bytes_read"], l2["published_tensors"]) == ("full", 0, 0)
+            assert l2["shared_bytes"] == l1["published_bytes"]
+            assert l2["peak_bytes"] < 0.05 * l1["published_bytes"], l2
+            assert second.generate() == plain_smollm2
+        evict_from_page_cache(ckpt)
+        served = ServeProcess(smollm2, "dedup", tmp_path / "serve.log", core=1).wait_ready()  # vllm serve
+        try:
+            (l3,) = [e.load for e in registry.stats().engines if e.pid in served.pids()]
+            assert (l3["path"], l3["checkpoint_bytes_read"]) == ("full", 0)
+            assert tensor_bytes_resident(ckpt) == 0
+            assert served.complete(PROMPTS) == plain_serve_texts
+        finally:
+            served.stop()
+        assert first.generate() == plain_smollm2
+    finally:
+        first.stop()
+
+
+def test_a_fine_tune_reads_only_its_changed_layers(smollm2, variants, registry, plain_tokens, cache_root):
+    last = variants["last-layers"]
+    scan_json(last, cache=cache_root)  # its keys in the manifest cache, as after `vllm-dedup scan`
+    base = EngineProcess(smollm2, core=0).wait_ready()
+    try:
+        evict_from_page_cache(last / "model.safetensors")
+        with EngineProcess(last, core=1) as tuned:
+            tuned.wait_ready()
+            load = registry.engine_loads()[tuned.pid]
+            assert load["path"] == "modules"
+            assert load["checkpoint_bytes_read"] == layer_bytes(last)  # 14.2 MB of 269 MB
+            # The pages holding them, and nothing else (each tensor's ends round out to a page).
+            assert tensor_bytes_resident(last / "model.safetensors") <= layer_bytes(last) + 18 * 2 * 4096
+            assert "a recipe maps 202 of 214 modules" in tuned.log()
+            assert tuned.generate() == plain_tokens(last)
+    finally:
+        base.stop()
+
+
+def test_a_checkpoint_rewritten_in_place_is_never_served_stale(smollm2, registry, plain_tokens, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(smollm2, model)
+    ckpt = model / "model.safetensors"
+    before = plain_tokens(model)
+    first = EngineProcess(model, core=0).wait_ready()
+    try:
+        # Zero layer 29's down projection in place; size, header and mtime stay as they were.
+        with SafetensorsFile(ckpt) as f:
+            start, end = f.byte_range("model.layers.29.mlp.down_proj.weight")
+            header = f.header()
+        st = os.stat(ckpt)
+        with open(ckpt, "r+b") as fh:
+            fh.seek(start)
+            fh.write(bytes(end - start))
+        os.utime(ckpt, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with SafetensorsFile(ckpt) as f:
+            assert (os.stat(ckpt).st_size, os.stat(ckpt).st_mtime_ns, f.header()) == (st.st_size, st.st_mtime_ns, header)
+        plain = EngineProcess(model, "auto").wait_ready()
+        rewritten = plain.generate()
+        plain.stop()
+        assert rewritten != before  # the rewrite changes the answers: staleness would show
+        with EngineProcess(model, core=1) as second:
+            second.wait_ready()
+            load = registry.engine_loads()[second.pid]
+            assert load["path"] == "modules", load
+            assert "model.layers.29.mlp.down_proj: its checkpoint tensors changed" in second.log()
+            assert second.generate() == rewritten
+    finally:
+        first.stop()
+
+
+def test_segments_freed_after_the_recipe_was_made_are_loaded_again(smollm2, variants, registry, plain_tokens,
+                                                                  cache_root):
+    """The base engine goes; its last layers (held by nobody else) are freed, its recipe stays.
+    The next base engine maps what is still resident (held by the fine-tune) and loads the
+    rest; once nothing is resident, it loads everything, and still answers as plain."""
+    last = variants["last-layers"]
+    scan_json(last, cache=cache_root)
+    base = EngineProcess(smollm2, core=0).wait_ready()
+    tuned = EngineProcess(last, core=1).wait_ready()
+    try:
+        base.stop()
+        assert wait_for(lambda: base.pid not in registry.engine_loads())
+        with EngineProcess(smollm2, core=0) as again:
+            again.wait_ready()
+            load = registry.engine_loads()[again.pid]
+            assert load["path"] == "modules"
+            # The freed segments held those layers' matrices; their norms travel in the recipe.
+            assert load["checkpoint_bytes_read"] == layer_bytes(smollm2, min_bytes=1 << 16)
+            assert "is no longer resident" in again.log()
+            assert again.generate() == plain_tokens(smollm2)
+        watcher = BrokerClient(registry.socket)  # keeps the idle daemon (and its recipes) up
+    finally:
+        tuned.stop()
+    try:
+        assert wait_for(lambda: registry.stats().groups == [])
+        with EngineProcess(smollm2, core=0) as alone:
+            alone.wait_ready()
+            load = registry.engine_loads()[alone.pid]
+            assert load["path"] == "none" and load["checkpoint_bytes_read"] == tensor_bytes_total(smollm2)
+            assert "nothing the recipe names is resident any more" in alone.log(), dedup_lines(alone)
+            assert alone.generate() == plain_tokens(smollm2)
+    finally:
+        watcher.close()
+
+
+def test_after_the_first_engine_is_sigkilled_a_warm_registry_still_gives_the_fast_path(smollm2, registry,
+                                                                                       plain_smollm2):
+    first = EngineProcess(smollm2, extra={"keep_warm_s": 600}, core=0).wait_ready()  # starts the registry
+    first.kill()
+    assert wait_for(lambda: registry.stats().engines == [])
+    assert registry.stats().groups[0].segments > 0  # kept warm
+    with EngineProcess(smollm2, core=1) as second:
+        second.wait_ready()
+        load = registry.engine_loads()[second.pid]
+        assert (load["path"], load["checkpoint_bytes_read"]) == ("full", 0)
+        assert second.generate() == plain_smollm2

@@ -1,0 +1,245 @@
+"""Source keys: the content key of every checkpoint tensor an engine loads, and which module of
+the model each one went into.
+
+A *source key* is a checkpoint tensor's content key as stored (XXH3-128 of its bytes, with its
+dtype and shape): the same key ``vllm-dedup scan`` computes, kept in the same manifest cache
+(`scan.manifest`), so an engine learns a checkpoint's keys without reading tensor bytes once
+any engine or scan has seen the file (docs/architecture.md, "Recipes").
+
+`SourceRecorder` runs during a load.  It wraps the inner loader's weight iterator: every tensor
+it yields is hashed zero-copy in a thread pool, overlapped with the load.  And it wraps every
+parameter's (and buffer's) ``weight_loader``: a call attributes the tensor just yielded to the
+module owning that parameter.  An attribution is only made when the tensor the weight loader
+receives shares storage with the tensor just yielded (the loader passed it on, possibly as a
+view); anything else (a transformed copy, tensors buffered and loaded later) marks the module
+as unrecorded, and such a module is never mapped from a recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from ..content.keys import content_key
+from ..content.views import dtype_name, tensor_bytes
+from ..errors import CheckpointError
+from ..scan.manifest import FileIdentity, Manifest, ManifestCache, file_manifest
+from ..scan.readers import SafetensorsFile
+
+__all__ = ["SourceRecorder", "checkpoint_files", "checkpoint_keys", "read_tensors", "write_manifests"]
+
+logger = logging.getLogger("vllm.dedup.sources")  # under "vllm": vLLM's handlers and format apply
+
+_MAX_PENDING = 32  # tensors yielded but not hashed yet, at most (bounds the memory they keep alive)
+
+
+def checkpoint_files(model_dir: str | os.PathLike) -> list[Path] | None:
+    """The safetensors files vLLM's default loader reads for a local HF model folder: the
+    folder's ``*.safetensors`` (not its subfolders), only those a ``model.safetensors.index.json``
+    names when there is one.  None when the folder holds no safetensors (the fast paths then do
+    not apply)."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return None
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if files and index.is_file():
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        files = [f for f in files if f.name in named]
+    return files or None
+
+
+def checkpoint_keys(files: list[Path], cache: ManifestCache) -> tuple[dict[str, str], dict[str, Path], int]:
+    """Source keys of every tensor of ``files``, from the manifest cache where it knows them,
+    else by hashing the files (read through a read-only mapping: nothing is allocated).
+
+    Returns:
+        (tensor name -> source key as a string, tensor name -> its file, tensor bytes hashed).
+
+    Raises:
+        CheckpointError: a file cannot be read, or two files hold a tensor of the same name.
+    """
+    keys: dict[str, str] = {}
+    where: dict[str, Path] = {}
+    hashed = 0
+    for path in files:
+        manifest, n = file_manifest(path, cache)
+        hashed += n
+        for entry, key in zip(manifest.entries, manifest.keys):
+            if entry.name in keys:
+                raise CheckpointError(path, f"tensor {entry.name!r} is also in {where[entry.name]}")
+            keys[entry.name] = str(key)
+            where[entry.name] = path
+    return keys, where, hashed
+
+
+def read_tensors(names: Iterable[str], where: dict[str, Path]) -> Iterator[tuple[str, object]]:
+    """``(name, tensor)`` for exactly ``names``, in checkpoint order, read from safetensors files
+    through private copy-on-write mappings: no other tensor's bytes are touched, and the tensor
+    handed to vLLM's weight loader is the file's pages themselves (it copies them once, into the
+    parameter).  A loader writing into a tensor it was given gets a private copy of that page."""
+    import mmap
+
+    import torch
+
+    wanted = set(names)
+    page = mmap.PAGESIZE
+    for path in sorted({where[n] for n in wanted}):
+        with SafetensorsFile(path) as layout, open(path, "rb") as f:
+            whole = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # No readahead around what is read (its neighbours are mapped already, or not
+            # wanted); the wanted ranges are asked for ahead instead.
+            whole.madvise(mmap.MADV_RANDOM)
+            entries = [e for e in layout.entries() if e.name in wanted]
+            for entry in entries:
+                start, end = layout.byte_range(entry.name)
+                if end > start:
+                    first = start - start % page
+                    whole.madvise(mmap.MADV_WILLNEED, first, end - first)
+            for entry in entries:
+                start, end = layout.byte_range(entry.name)
+                raw = (torch.frombuffer(whole, dtype=torch.uint8, count=end - start, offset=start) if end > start
+                       else torch.empty(0, dtype=torch.uint8))
+                yield entry.name, raw.view(getattr(torch, entry.dtype)).reshape(entry.shape)
+
+
+class SourceRecorder:
+    """Hashes the tensors a load reads and records which module each went into (module
+    docstring).  Use `wrap` before ``load_weights``, `iterate` around the weight iterator, and
+    `finish` after.
+
+    Attributes:
+        module_sources: module name -> names of the checkpoint tensors its weight loaders got.
+        unrecorded: module name -> why its sources are unknown.
+        consumed: names of every tensor the iterator yielded, in order.
+        bytes_read: bytes of those tensors.
+    """
+
+    def __init__(self, hash_keys: bool = True, threads: int | None = None):
+        self.hash_keys = hash_keys
+        self.module_sources: dict[str, set[str]] = defaultdict(set)
+        self.unrecorded: dict[str, str] = {}
+        self.consumed: list[str] = []
+        self.attributed: set[str] = set()  # names some weight loader got
+        self.bytes_read = 0
+        self.unhashable: list[str] = []
+        self._current: tuple[str, int] | None = None  # (name, storage address) of the last tensor yielded
+        self._pool = ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1),
+                                        thread_name_prefix="vllm-dedup-source") if hash_keys else None
+        self._futures: dict[str, Future] = {}
+        self._pending: list[Future] = []
+        self._restore: list[tuple[object, object]] = []  # (tensor, weight_loader before; None: had none)
+
+    # weight loaders ------------------------------------------------------------------------
+    def wrap(self, model, modules: Iterable[str] | None = None) -> None:
+        """Wrap the ``weight_loader`` of every parameter and buffer of ``model`` (of the named
+        ``modules`` only, when given).  A tensor owned by several modules (tied weights) is
+        attributed to the first name `named_modules` gives it."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        only = set(modules) if modules is not None else None
+        seen: set[int] = set()
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for t in [*module._parameters.values(), *module._buffers.values()]:
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if only is not None and module_name not in only:
+                    continue
+                try:
+                    original = getattr(t, "weight_loader", None)
+                except Exception:  # vLLM parameters raise when their loader was deleted
+                    original = None
+                self._restore.append((t, original))
+                t.weight_loader = self._recording(module_name, original or default_weight_loader)
+
+    def _recording(self, module_name: str, original):
+        def weight_loader(*args, **kwargs):
+            loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
+            self._attribute(module_name, loaded)
+            return original(*args, **kwargs)
+
+        return weight_loader
+
+    def _attribute(self, module_name: str, loaded) -> None:
+        current = self._current
+        if current is not None and _storage_address(loaded) == current[1]:
+            self.module_sources[module_name].add(current[0])
+            self.attributed.add(current[0])
+        else:
+            self.unrecorded.setdefault(module_name, "a weight loader got a tensor other than the checkpoint "
+                                                    "tensor just read (transformed, or read earlier)")
+
+    # the weight iterator -------------------------------------------------------------------
+    def iterate(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        """Yield ``weights`` unchanged, hashing each tensor (in threads) and noting it as the
+        one weight loaders may receive until the next."""
+        for name, tensor in weights:
+            self.consumed.append(name)
+            self.bytes_read += tensor.numel() * tensor.element_size()
+            self._current = (name, _storage_address(tensor))
+            if self._pool is not None:
+                self._submit(name, tensor)
+            yield name, tensor
+        self._current = None
+
+    def _submit(self, name: str, tensor) -> None:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            self.unhashable.append(name)
+            return
+        while len(self._pending) >= _MAX_PENDING:
+            self._pending.pop(0).result()
+        fut = self._pool.submit(lambda t=tensor: content_key(tensor_bytes(t), dtype_name(t.dtype), tuple(t.shape)))
+        self._futures[name] = fut
+        self._pending.append(fut)
+
+    def finish(self) -> dict[str, str]:
+        """Restore the weight loaders; return the source keys hashed (name -> key string)."""
+        for t, original in self._restore:
+            if original is None:
+                del t.weight_loader
+            else:
+                t.weight_loader = original
+        self._restore.clear()
+        keys = {name: str(fut.result()) for name, fut in self._futures.items()}
+        if self._pool is not None:
+            self._pool.shutdown()
+        return keys
+
+
+def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], keys: dict[str, str],
+                    cache: ManifestCache) -> int:
+    """Store a manifest for each of ``files`` whose every tensor was hashed during the load and
+    whose identity is still the one taken before the load (a file changed meanwhile is left
+    out: its keys might describe neither version).  Returns the number written."""
+    from ..content.keys import ContentKey
+
+    written = 0
+    for path in files:
+        try:
+            with SafetensorsFile(path) as wf:
+                now = FileIdentity.of(path, wf.header())
+                entries = wf.entries()
+        except (CheckpointError, OSError) as e:
+            logger.debug("vllm-dedup: no manifest for %s (%s)", path, e)
+            continue
+        if now != identities.get(path) or any(e.name not in keys for e in entries):
+            continue
+        cache.put(Manifest(now, tuple(entries), tuple(ContentKey.parse(keys[e.name]) for e in entries)))
+        written += 1
+    return written
+
+
+def _storage_address(t) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError):
+        return None

@@ -1,23 +1,26 @@
 """The ``vllm-dedup`` command.
 
-    vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache]
+    vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache] [--plot FILE.png]
     vllm-dedup status [--json] [--namespace NS]
 
 scan exit codes: 0 success; 1 some models could not be read (``--keep-going``: the rest are
 still reported); 2 bad usage or, without ``--keep-going``, the first model that could not be
-read.  status exit codes: 0 success; 1 no registry runs for the namespace on this node.
+read, or a ``--plot`` file that cannot be written.  status exit codes: 0 success; 1 no registry
+runs for the namespace on this node.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import CheckpointError, RegistryUnavailable
 from .registry.state import RegistryStats
 from .scan.files import scan_model
 from .scan.manifest import ManifestCache, default_cache_dir
+from .scan.plot import require_matplotlib, write_plot
 from .scan.report import Report
 
 
@@ -75,7 +78,23 @@ def format_report(report: Report, largest: int = 10) -> str:
     return "\n".join(out)
 
 
+def _plot_problem(path: str) -> str | None:
+    """Why ``--plot path`` cannot be written, found before the scan: matplotlib is missing, or
+    the folder it goes in is not there.  None when nothing is wrong yet."""
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        return str(e)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"cannot write the plot to {path}: no such folder {folder}"
+    return None
+
+
 def _cmd_scan(args: argparse.Namespace) -> int:
+    if args.plot is not None and (problem := _plot_problem(args.plot)):
+        print(f"vllm-dedup scan: error: {problem}", file=sys.stderr)
+        return 2
     cache = ManifestCache(None if args.no_cache else default_cache_dir())
     scans, errors = [], []
     for path in args.paths:
@@ -91,6 +110,16 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(args.top)))
     else:
         print(format_report(report, args.top))
+    if args.plot is not None and not report.models:
+        print(f"vllm-dedup scan: no model could be read, so {args.plot} was not drawn", file=sys.stderr)
+    elif args.plot is not None:
+        sys.stdout.flush()
+        try:
+            written = write_plot(report, args.plot)
+        except OSError as e:
+            print(f"vllm-dedup scan: error: cannot write the plot to {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        print(f"vllm-dedup scan: heatmap written to {written}", file=sys.stderr)
     return 1 if errors else 0
 
 
@@ -161,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--no-cache", action="store_true", help="neither read nor write the manifest cache")
     scan.add_argument("--threads", type=_nonnegative, default=None, metavar="N", help="hashing threads")
     scan.add_argument("--top", type=_nonnegative, default=10, metavar="N", help="largest shared tensors listed")
+    scan.add_argument("--plot", metavar="FILE.png", help="also draw a PNG: a heatmap of the bytes each pair of "
+                      "models shares, and each model's shared and unique bytes (needs matplotlib)")
     scan.set_defaults(func=_cmd_scan)
     status = sub.add_parser("status", help="what the weight registry on this node holds",
                             description="The registry's engines, segments, and bytes shared and saved, "

@@ -38,6 +38,8 @@ pip_install --no-deps --no-build-isolation "$root/scripts/vllm-cpu-metadata"
 pip_install -c "$constraints" \
   "ray[default,serve]==2.60.0" pyarrow "xxhash>=3.4" "safetensors>=0.4" "gguf>=0.10" "tqdm>=4.60" \
   accelerate "pytest>=8" pytest-timeout
+# `vllm-dedup scan --plot` draws with matplotlib (the `plot` extra).
+pip_install -c "$constraints" "matplotlib>=3.7"
 # NVIDIA's driver-API bindings: the CUDA segment backend imports them; without a GPU its tests
 # check the error it gives.
 pip_install "cuda-bindings>=12.8"

@@ -1,38 +1,28 @@
 """The ``vllm-dedup`` command.
 
-    vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache]
-    vllm-dedup status [--json] [--namespace NS]
+    vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache] [--plot FILE.png]
+    vllm-dedup status [--json | --watch [SECONDS]] [--namespace NS]
 
 scan exit codes: 0 success; 1 some models could not be read (``--keep-going``: the rest are
 still reported); 2 bad usage or, without ``--keep-going``, the first model that could not be
-read.  status exit codes: 0 success; 1 no registry runs for the namespace on this node.
+read, or a ``--plot`` file that cannot be written.  status exit codes: 0 success (``--watch``:
+stopped with Ctrl-C); 1 no registry runs for the namespace on this node.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import CheckpointError, RegistryUnavailable
-from .registry.state import RegistryStats
 from .scan.files import scan_model
 from .scan.manifest import ManifestCache, default_cache_dir
+from .scan.plot import require_matplotlib, write_plot
 from .scan.report import Report
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+from .status import format_status, watch
+from .text import size_text, table
 
 
 def format_report(report: Report, largest: int = 10) -> str:
@@ -40,8 +30,8 @@ def format_report(report: Report, largest: int = 10) -> str:
     data = report.to_dict(largest)
     models = data["models"]
     out = [
-        _table(
-            [[f"[{i}] {m['path']}", m["tensors"], _size(m["bytes"])] for i, m in enumerate(models)],
+        table(
+            [[f"[{i}] {m['path']}", m["tensors"], size_text(m["bytes"])] for i, m in enumerate(models)],
             ["model", "tensors", "bytes"],
         ),
         "",
@@ -50,24 +40,24 @@ def format_report(report: Report, largest: int = 10) -> str:
         pairs = report.pair_shared_bytes()
         out += [
             "bytes shared by each pair of models (by content):",
-            _table(
-                [[f"[{i}]", *(_size(b) if i != j else "-" for j, b in enumerate(row))] for i, row in enumerate(pairs)],
+            table(
+                [[f"[{i}]", *(size_text(b) if i != j else "-" for j, b in enumerate(row))] for i, row in enumerate(pairs)],
                 ["", *(f"[{j}]" for j in range(len(models)))],
             ),
             "",
         ]
     out += [
-        f"total bytes   {_size(data['total_bytes']):>10}   (each model loaded alone)",
-        f"unique bytes  {_size(data['unique_bytes']):>10}   (each content stored once)",
-        f"saved bytes   {_size(data['saved_bytes']):>10}   ({100 * data['saved_bytes'] / max(data['total_bytes'], 1):.1f}%)",
+        f"total bytes   {size_text(data['total_bytes']):>10}   (each model loaded alone)",
+        f"unique bytes  {size_text(data['unique_bytes']):>10}   (each content stored once)",
+        f"saved bytes   {size_text(data['saved_bytes']):>10}   ({100 * data['saved_bytes'] / max(data['total_bytes'], 1):.1f}%)",
     ]
     if data["min_bytes"]:
         out.append(f"(tensors under {data['min_bytes']} bytes ignored)")
     if data["largest_shared"]:
         out += ["", f"largest shared tensors (top {largest}):"]
         out.append(
-            _table(
-                [[_size(s["bytes"]), s["dtype"], "x".join(map(str, s["shape"])), len(s["places"]), s["places"][0]]
+            table(
+                [[size_text(s["bytes"]), s["dtype"], "x".join(map(str, s["shape"])), len(s["places"]), s["places"][0]]
                  for s in data["largest_shared"]],
                 ["bytes", "dtype", "shape", "copies", "first place"],
             )
@@ -75,7 +65,23 @@ def format_report(report: Report, largest: int = 10) -> str:
     return "\n".join(out)
 
 
+def _plot_problem(path: str) -> str | None:
+    """Why ``--plot path`` cannot be written, found before the scan: matplotlib is missing, or
+    the folder it goes in is not there.  None when nothing is wrong yet."""
+    try:
+        require_matplotlib()
+    except ImportError as e:
+        return str(e)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"cannot write the plot to {path}: no such folder {folder}"
+    return None
+
+
 def _cmd_scan(args: argparse.Namespace) -> int:
+    if args.plot is not None and (problem := _plot_problem(args.plot)):
+        print(f"vllm-dedup scan: error: {problem}", file=sys.stderr)
+        return 2
     cache = ManifestCache(None if args.no_cache else default_cache_dir())
     scans, errors = [], []
     for path in args.paths:
@@ -91,49 +97,38 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(args.top)))
     else:
         print(format_report(report, args.top))
+    if args.plot is not None and not report.models:
+        print(f"vllm-dedup scan: no model could be read, so {args.plot} was not drawn", file=sys.stderr)
+    elif args.plot is not None:
+        sys.stdout.flush()
+        try:
+            written = write_plot(report, args.plot)
+        except OSError as e:
+            print(f"vllm-dedup scan: error: cannot write the plot to {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        print(f"vllm-dedup scan: heatmap written to {written}", file=sys.stderr)
     return 1 if errors else 0
-
-
-def format_status(stats: RegistryStats) -> str:
-    """The human-readable registry status (what ``vllm-dedup status`` prints)."""
-    out = [
-        _table(
-            [[g.device, g.share_group, g.engines, g.segments, _size(g.resident_bytes), _size(g.shared_bytes),
-              _size(g.saved_bytes)] for g in stats.groups],
-            ["device", "share group", "engines", "segments", "resident", "shared", "saved"],
-        ),
-        "",
-    ]
-    if stats.engines:
-        out.append(
-            _table(
-                [[e.pid, e.share_group, e.segments, _size(e.load.get("shared_bytes", 0)),
-                  _size(e.load.get("published_bytes", 0)), _size(e.load.get("private_bytes", 0)), e.model]
-                 for e in stats.engines],
-                ["pid", "share group", "segments", "shared", "published", "private", "model"],
-            )
-        )
-    else:
-        out.append("no engines connected")
-    for name, pid in stats.locks.items():
-        out.append(f"lock {name} held by pid {pid}")
-    deferred = sum(g.deferred_segments for g in stats.groups)
-    if deferred:
-        out.append(f"{deferred} unheld segment(s) kept until a start-up on their device ends")
-    out.append(f"hash collisions caught: {stats.collisions}   keep_warm_s: {stats.keep_warm_s}")
-    return "\n".join(out)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from .registry.client import registry_stats
     from .registry.protocol import socket_path
 
+    path = socket_path(args.namespace)
+    if args.watch is not None:
+        def frame() -> str:
+            try:
+                return format_status([(str(path), registry_stats(path))])
+            except RegistryUnavailable as e:
+                return f"no registry for namespace {args.namespace!r}: {e}; retrying every {args.watch:g}s"
+
+        return watch(frame, args.watch)
     try:
-        stats = registry_stats(socket_path(args.namespace))
+        stats = registry_stats(path)
     except RegistryUnavailable as e:
         print(f"vllm-dedup status: no registry for namespace {args.namespace!r} on this node ({e})", file=sys.stderr)
         return 1
-    print(json.dumps(stats.to_dict()) if args.json else format_status(stats))
+    print(json.dumps(stats.to_dict()) if args.json else format_status([(str(path), stats)]))
     return 0
 
 
@@ -141,6 +136,13 @@ def _nonnegative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be between 0.1 and 86400 seconds, got {text}")
     return value
 
 
@@ -161,12 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--no-cache", action="store_true", help="neither read nor write the manifest cache")
     scan.add_argument("--threads", type=_nonnegative, default=None, metavar="N", help="hashing threads")
     scan.add_argument("--top", type=_nonnegative, default=10, metavar="N", help="largest shared tensors listed")
+    scan.add_argument("--plot", metavar="FILE.png", help="also draw a PNG: a heatmap of the bytes each pair of "
+                      "models shares, and each model's shared and unique bytes (needs matplotlib)")
     scan.set_defaults(func=_cmd_scan)
     status = sub.add_parser("status", help="what the weight registry on this node holds",
                             description="The registry's engines, segments, and bytes shared and saved, "
                             "per device and share group.")
-    status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("--namespace", default="vllm-dedup", help="registry namespace (default: vllm-dedup)")
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print one JSON object")
+    shown.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                        help="redraw every SECONDS (default 2) until Ctrl-C; a registry that is not there is "
+                        "shown so and tried again")
     status.set_defaults(func=_cmd_status)
     return parser
 

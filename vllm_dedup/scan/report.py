@@ -79,6 +79,15 @@ class Report:
             seen |= keys.keys()
         return out
 
+    def shared_with_others_bytes(self) -> list[int]:
+        """Per model, bytes of its tensors whose content at least one other scanned model also
+        holds (the rest of `model_bytes` is content only that model holds)."""
+        holders: dict[ContentKey, int] = defaultdict(int)
+        for keys in self._key_sets():
+            for k in keys:
+                holders[k] += 1
+        return [sum(t.entry.nbytes for t in self._counted(m) if holders[t.key] > 1) for m in self.models]
+
     def largest_shared(self, n: int = 10) -> list[dict]:
         """The ``n`` largest content keys held more than once, with every place they occur."""
         places: dict[ContentKey, list[str]] = defaultdict(list)

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import sys
+import threading
 from collections import defaultdict
 
 import xxhash
@@ -165,9 +166,18 @@ class Peer:
         after = stats()
         mapping, fd = vmm.allocate(ordinal, 1)
         os.close(fd)
-        with cudadrv.lock:  # a finalizer that runs while this thread holds the lock must not deadlock
-            del mapping
-        return {"during": during, "released": released, "after": after, "under_lock": stats()}
+        holder = [mapping]
+        del mapping
+
+        def drop_under_lock():  # a finalizer that runs while this thread holds the lock
+            with cudadrv.lock:
+                holder.clear()
+
+        worker = threading.Thread(target=drop_under_lock, daemon=True)
+        worker.start()
+        worker.join(10)
+        return {"during": during, "released": released, "after": after, "deadlocked": worker.is_alive(),
+                "under_lock": stats()}
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ address on the host.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import uuid

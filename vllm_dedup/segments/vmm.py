@@ -101,7 +101,7 @@ class Mapping:
     @property
     def __cuda_array_interface__(self) -> dict:
         # Consumers ignore the read-only flag; the range's access flags are what protect it.
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.va, False), "version": 2}
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.va, False), "strides": None, "version": 2}
 
     def close(self) -> None:
         """Synchronize the device, unmap the range and free its addresses (idempotent).

@@ -6,10 +6,15 @@
 The registry runs in this process behind its Unix socket (`BrokerServer`), as on a machine
 without Ray; each engine is a child process (``--child``) driven over stdin/stdout.  Steps:
 
-1. ``A`` creates one segment of ``--segment-mb`` (a seeded bfloat16 weight), publishes it;
-2. ``B`` then ``C`` map it; each step's device used memory is read with NVML (host: the
-   kernel's ``Shmem`` figure, where memfd pages count), so growth once per segment rather than
-   once per process shows.  Each child's CUDA context is created before the step is measured;
+1. ``A`` creates one pack: a seeded bfloat16 weight of ``--segment-mb`` and, in the granule
+   after it, a second 1 MiB member; publishes both;
+2. ``B`` then ``C`` map only the weight (a mapping smaller than the allocation); each step's
+   device used memory is read with NVML, on the device NVML finds by the device key's UUID
+   (``GPU-`` or ``MIG-``: ``CUDA_VISIBLE_DEVICES`` and MIG cannot point it at another device;
+   host: the kernel's ``Shmem`` figure, where memfd pages count), so growth once per segment
+   rather than once per process shows.  Each child's CUDA context is created before the step is
+   measured; naming every visible device, creating and mapping must leave the child's current
+   context as it was and create no context on another GPU;
 3. A, B, C compute ``W @ x`` through their own mapping and compare results;
 4. ``A`` exits; B and C compute again and must get the same result;
 5. ``D`` maps the segment and writes into it in place: the write must fault (or the driver
@@ -27,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/ and a bare checkout's vllm_dedup (the lent GPU machines)
 
 RESULTS = ROOT / "benchmarks" / "results"
-KEY = "gpu-check-weight"
+KEY, EXTRA = "gpu-check-weight", "gpu-check-extra"  # the pack's two members; children map only KEY
 MB = 1 << 20
 
 
@@ -55,7 +59,9 @@ def child(sock: str, backend: str, segment_mb: int) -> None:
         torch.ones(1, device=device)  # the CUDA context exists before the parent measures
         torch.cuda.synchronize()
     seg_cls = segment_class(device.type)
+    contexts = ContextProbe(backend)
     device_key = seg_cls.device_key(device)
+    keys_ok = contexts.unchanged_after(lambda: [seg_cls.device_key(i) for i in range(contexts.count)])
     client = BrokerClient(sock)
     client.hello(f"gpu-check-{os.getpid()}", device_key, "default")
     state: dict = {}
@@ -64,7 +70,7 @@ def child(sock: str, backend: str, segment_mb: int) -> None:
     def reply(obj: dict) -> None:
         print("OK " + json.dumps(obj), flush=True)
 
-    reply({"pid": os.getpid(), "device": device_key})
+    reply({"pid": os.getpid(), "device": device_key, "device_key_context_ok": keys_ok})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -72,22 +78,38 @@ def child(sock: str, backend: str, segment_mb: int) -> None:
             if op == "create":
                 gen = torch.Generator(device=device).manual_seed(0)
                 weight = torch.randn(rows, 4096, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
-                seg = seg_cls.create(weight, device_key)
-                client.publish(seg.fileno(), seg.nbytes, [(KEY, 0, seg.nbytes)])
+                extra = torch.ones(MB, dtype=torch.uint8, device=device)
+                wbytes = weight.numel() * 2
+                offset = -(-wbytes // (2 * MB)) * 2 * MB  # the granule after the weight
+                seg = None
+
+                def create():
+                    nonlocal seg
+                    seg = seg_cls.create_packed([(weight, 0), (extra, offset)], offset + MB, device_key)
+
+                ctx_ok = contexts.unchanged_after(create)
+                client.publish(seg.fileno(), seg.size, [(KEY, 0, wbytes), (EXTRA, offset, MB)])
                 seg.close_fd()
                 state["w"] = seg.tensor(0, weight.dtype, weight.shape, weight.stride())
                 fingerprint = device_fingerprints([weight])[0].hex()
-                del weight
+                del weight, extra
                 if backend == "cuda":
                     torch.cuda.empty_cache()
-                reply({"fingerprint": fingerprint, "size": seg.size, "read_only": getattr(seg, "read_only", True)})
+                reply({"fingerprint": fingerprint, "size": seg.size, "read_only": getattr(seg, "read_only", True),
+                       "context_ok": ctx_ok})
             elif op == "map":
-                (hit, fd), = client.acquire([KEY])
-                seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_key)
+                (hit, fd), = client.acquire([KEY])  # the pack's first member only
+                seg = None
+
+                def attach():
+                    nonlocal seg
+                    seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_key)
+
+                ctx_ok = contexts.unchanged_after(attach)
                 seg.close_fd()
                 state["w"] = seg.tensor(hit.offset, torch.bfloat16, (rows, 4096), (4096, 1))
-                reply({"fingerprint": device_fingerprints([state["w"]])[0].hex(),
-                       "read_only": getattr(seg, "read_only", True)})
+                reply({"fingerprint": device_fingerprints([state["w"]])[0].hex(), "size": seg.size,
+                       "read_only": getattr(seg, "read_only", True), "context_ok": ctx_ok})
             elif op == "compute":
                 x = torch.randn(4096, 8, generator=torch.Generator(device=device).manual_seed(1), device=device)
                 y = state["w"].float() @ x
@@ -106,6 +128,32 @@ def child(sock: str, backend: str, segment_mb: int) -> None:
         except Exception as e:  # reported to the parent, which decides what it means
             print("ERR " + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
     client.close()
+
+
+class ContextProbe:
+    """Whether an operation leaves this thread's CUDA context and torch's current device as they
+    were and makes no other GPU's primary context active (``cuCtxGetCurrent``,
+    ``cuDevicePrimaryCtxGetState``).  On host segments there is nothing to check."""
+
+    def __init__(self, backend: str):
+        from vllm_dedup.segments import cudadrv
+
+        self.cuda = backend == "cuda"
+        self.count = cudadrv.device_count() if self.cuda else 0
+
+    def _state(self) -> tuple:
+        import torch
+
+        from vllm_dedup.segments.cudadrv import call
+
+        active = [i for i in range(self.count) if call("cuDevicePrimaryCtxGetState", call("cuDeviceGet", i))[1]]
+        return int(call("cuCtxGetCurrent")), torch.cuda.current_device(), active
+
+    def unchanged_after(self, fn) -> bool:
+        """Run ``fn()``; True when the context state is the same afterwards."""
+        before = self._state() if self.cuda else None
+        fn()
+        return not self.cuda or self._state() == before
 
 
 def _timed(fn, device, repeat: int = 5) -> float:
@@ -190,14 +238,33 @@ class Child:
         return self.peer.end()
 
 
-def used_memory(backend: str):
-    """A function returning the device's used memory in bytes: NVML for CUDA, the kernel's
-    ``Shmem`` (memfd pages) for host segments."""
+def nvml_handle(key: str):
+    """NVML's handle of the device named by a device key (``cuda:GPU-<uuid>``), found by UUID
+    (``nvmlDeviceGetHandleByUUID``) as a GPU (``GPU-``) or a MIG instance (``MIG-``), so that
+    ``CUDA_VISIBLE_DEVICES`` renumbering and MIG cannot point NVML at another device.
+
+    Raises:
+        LookupError: NVML knows no device with that UUID.
+    """
+    import pynvml
+
+    pynvml.nvmlInit()
+    uuid = key.split(":", 1)[1][len("GPU-"):]
+    for name in (f"GPU-{uuid}", f"MIG-{uuid}"):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(name)
+        except pynvml.NVMLError:
+            continue
+    raise LookupError(f"NVML knows no GPU or MIG instance with UUID {uuid}")
+
+
+def used_memory(backend: str, key: str | None):
+    """A function returning the device's used memory in bytes: NVML for CUDA (the device named
+    by ``key``), the kernel's ``Shmem`` (memfd pages) for host segments."""
     if backend == "cuda":
         import pynvml
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("GPU_CHECK_NVML_INDEX", "0")))
+        handle = nvml_handle(key)
         return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
 
     def shmem() -> int:
@@ -207,14 +274,6 @@ def used_memory(backend: str):
         raise RuntimeError("no Shmem in /proc/meminfo")
 
     return shmem
-
-
-def nvml_uuid_key() -> str:
-    import pynvml
-
-    pynvml.nvmlInit()
-    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("GPU_CHECK_NVML_INDEX", "0"))))
-    return "cuda:" + (uuid.decode() if isinstance(uuid, bytes) else uuid)
 
 
 def settle(measure, wait_s: float = 0.5) -> int:
@@ -227,7 +286,12 @@ def run(backend: str, segment_mb: int, throughput_mb: int) -> dict:
     from vllm_dedup.registry.server import BrokerServer
     from vllm_dedup.registry.state import Registry
 
-    measure = used_memory(backend)
+    key = None
+    if backend == "cuda":  # this process's device 0, named without creating a context
+        from vllm_dedup.segments.cudadrv import device_key
+
+        key = device_key(0)
+    measure = used_memory(backend, key)
     checks: list[dict] = []
     memory: list[dict] = []
 
@@ -247,20 +311,27 @@ def run(backend: str, segment_mb: int, throughput_mb: int) -> dict:
             children["A"] = a = Child("A", server.path, backend, segment_mb)
             before_create = mem("A started (context)")
             if backend == "cuda":
-                check("the device key is the GPU's UUID (as NVML names it)", a.info.get("device") == nvml_uuid_key(),
-                      f"{a.info.get('device')} vs {nvml_uuid_key()}")
+                check("the device key names the GPU NVML measures (found by UUID)", a.info.get("device") == key,
+                      f"{a.info.get('device')} vs {key}")
+            check("naming every visible device leaves the context as it was and creates none",
+                  a.info.get("device_key_context_ok") is True, json.dumps(a.info))
             created = a.ask("create")
             after_create = mem("A created the segment")
             seg_size = created.get("size", 0)
-            check("A creates and publishes a segment", "fingerprint" in created, json.dumps(created))
+            check("A creates and publishes a pack", "fingerprint" in created, json.dumps(created))
+            check("creating leaves A's context as it was", created.get("context_ok") is True, json.dumps(created))
             grew = {"A": after_create - before_create}
             for name in ("B", "C"):
                 children[name] = c = Child(name, server.path, backend, segment_mb)
                 started = mem(f"{name} started (context)")
                 mapped = c.ask("map")
                 grew[name] = mem(f"{name} mapped the segment") - started
-                check(f"{name} maps the segment and reads the same bytes",
+                check(f"{name} maps the pack's first member and reads the same bytes",
                       mapped.get("fingerprint") == created.get("fingerprint"), json.dumps(mapped))
+                check(f"{name} maps less than the allocation (a pack mapped in part)",
+                      0 < mapped.get("size", 0) < seg_size, f"{mapped.get('size')} of {seg_size} bytes")
+                check(f"mapping leaves {name}'s context as it was", mapped.get("context_ok") is True,
+                      json.dumps(mapped))
                 check(f"{name}'s mapping is read-only", mapped.get("read_only") is True,
                       "driver refused read-only access" if mapped.get("read_only") is False else "")
             tolerance = max(seg_size // 20, 4 * MB)

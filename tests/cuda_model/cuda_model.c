@@ -1,0 +1,491 @@
+/* A strict model of the CUDA driver API subset that vllm-dedup calls, over host memory.
+ *
+ * THIS IS A MODEL OF NVIDIA'S DOCUMENTED CONTRACT, NOT A GPU.  Built at test time as
+ * libcuda.so.1 and found by cuda-bindings through the library path (cuda.pathfinder loads the
+ * driver by its soname, then resolves every entry point with cuGetProcAddress_v2), so that
+ * vllm_dedup/segments/cudadrv.py runs unchanged on a machine without one.
+ *
+ * What stands for what:
+ *   allocation (cuMemCreate)     a memfd of the rounded size, named cudamodel-dev<N>-<tag>
+ *   export / import              a duplicate descriptor out / in (the caller keeps its own)
+ *   address reservation          a PROT_NONE anonymous mapping, granularity-aligned
+ *   cuMemMap                     MAP_FIXED|MAP_SHARED of the descriptor at offset 0, PROT_NONE
+ *                                ("all mappings start with no accessibility")
+ *   cuMemSetAccess               mprotect (READ, READWRITE, NONE)
+ *   unmap / free / release       undo the above; a memfd lives while a descriptor or a mapping
+ *                                of it does, exactly the driver's documented lifetime rule
+ *   primary contexts             one per device, reference-counted; one stack per thread
+ *
+ * Sources: CUDA Driver API reference, "Virtual Memory Management", "Primary Context
+ * Management", "Context Management" (docs.nvidia.com/cuda/cuda-driver-api); cuda-samples
+ * Samples/3_CUDA_Features/memMapIPCDrv.  Where the documentation says "undefined" (double
+ * release, invalid handles) the model returns CUDA_ERROR_INVALID_VALUE.  Two rules are
+ * stricter than documented and say so: VMM calls need a current context, and a reservation
+ * cannot be freed while a mapping is inside it.  tests/cuda_model/README.md lists them all.
+ *
+ * Environment (read at cuInit): CUDAMODEL_DEVICES (default 2), CUDA_VISIBLE_DEVICES (indices
+ * only), CUDAMODEL_UNSUPPORTED=vmm|posix_fd (the device attribute reads 0 and cuMemCreate
+ * refuses), CUDAMODEL_TAG (in allocations' memfd names: cudamodel-dev<N>-<tag>).  Test hooks:
+ * cudamodel_stats(), cudamodel_fail().
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr, CUmemGenericAllocationHandle;
+/* Layouts as cuda.h lays them out (checked against cuda-bindings 13.5's marshalling). */
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct { int type, requestedHandleTypes; CUmemLocation location; void *win32; unsigned char flags[8]; } CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+typedef struct { char bytes[16]; } CUuuid;
+
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100, INVALID_DEVICE = 101,
+       INVALID_CONTEXT = 201, NOT_FOUND = 500, CONTEXT_IS_DESTROYED = 709, NOT_SUPPORTED = 801 };
+enum { PINNED = 1, LOC_DEVICE = 1, HANDLE_POSIX_FD = 1, ATTR_VMM = 102, ATTR_POSIX_FD = 103 };
+enum { PROT_NONE_ = 0, PROT_READ_ = 1, PROT_READWRITE_ = 3 };
+
+#define GRAN ((size_t)2 << 20)        /* CU_MEM_ALLOC_GRANULARITY_MINIMUM of current GPUs */
+#define MAXDEV 8
+#define MAXOBJ 1024
+#define HANDLE_TAG 0x5eed000000000000ULL
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int initialized, ndev, physical[MAXDEV], no_vmm, no_posix_fd;
+static char tag[32] = "untagged";
+struct ctx { int refs; };
+static struct ctx ctxs[MAXDEV];   /* CUcontext == &ctxs[i] */
+static __thread CUcontext stack[32];
+static __thread int depth;
+static struct { int live, fd, device, handle_types; unsigned gen; size_t size; } allocs[MAXOBJ];
+static struct { int live; uintptr_t va; size_t size; } reservations[MAXOBJ];
+static struct { int live, device; uintptr_t va; size_t size; } maps[MAXOBJ];
+static long long n_synchronize, n_create;
+static struct { char name[64]; int code, count; } fails[16];
+
+/* ---- test hooks (not driver API) ---------------------------------------------------- */
+/* out: retained primary-context references, live allocation handles, live mappings, live
+ * reservations, cuCtxSynchronize calls, cuMemCreate successes, this thread's current device
+ * (-1: none), this thread's context stack depth. */
+void cudamodel_stats(long long out[8]) {
+  pthread_mutex_lock(&mu);
+  long long v[8] = {0, 0, 0, 0, n_synchronize, n_create, -1, depth};
+  for (int i = 0; i < MAXDEV; i++) v[0] += ctxs[i].refs;
+  for (int i = 0; i < MAXOBJ; i++) { v[1] += allocs[i].live; v[2] += maps[i].live; v[3] += reservations[i].live; }
+  if (depth) v[6] = (int)((char *)stack[depth - 1] - (char *)ctxs) / (int)sizeof ctxs[0];
+  memcpy(out, v, sizeof v);
+  pthread_mutex_unlock(&mu);
+}
+
+/* The next `count` calls of `name` return `code` and do nothing else. */
+void cudamodel_fail(const char *name, int code, int count) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < 16; i++)
+    if (!fails[i].count || !strcmp(fails[i].name, name)) {
+      snprintf(fails[i].name, sizeof fails[i].name, "%s", name);
+      fails[i].code = code, fails[i].count = count;
+      break;
+    }
+  pthread_mutex_unlock(&mu);
+}
+
+static int injected(const char *name, CUresult *rc) {
+  for (int i = 0; i < 16; i++)
+    if (fails[i].count && !strcmp(fails[i].name, name)) { fails[i].count--; *rc = fails[i].code; return 1; }
+  return 0;
+}
+
+/* Every entry point runs under the lock and starts with these checks. */
+#define ENTER(name) CUresult rc_; pthread_mutex_lock(&mu); if (injected(name, &rc_)) RETURN(rc_)
+#define RETURN(x) do { rc_ = (x); pthread_mutex_unlock(&mu); return rc_; } while (0)
+#define NEED_INIT() if (!initialized) RETURN(NOT_INITIALIZED)
+/* Stricter than documented for the VMM calls (see the file comment). */
+#define NEED_CONTEXT() do { if (!depth) RETURN(INVALID_CONTEXT); \
+    if (!((struct ctx *)stack[depth - 1])->refs) RETURN(CONTEXT_IS_DESTROYED); } while (0)
+
+static int device_ok(int d) { return d >= 0 && d < ndev; }
+static int is_context(CUcontext c) {
+  for (int i = 0; i < ndev; i++) if (c == (CUcontext)&ctxs[i]) return 1;
+  return 0;
+}
+static int alloc_index(CUmemGenericAllocationHandle h) {
+  unsigned long long i = h & 0xffffffffULL;   /* tag | generation (16 bits) | slot: stale handles fail */
+  if ((h & 0xffff000000000000ULL) != HANDLE_TAG || i >= MAXOBJ || !allocs[i].live) return -1;
+  return (h >> 32 & 0xffff) == (allocs[i].gen & 0xffff) ? (int)i : -1;
+}
+static CUmemGenericAllocationHandle new_handle(int i) {
+  allocs[i].gen++;
+  return HANDLE_TAG | (unsigned long long)(allocs[i].gen & 0xffff) << 32 | (unsigned)i;
+}
+static int free_slot(int n, size_t stride, const void *base) {   /* first entry whose `live` is 0 */
+  for (int i = 0; i < n; i++) if (!*(const int *)((const char *)base + i * stride)) return i;
+  return -1;
+}
+
+/* ---- initialisation, devices ------------------------------------------------------- */
+CUresult cuInit(unsigned int flags) {
+  ENTER("cuInit");
+  if (flags) RETURN(INVALID_VALUE);
+  if (!initialized) {
+    const char *n = getenv("CUDAMODEL_DEVICES"), *vis = getenv("CUDA_VISIBLE_DEVICES");
+    const char *uns = getenv("CUDAMODEL_UNSUPPORTED");
+    int total = n ? atoi(n) : 2;
+    if (total > MAXDEV) total = MAXDEV;
+    ndev = 0;
+    if (vis) {   /* indices up to the first invalid entry are visible (CUDA's documented rule) */
+      char buf[256], *save = NULL;
+      snprintf(buf, sizeof buf, "%s", vis);
+      for (char *tok = strtok_r(buf, ",", &save); tok && ndev < MAXDEV; tok = strtok_r(NULL, ",", &save)) {
+        char *end;
+        long idx = strtol(tok, &end, 10);
+        if (end == tok || *end || idx < 0 || idx >= total) break;
+        physical[ndev++] = (int)idx;
+      }
+    } else
+      for (; ndev < total; ndev++) physical[ndev] = ndev;
+    no_vmm = uns && strstr(uns, "vmm"), no_posix_fd = uns && strstr(uns, "posix_fd");
+    if (getenv("CUDAMODEL_TAG")) snprintf(tag, sizeof tag, "%s", getenv("CUDAMODEL_TAG"));
+    initialized = 1;
+  }
+  RETURN(ndev ? OK : NO_DEVICE);
+}
+
+CUresult cuDriverGetVersion(int *version) {
+  if (!version) return INVALID_VALUE;
+  *version = 13000;
+  return OK;
+}
+
+CUresult cuDeviceGetCount(int *count) {
+  ENTER("cuDeviceGetCount"); NEED_INIT();
+  if (!count) RETURN(INVALID_VALUE);
+  *count = ndev;
+  RETURN(OK);
+}
+
+CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+  ENTER("cuDeviceGet"); NEED_INIT();
+  if (!dev) RETURN(INVALID_VALUE);
+  if (!device_ok(ordinal)) RETURN(INVALID_DEVICE);
+  *dev = ordinal;
+  RETURN(OK);
+}
+
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+  ENTER("cuDeviceGetUuid"); NEED_INIT();
+  if (!uuid) RETURN(INVALID_VALUE);
+  if (!device_ok(dev)) RETURN(INVALID_DEVICE);
+  memcpy(uuid->bytes, "cudamodel\0\0\0\0\0\0", 16);   /* stable per physical device */
+  uuid->bytes[15] = (char)physical[dev];
+  RETURN(OK);
+}
+
+CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
+  ENTER("cuDeviceGetAttribute"); NEED_INIT();
+  if (!value) RETURN(INVALID_VALUE);
+  if (!device_ok(dev)) RETURN(INVALID_DEVICE);
+  if (attrib == ATTR_VMM) *value = !no_vmm;
+  else if (attrib == ATTR_POSIX_FD) *value = !no_posix_fd;
+  else {
+    fprintf(stderr, "cuda model: device attribute %d is not modelled\n", attrib);
+    RETURN(INVALID_VALUE);
+  }
+  RETURN(OK);
+}
+
+/* ---- primary contexts and the per-thread context stack ----------------------------- */
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev) {
+  ENTER("cuDevicePrimaryCtxRetain"); NEED_INIT();
+  if (!ctx) RETURN(INVALID_VALUE);
+  if (!device_ok(dev)) RETURN(INVALID_DEVICE);
+  ctxs[dev].refs++;
+  *ctx = (CUcontext)&ctxs[dev];
+  RETURN(OK);
+}
+
+CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
+  ENTER("cuDevicePrimaryCtxRelease"); NEED_INIT();
+  if (!device_ok(dev)) RETURN(INVALID_DEVICE);
+  if (!ctxs[dev].refs) RETURN(INVALID_CONTEXT);   /* a release without a retain */
+  ctxs[dev].refs--;   /* never pops it from any thread's stack (documented) */
+  RETURN(OK);
+}
+
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+  ENTER("cuCtxGetCurrent"); NEED_INIT();
+  if (!ctx) RETURN(INVALID_VALUE);
+  *ctx = depth ? stack[depth - 1] : NULL;
+  RETURN(OK);
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+  ENTER("cuCtxSetCurrent"); NEED_INIT();
+  if (!ctx) { if (depth) depth--; RETURN(OK); }   /* NULL unbinds the current one */
+  if (!is_context(ctx) || !((struct ctx *)ctx)->refs) RETURN(INVALID_CONTEXT);
+  if (!depth) depth = 1;
+  stack[depth - 1] = ctx;
+  RETURN(OK);
+}
+
+CUresult cuCtxPushCurrent(CUcontext ctx) {
+  ENTER("cuCtxPushCurrent"); NEED_INIT();
+  if (!ctx || !is_context(ctx) || !((struct ctx *)ctx)->refs) RETURN(INVALID_CONTEXT);
+  if (depth == (int)(sizeof stack / sizeof stack[0])) RETURN(OUT_OF_MEMORY);
+  stack[depth++] = ctx;
+  RETURN(OK);
+}
+
+CUresult cuCtxPopCurrent(CUcontext *ctx) {
+  ENTER("cuCtxPopCurrent"); NEED_INIT();
+  if (!depth) RETURN(INVALID_CONTEXT);
+  CUcontext top = stack[--depth];
+  if (ctx) *ctx = top;
+  RETURN(OK);
+}
+
+CUresult cuCtxSynchronize(void) {
+  ENTER("cuCtxSynchronize"); NEED_INIT(); NEED_CONTEXT();
+  n_synchronize++;   /* host memory: nothing is ever in flight */
+  RETURN(OK);
+}
+
+/* ---- allocations ------------------------------------------------------------------- */
+static CUresult check_prop(const CUmemAllocationProp *p) {
+  if (!p || p->type != PINNED || p->location.type != LOC_DEVICE) return INVALID_VALUE;
+  if (!device_ok(p->location.id)) return INVALID_DEVICE;
+  if (p->requestedHandleTypes & ~HANDLE_POSIX_FD) return NOT_SUPPORTED;   /* Linux: POSIX fds only */
+  return OK;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *gran, const CUmemAllocationProp *prop, int option) {
+  ENTER("cuMemGetAllocationGranularity"); NEED_INIT();
+  if (!gran || (option != 0 && option != 1)) RETURN(INVALID_VALUE);
+  CUresult rc = check_prop(prop);
+  if (rc) RETURN(rc);
+  *gran = GRAN;
+  RETURN(OK);
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                     unsigned long long flags) {
+  ENTER("cuMemCreate"); NEED_INIT(); NEED_CONTEXT();
+  if (!handle || flags) RETURN(INVALID_VALUE);
+  CUresult rc = check_prop(prop);
+  if (rc) RETURN(rc);
+  if (no_vmm || (no_posix_fd && prop->requestedHandleTypes)) RETURN(NOT_SUPPORTED);
+  if (!size || size % GRAN) RETURN(INVALID_VALUE);
+  int i = free_slot(MAXOBJ, sizeof allocs[0], allocs);
+  if (i < 0) RETURN(OUT_OF_MEMORY);
+  char name[64];   /* the tag keeps concurrent test runs' allocations apart in /proc */
+  snprintf(name, sizeof name, "cudamodel-dev%d-%s", physical[prop->location.id], tag);
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) RETURN(OUT_OF_MEMORY);
+  if (ftruncate(fd, (off_t)size)) { close(fd); RETURN(OUT_OF_MEMORY); }
+  allocs[i].live = 1, allocs[i].fd = fd, allocs[i].size = size, allocs[i].device = prop->location.id;
+  allocs[i].handle_types = prop->requestedHandleTypes;
+  n_create++;
+  *handle = new_handle(i);
+  RETURN(OK);
+}
+
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+  ENTER("cuMemRelease"); NEED_INIT(); NEED_CONTEXT();
+  int i = alloc_index(handle);
+  if (i < 0) RETURN(INVALID_VALUE);   /* unknown or already released (documented: undefined) */
+  close(allocs[i].fd);   /* mappings keep the memfd's pages: freed with the last of them */
+  allocs[i].live = 0;
+  RETURN(OK);
+}
+
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle handle, int type,
+                                      unsigned long long flags) {
+  ENTER("cuMemExportToShareableHandle"); NEED_INIT(); NEED_CONTEXT();
+  int i = alloc_index(handle);
+  if (!out || flags || i < 0) RETURN(INVALID_VALUE);
+  if (type != HANDLE_POSIX_FD) RETURN(NOT_SUPPORTED);
+  if (!(allocs[i].handle_types & HANDLE_POSIX_FD)) RETURN(INVALID_VALUE);   /* not requested at create */
+  int fd = fcntl(allocs[i].fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) RETURN(OUT_OF_MEMORY);
+  *(int *)out = fd;
+  RETURN(OK);
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle, int type) {
+  ENTER("cuMemImportFromShareableHandle"); NEED_INIT(); NEED_CONTEXT();
+  if (!handle) RETURN(INVALID_VALUE);
+  if (type != HANDLE_POSIX_FD) RETURN(NOT_SUPPORTED);
+  int fd = (int)(intptr_t)os_handle, dev = -1, phys = -1;
+  char link[64], target[128] = "";
+  struct stat st;
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  ssize_t n = readlink(link, target, sizeof target - 1);
+  if (fstat(fd, &st) || n <= 0 || sscanf(target, "/memfd:cudamodel-dev%d", &phys) != 1)
+    RETURN(INVALID_VALUE);   /* not a descriptor this driver exported */
+  for (int d = 0; d < ndev; d++) if (physical[d] == phys) dev = d;
+  if (dev < 0) RETURN(NOT_SUPPORTED);   /* its device is not visible to this process */
+  int i = free_slot(MAXOBJ, sizeof allocs[0], allocs);
+  int own = i < 0 ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);   /* the caller keeps `fd` */
+  if (own < 0) RETURN(OUT_OF_MEMORY);
+  allocs[i].live = 1, allocs[i].fd = own, allocs[i].size = (size_t)st.st_size, allocs[i].device = dev;
+  allocs[i].handle_types = HANDLE_POSIX_FD;
+  *handle = new_handle(i);
+  RETURN(OK);
+}
+
+/* ---- address reservations and mappings -------------------------------------------- */
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {
+  ENTER("cuMemAddressReserve"); NEED_INIT(); NEED_CONTEXT();
+  (void)addr;   /* only a hint */
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  if (!ptr || flags || !size || size % page || (alignment & (alignment - 1))) RETURN(INVALID_VALUE);
+  size_t align = alignment > GRAN ? alignment : GRAN;
+  int i = free_slot(MAXOBJ, sizeof reservations[0], reservations);
+  if (i < 0) RETURN(OUT_OF_MEMORY);
+  char *raw = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) RETURN(OUT_OF_MEMORY);
+  uintptr_t va = ((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1);
+  if (va > (uintptr_t)raw) munmap(raw, va - (uintptr_t)raw);
+  munmap((char *)va + size, (uintptr_t)raw + size + align - va - size);
+  reservations[i].live = 1, reservations[i].va = va, reservations[i].size = size;
+  *ptr = va;
+  RETURN(OK);
+}
+
+static int mappings_inside(uintptr_t va, size_t size) {
+  int n = 0;
+  for (int i = 0; i < MAXOBJ; i++) n += maps[i].live && maps[i].va < va + size && va < maps[i].va + maps[i].size;
+  return n;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  ENTER("cuMemAddressFree"); NEED_INIT(); NEED_CONTEXT();
+  for (int i = 0; i < MAXOBJ; i++)
+    if (reservations[i].live && reservations[i].va == ptr && reservations[i].size == size) {
+      if (mappings_inside(ptr, size)) RETURN(INVALID_VALUE);   /* stricter than documented */
+      munmap((void *)ptr, size);
+      reservations[i].live = 0;
+      RETURN(OK);
+    }
+  RETURN(INVALID_VALUE);   /* must match a reservation exactly (documented) */
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+  ENTER("cuMemMap"); NEED_INIT(); NEED_CONTEXT();
+  int a = alloc_index(handle), inside = 0;
+  /* offset: "currently must be zero" (CUDA 11/12 reference); sizes: granularity multiples. */
+  if (a < 0 || flags || offset || !size || ptr % GRAN || size % GRAN || size > allocs[a].size) RETURN(INVALID_VALUE);
+  for (int i = 0; i < MAXOBJ; i++)
+    inside |= reservations[i].live && reservations[i].va <= ptr && ptr + size <= reservations[i].va + reservations[i].size;
+  if (!inside || mappings_inside(ptr, size)) RETURN(INVALID_VALUE);   /* reserved and not yet mapped */
+  int m = free_slot(MAXOBJ, sizeof maps[0], maps);
+  if (m < 0) RETURN(OUT_OF_MEMORY);
+  if (mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, allocs[a].fd, 0) == MAP_FAILED) RETURN(OUT_OF_MEMORY);
+  maps[m].live = 1, maps[m].va = ptr, maps[m].size = size, maps[m].device = allocs[a].device;
+  RETURN(OK);
+}
+
+/* The mappings that exactly tile [ptr, ptr + size), or 0 when the range is not whole mappings. */
+static int whole_mappings(uintptr_t ptr, size_t size, int *out) {
+  int n = 0;
+  for (uintptr_t at = ptr; at < ptr + size;) {
+    int found = -1;
+    for (int i = 0; i < MAXOBJ && found < 0; i++) if (maps[i].live && maps[i].va == at) found = i;
+    if (found < 0 || at + maps[found].size > ptr + size) return 0;
+    out[n++] = found, at += maps[found].size;
+  }
+  return n;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+  ENTER("cuMemSetAccess"); NEED_INIT(); NEED_CONTEXT();
+  static int hit[MAXOBJ];
+  int n = size ? whole_mappings(ptr, size, hit) : 0;
+  if (!desc || count != 1 || !n) RETURN(INVALID_VALUE);   /* one device per mapping: no peers modelled */
+  const CUmemAccessDesc *d = desc;
+  if (d->location.type != LOC_DEVICE || !device_ok(d->location.id)) RETURN(INVALID_DEVICE);
+  int prot = d->flags == PROT_READ_ ? PROT_READ : d->flags == PROT_READWRITE_ ? PROT_READ | PROT_WRITE
+           : d->flags == PROT_NONE_ ? PROT_NONE : -1;
+  if (prot < 0) RETURN(INVALID_VALUE);
+  for (int k = 0; k < n; k++) if (maps[hit[k]].device != d->location.id) RETURN(INVALID_DEVICE);
+  if (mprotect((void *)ptr, size, prot)) RETURN(INVALID_VALUE);
+  RETURN(OK);
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  ENTER("cuMemUnmap"); NEED_INIT(); NEED_CONTEXT();
+  static int hit[MAXOBJ];
+  int n = size ? whole_mappings(ptr, size, hit) : 0;
+  if (!n) RETURN(INVALID_VALUE);   /* "cannot unmap a sub-range" (documented) */
+  /* Back to a bare reservation: the memfd loses this reference. */
+  if (mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED)
+    RETURN(OUT_OF_MEMORY);
+  for (int k = 0; k < n; k++) maps[hit[k]].live = 0;
+  RETURN(OK);
+}
+
+/* ---- errors and entry-point lookup ------------------------------------------------- */
+static const struct { int code; const char *name, *text; } errors[] = {
+  {OK, "CUDA_SUCCESS", "no error"},
+  {INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+  {OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+  {NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+  {NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+  {INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+  {INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+  {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+  {CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
+  {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+};
+
+static CUresult error_string(CUresult code, const char **out, int text) {
+  for (size_t i = 0; i < sizeof errors / sizeof errors[0]; i++)
+    if (errors[i].code == code) { *out = text ? errors[i].text : errors[i].name; return OK; }
+  *out = NULL;
+  return INVALID_VALUE;
+}
+CUresult cuGetErrorName(CUresult code, const char **out) { return out ? error_string(code, out, 0) : INVALID_VALUE; }
+CUresult cuGetErrorString(CUresult code, const char **out) { return out ? error_string(code, out, 1) : INVALID_VALUE; }
+
+#define ENTRY(f) {#f, (void *)f}
+static const struct { const char *name; void *fn; } entries[] = {
+  ENTRY(cuInit), ENTRY(cuDriverGetVersion), ENTRY(cuDeviceGetCount), ENTRY(cuDeviceGet), ENTRY(cuDeviceGetUuid),
+  ENTRY(cuDeviceGetAttribute), ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease),
+  ENTRY(cuCtxGetCurrent), ENTRY(cuCtxSetCurrent), ENTRY(cuCtxPushCurrent), ENTRY(cuCtxPopCurrent),
+  ENTRY(cuCtxSynchronize), ENTRY(cuMemGetAllocationGranularity), ENTRY(cuMemCreate), ENTRY(cuMemRelease),
+  ENTRY(cuMemExportToShareableHandle), ENTRY(cuMemImportFromShareableHandle), ENTRY(cuMemAddressReserve),
+  ENTRY(cuMemAddressFree), ENTRY(cuMemMap), ENTRY(cuMemSetAccess), ENTRY(cuMemUnmap), ENTRY(cuGetErrorName),
+  ENTRY(cuGetErrorString),
+};
+
+/* Every entry point has one implementation: the versioned variants the bindings ask for
+ * (cuCtxPushCurrent_v2, cuDeviceGetUuid_v2, cuDevicePrimaryCtxRelease_v2, ...) have the
+ * same signatures as their base names for this subset. */
+CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, unsigned long long flags, int *status) {
+  (void)version, (void)flags;
+  if (!symbol || !fn) return INVALID_VALUE;
+  for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++)
+    if (!strcmp(entries[i].name, symbol)) {
+      *fn = entries[i].fn;
+      if (status) *status = 0;   /* CU_GET_PROC_ADDRESS_SUCCESS */
+      return OK;
+    }
+  *fn = NULL;
+  if (status) *status = 1;   /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND: calling it raises in Python */
+  return NOT_FOUND;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **fn, int version, unsigned long long flags) {
+  return cuGetProcAddress_v2(symbol, fn, version, flags, NULL);
+}

@@ -1,0 +1,253 @@
+"""The CUDA segment backend's driver layer (`segments.cudadrv`, `segments.vmm`,
+`CudaSegment.attach`) against the CUDA driver model, with real processes and a real broker.
+
+THE DRIVER HERE IS A MODEL (``tests/cuda_model``): NVIDIA's documented driver contract over host
+memory, not a GPU.  It catches what breaks the contract (sizes, offsets, reservations, a missing
+current context, double releases, leaks, the context left current); it cannot show what only
+hardware does (kernels, NVML memory, a GPU page fault).  Those checks are in
+``benchmarks/gpu_check.py``.  Each test's CUDA code runs in children (`tests/peers/vmm_peer.py`)
+that load the model as their ``libcuda.so.1``; "device" bytes are read through the mapping's
+address on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+import xxhash
+
+import cuda_model
+from harness.procs import PeerProcess
+from helpers import wait_for
+from peers.vmm_peer import pattern
+from vllm_dedup.registry.client import registry_stats
+
+PEERS = Path(__file__).resolve().parents[1] / "peers"
+MB = 1 << 20
+OUT_OF_MEMORY, NOT_SUPPORTED = 2, 801  # CUresult values
+
+
+@pytest.fixture(scope="session")
+def model_lib(tmp_path_factory) -> Path:
+    """The driver model, compiled once per session."""
+    return cuda_model.build(tmp_path_factory.mktemp("cuda-model"))
+
+
+class Model:
+    """Children of one test on the driver model; their allocations carry the test's tag."""
+
+    def __init__(self, lib: Path):
+        self.lib, self.tag = lib, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.peers: list[PeerProcess] = []
+
+    def peer(self, sock, name: str, devices: int = 2, **env: str) -> PeerProcess:
+        p = PeerProcess([PEERS / "vmm_peer.py", sock], name, env=cuda_model.child_env(self.lib, self.tag, devices, **env))
+        p.read_json()
+        self.peers.append(p)
+        return p
+
+    def holders(self) -> list[int]:
+        return cuda_model.holders(self.tag)
+
+
+@pytest.fixture
+def model(model_lib):
+    m = Model(model_lib)
+    yield m
+    for p in m.peers:
+        p.end()
+
+
+def ask(peer: PeerProcess, op: str, **args) -> dict:
+    """One command; the reply (an ``ERR`` reply has ``type`` and ``error``)."""
+    peer.send({"op": op, **args})
+    return peer.read_json(("OK ", "ERR "))
+
+
+def digest(key: str, nbytes: int) -> str:
+    return xxhash.xxh3_128_hexdigest(pattern(key, nbytes))
+
+
+def test_the_model_enforces_the_documented_preconditions(model_lib):
+    """The model is strict: each broken precondition gets the documented error code."""
+    p = PeerProcess([PEERS / "cuda_contract_peer.py"], "contract", env=cuda_model.child_env(model_lib, "contract"))
+    got = p.read_json()
+    p.end()
+    success = "CUDA_SUCCESS"
+    invalid, context, device = "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_INVALID_DEVICE"
+    assert got == {
+        "before cuInit: cuDeviceGetCount": "CUDA_ERROR_NOT_INITIALIZED",
+        "no context: cuMemCreate": context, "no context: cuMemAddressReserve": context,
+        "no context: cuCtxSynchronize": context, "empty stack: cuCtxPopCurrent": context,
+        "release without retain: cuDevicePrimaryCtxRelease": context,
+        "size not a granularity multiple: cuMemCreate": invalid, "flags not 0: cuMemCreate": invalid,
+        "no such device: cuMemCreate": device,
+        "no handle type requested: cuMemExportToShareableHandle": invalid,
+        "reservation not granularity-aligned: cuMemMap": invalid, "offset not 0: cuMemMap": invalid,
+        "larger than the allocation: cuMemMap": invalid, "outside any reservation: cuMemMap": invalid,
+        "part of the allocation: cuMemMap": success, "over a mapped range: cuMemMap": invalid,
+        "not whole mappings: cuMemSetAccess": invalid, "another device: cuMemSetAccess": device,
+        "a sub-range: cuMemUnmap": invalid, "a mapping inside: cuMemAddressFree": invalid,
+        "first release: cuMemRelease": success, "double release: cuMemRelease": invalid,
+        "after release, mapped: cuMemUnmap": success, "not the reserved size: cuMemAddressFree": invalid,
+        "reserved size: cuMemAddressFree": success,
+        "not an exported allocation: cuMemImportFromShareableHandle": invalid,
+    }
+
+
+def test_two_and_three_processes_map_one_allocation_which_outlives_its_creator(broker, model):
+    a = model.peer(broker.path, "A")
+    ask(a, "hello", ordinal=0)
+    created = ask(a, "create", ordinal=0, nbytes=3 * MB, members=[["w", 0, 3 * MB]])
+    want = {"w": digest("w", 3 * MB)}
+    assert created["digests"] == want and created["size"] == 4 * MB and created["read_only"] is True
+    # The handle is released once mapped: the mapping (and the descriptors) keep the memory.
+    assert created["stats"]["allocations"] == 0 and created["stats"]["mappings"] == 1
+    others = []
+    for name in ("B", "C"):
+        p = model.peer(broker.path, name)
+        ask(p, "hello", ordinal=0)
+        mapped = ask(p, "map", ordinal=0, keys=["w"])
+        assert mapped["digests"] == want and mapped["read_only"] is True
+        assert mapped["stats"]["allocations"] == 0 and mapped["stats"]["mappings"] == 1
+        others.append(p)
+    b, c = others
+    # The broker (this process) holds the registry's descriptor; A, B, C each a mapping.
+    assert set(model.holders()) == {os.getpid(), a.pid, b.pid, c.pid}
+    assert a.end() == 0
+    for p in (b, c):
+        assert ask(p, "read")["digests"] == want
+    assert ask(b, "close")["stats"]["mappings"] == 0
+    assert ask(c, "read")["digests"] == want
+    assert set(model.holders()) == {os.getpid(), c.pid}
+    assert b.end() == 0 and c.end() == 0
+    assert wait_for(lambda: registry_stats(broker.path).groups == [])
+    assert wait_for(lambda: model.holders() == [])  # the last holder let go: the memory is freed
+
+
+def test_a_write_through_a_read_only_mapping_kills_the_writer(broker, model):
+    """Under the model a write faults with SIGSEGV (mprotect); on a GPU the kernel faults instead."""
+    a = model.peer(broker.path, "A")
+    ask(a, "hello", ordinal=0)
+    ask(a, "create", ordinal=0, nbytes=MB, members=[["w", 0, MB]])
+    w = model.peer(broker.path, "W")
+    ask(w, "hello", ordinal=0)
+    ask(w, "map", ordinal=0, keys=["w"])
+    w.send({"op": "write", "key": "w"})
+    assert w.proc.wait(timeout=60) == -signal.SIGSEGV
+    assert "WROTE" not in w.proc.stdout.read()
+    b = model.peer(broker.path, "B")
+    ask(b, "hello", ordinal=0)
+    assert ask(b, "map", ordinal=0, keys=["w"])["digests"] == {"w": digest("w", MB)}
+    assert ask(a, "read")["digests"] == {"w": digest("w", MB)}
+
+
+def test_device_key_needs_no_context_and_survives_renumbering(model):
+    p = model.peer("-", "K", devices=3)
+    keys = []
+    for ordinal in range(3):
+        got = ask(p, "key", ordinal=ordinal)
+        assert got["ordinal_of"] == ordinal
+        assert (got["stats"]["retained_contexts"], got["stats"]["context_depth"]) == (0, 0)
+        keys.append(got["key"])
+    assert len(set(keys)) == 3 and all(k.startswith("cuda:GPU-") for k in keys)
+    ask(p, "push", ordinal=0)  # as torch does: device 0's primary context current
+    for ordinal in range(3):
+        s = ask(p, "key", ordinal=ordinal)["stats"]
+        assert (s["retained_contexts"], s["current_device"], s["context_depth"]) == (1, 0, 1)
+    # Another process numbers the same GPUs differently; the keys name the same devices.
+    v = model.peer("-", "V", devices=3, CUDA_VISIBLE_DEVICES="2,0")
+    assert [ask(v, "key", ordinal=i)["key"] for i in range(2)] == [keys[2], keys[0]]
+
+
+def test_create_and_attach_on_device_1_leave_device_0_current(broker, model):
+    a = model.peer(broker.path, "A")
+    ask(a, "push", ordinal=0)
+    ask(a, "hello", ordinal=1)
+    for key in ("x", "y"):
+        s = ask(a, "create", ordinal=1, nbytes=MB, members=[[key, 0, MB]])["stats"]
+        # torch's context on device 0 plus the backend's on device 1, retained once per process.
+        assert (s["current_device"], s["context_depth"], s["retained_contexts"]) == (0, 1, 2)
+    b = model.peer(broker.path, "B")
+    ask(b, "push", ordinal=0)
+    ask(b, "hello", ordinal=1)
+    mapped = ask(b, "map", ordinal=1, keys=["x", "y"])
+    assert mapped["digests"] == {"x": digest("x", MB), "y": digest("y", MB)}
+    s = ask(b, "close")["stats"]
+    assert (s["current_device"], s["context_depth"], s["retained_contexts"], s["mappings"]) == (0, 1, 2, 0)
+
+
+def test_a_pack_mapped_in_part(broker, model):
+    members = [["p0", 0, MB], ["p1", 2 * MB, MB], ["p2", 4 * MB, 3 * MB // 2]]
+    a = model.peer(broker.path, "A")
+    ask(a, "hello", ordinal=0)
+    assert ask(a, "create", ordinal=0, nbytes=4 * MB + 3 * MB // 2, members=members)["size"] == 6 * MB
+    b = model.peer(broker.path, "B")
+    ask(b, "hello", ordinal=0)
+    first = ask(b, "map", ordinal=0, keys=["p0"])
+    assert first["sizes"] == {"p0": 2 * MB}  # one granule of a three-granule allocation
+    assert first["digests"] == {"p0": digest("p0", MB)}
+    last = ask(b, "map", ordinal=0, keys=["p2"])
+    assert last["sizes"] == {"p2": 6 * MB}
+    assert last["digests"] == {"p0": digest("p0", MB), "p2": digest("p2", 3 * MB // 2)}
+    assert ask(b, "close")["stats"]["mappings"] == 0
+
+
+@pytest.mark.parametrize("unsupported, words", [("vmm", "virtual memory management"),
+                                                ("posix_fd", "POSIX file-descriptor memory handles")])
+def test_a_device_that_cannot_share_memory_gives_a_clear_segment_error(model, unsupported, words):
+    p = model.peer("-", "U", CUDAMODEL_UNSUPPORTED=unsupported)
+    got = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert words in got["error"] and "keeps them private" in got["error"]
+    attached = ask(p, "attach", ordinal=0, source="memfd")
+    assert words in attached["error"] and attached["closed"] is True
+    s = attached["stats"]
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
+
+
+def test_attach_refuses_what_it_cannot_map_and_closes_the_descriptor(model):
+    p = model.peer("-", "R")
+    foreign = ask(p, "attach", ordinal=0, source="memfd")
+    assert "not a CUDA allocation" in foreign["error"] and foreign["closed"] is True
+    short = ask(p, "attach", ordinal=0, source="small")
+    assert "cannot map 4194304 bytes" in short["error"] and short["closed"] is True
+    s = short["stats"]  # only the 2 MiB allocation's own mapping is left
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 1, 1, 0)
+
+
+def test_out_of_memory_is_retried_once_after_returning_cached_blocks(model):
+    p = model.peer("-", "O")
+    ask(p, "fail", name="cuMemCreate", code=OUT_OF_MEMORY, count=1)
+    assert ask(p, "allocate", ordinal=0, nbytes=MB) | {"stats": None} == {"size": 2 * MB, "released": 1, "stats": None}
+    ask(p, "fail", name="cuMemCreate", code=OUT_OF_MEMORY, count=2)
+    got = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert "out of memory" in got["error"] and "cached blocks" in got["error"] and got["released"] == 1
+    ask(p, "fail", name="cuMemCreate", code=NOT_SUPPORTED, count=1)
+    other = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert "CUDA_ERROR_NOT_SUPPORTED" in other["error"] and other["released"] == 0  # only OOM is retried
+    s = other["stats"]
+    assert (s["allocations"], s["mappings"], s["reservations"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("call", ["cuMemExportToShareableHandle", "cuMemAddressReserve", "cuMemMap",
+                                  "cuMemSetAccess"])
+def test_a_failing_driver_call_leaves_nothing_allocated_or_mapped(model, call):
+    p = model.peer("-", "F")
+    ask(p, "fail", name=call, code=OUT_OF_MEMORY if call == "cuMemAddressReserve" else 1, count=1)
+    got = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert f"{call} failed" in got["error"]
+    s = got["stats"]
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
+
+
+def test_a_finalizer_during_graph_capture_defers_the_unmap(model):
+    p = model.peer("-", "D")
+    got = ask(p, "defer", ordinal=0)
+    assert got["during"]["mappings"] == 1 and got["during"]["synchronizes"] == 0  # nothing synchronized
+    assert got["released"] == 1
+    assert got["after"]["mappings"] == 0 and got["after"]["synchronizes"] == 1
+    assert got["deadlocked"] is False and got["under_lock"]["mappings"] == 0  # re-entrant: it ran under the lock

@@ -1,0 +1,199 @@
+"""A process that creates, maps and reads CUDA segments through the driver layer
+(`segments.vmm`, `segments.cudadrv`, `CudaSegment.attach`), for tests/integration/test_cuda_model.py.
+
+    python tests/peers/vmm_peer.py SOCKET|-
+
+Run with the CUDA driver model as its ``libcuda.so.1`` (``tests/cuda_model``: host memory behind
+NVIDIA's documented contract, not a GPU), so "device" bytes are read through a mapping's address
+on the host.  Answers one JSON command per stdin line with ``OK {...}`` or ``ERR {...}``; every
+answer carries the model's counters (``stats``) and this thread's current device.  Commands:
+
+- ``key {ordinal}``: the device key; ``push {ordinal}``: retain device ``ordinal``'s primary
+  context and push it, as torch does when it makes a device current;
+- ``hello {ordinal}``: open a lease with the broker on that device;
+- ``create {ordinal, nbytes, members: [[key, offset, bytes], ...]}``: allocate, fill each member
+  with `pattern`, protect, publish; ``map {ordinal, keys}``: acquire and map only what they need;
+- ``read``, ``write {key}`` (must fault), ``close``: every mapping held;
+- ``allocate {ordinal, nbytes}``: `vmm.allocate` counting ``release_cached`` calls;
+- ``fail {name, code, count}``: the model's next ``count`` calls of ``name`` return ``code``;
+- ``defer``: a mapping dropped during a (pretend) graph capture and while the driver lock is held.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import sys
+import threading
+from collections import defaultdict
+
+import xxhash
+
+from vllm_dedup.errors import SegmentError
+from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.segments import cudadrv, vmm
+from vllm_dedup.segments.cuda import CudaSegment
+
+STATS = ("retained_contexts", "allocations", "mappings", "reservations", "synchronizes", "creates",
+         "current_device", "context_depth")
+
+
+def pattern(key: str, nbytes: int) -> bytes:
+    """The bytes a member named ``key`` holds."""
+    return random.Random(xxhash.xxh3_64_intdigest(key.encode())).randbytes(nbytes)
+
+
+def model():
+    return ctypes.CDLL("libcuda.so.1")  # the handle cuda-bindings loaded: one library per process
+
+
+def stats() -> dict:
+    out = (ctypes.c_longlong * len(STATS))()
+    model().cudamodel_stats(out)
+    return dict(zip(STATS, out))
+
+
+class Peer:
+    def __init__(self, sock: str):
+        self.client = BrokerClient(sock) if sock != "-" else None
+        self.held: dict[str, tuple[object, int, int]] = {}  # key -> (mapping, offset, bytes)
+        self.keep: list = []  # segments, contexts: alive until the peer ends
+
+    def read(self) -> dict:
+        return {k: xxhash.xxh3_128_hexdigest(ctypes.string_at(m.va + off, n)) for k, (m, off, n) in self.held.items()}
+
+    def op_key(self, ordinal):
+        return {"key": cudadrv.device_key(ordinal), "ordinal_of": cudadrv.ordinal_of(cudadrv.device_key(ordinal))}
+
+    def op_push(self, ordinal):
+        drv = cudadrv.driver()
+        drv.cuInit(0)
+        _, ctx = drv.cuDevicePrimaryCtxRetain(drv.cuDeviceGet(ordinal)[1])
+        assert drv.cuCtxPushCurrent(ctx)[0] == drv.CUresult.CUDA_SUCCESS
+        return {}
+
+    def op_hello(self, ordinal):
+        self.client.hello("vmm-peer", cudadrv.device_key(ordinal), "default")
+        return {}
+
+    def op_create(self, ordinal, nbytes, members):
+        mapping, fd = vmm.allocate(ordinal, nbytes)
+        for key, offset, n in members:
+            ctypes.memmove(mapping.va + offset, pattern(key, n), n)
+            self.held[key] = (mapping, offset, n)
+        mapping.protect()
+        self.client.publish(fd, mapping.size, [tuple(m) for m in members])
+        os.close(fd)
+        return {"digests": self.read(), "size": mapping.size, "read_only": mapping.read_only}
+
+    def op_map(self, ordinal, keys):
+        by_segment = defaultdict(list)
+        for hit, fd in self.client.acquire(keys):
+            by_segment[hit.segment].append((hit, fd))
+        sizes = {}
+        for hits in by_segment.values():
+            for _, fd in hits[1:]:
+                os.close(fd)
+            seg = CudaSegment.attach(hits[0][1], max(h.offset + h.nbytes for h, _ in hits), cudadrv.device_key(ordinal))
+            seg.close_fd()
+            for hit, _ in hits:
+                self.held[hit.key] = (seg._mapping, hit.offset, hit.nbytes)
+                sizes[hit.key] = seg.size
+        return {"digests": self.read(), "sizes": sizes, "read_only": all(m.read_only for m, _, _ in self.held.values())}
+
+    def op_read(self):
+        return {"digests": self.read()}
+
+    def op_write(self, key):
+        mapping, offset, _ = self.held[key]
+        print("WRITING", flush=True)
+        ctypes.memset(mapping.va + offset, 0, 1)  # must fault: the mapping is read-only
+        print("WROTE", flush=True)
+        return {}
+
+    def op_close(self):
+        for mapping in {id(m): m for m, _, _ in self.held.values()}.values():
+            mapping.close()
+        self.held.clear()
+        return {}
+
+    def op_allocate(self, ordinal, nbytes):
+        released = []
+        try:
+            mapping, fd = vmm.allocate(ordinal, nbytes, release_cached=lambda: released.append(1))
+        except SegmentError as e:
+            return {"error": str(e), "released": len(released)}
+        os.close(fd)
+        size = mapping.size
+        mapping.close()
+        return {"size": size, "released": len(released)}
+
+    def op_attach(self, ordinal, source):
+        """`CudaSegment.attach` of a descriptor that cannot be mapped: a memfd that no driver
+        exported (``memfd``), or a 2 MiB allocation asked for 4 MiB (``small``).  Returns the
+        error and whether attach closed the descriptor it took."""
+        if source == "memfd":
+            fd = os.memfd_create("not-cuda")
+            os.ftruncate(fd, 2 << 20)
+        else:
+            mapping, fd = vmm.allocate(ordinal, 2 << 20)
+            self.keep.append(mapping)
+        try:
+            CudaSegment.attach(fd, 4 << 20 if source == "small" else 1 << 20, cudadrv.device_key(ordinal))
+        except SegmentError as e:
+            try:
+                os.fstat(fd)
+                closed = False
+            except OSError:
+                closed = True
+            return {"error": str(e), "closed": closed}
+        return {"error": None}
+
+    def op_fail(self, name, code, count):
+        model().cudamodel_fail(name.encode(), code, count)
+        return {}
+
+    def op_defer(self, ordinal):
+        capturing = [True]
+        mapping, fd = vmm.allocate(ordinal, 1, capturing=lambda: capturing[0])
+        os.close(fd)
+        del mapping  # its finalizer runs "during a capture": no synchronize, no unmap yet
+        during = stats()
+        capturing[0] = False
+        released = vmm.release_deferred()
+        after = stats()
+        mapping, fd = vmm.allocate(ordinal, 1)
+        os.close(fd)
+        holder = [mapping]
+        del mapping
+
+        def drop_under_lock():  # a finalizer that runs while this thread holds the lock
+            with cudadrv.lock:
+                holder.clear()
+
+        worker = threading.Thread(target=drop_under_lock, daemon=True)
+        worker.start()
+        worker.join(10)
+        return {"during": during, "released": released, "after": after, "deadlocked": worker.is_alive(),
+                "under_lock": stats()}
+
+
+def main() -> None:
+    peer = Peer(sys.argv[1])
+    print("OK " + json.dumps({"pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            out = getattr(peer, "op_" + cmd.pop("op"))(**cmd)
+            print("OK " + json.dumps({**out, "stats": stats()}), flush=True)
+        except Exception as e:  # the test decides what an error means
+            print("ERR " + json.dumps({"type": type(e).__name__, "error": str(e),
+                                       "segment_error": isinstance(e, SegmentError), "stats": stats()}), flush=True)
+    if peer.client is not None:
+        peer.client.close()
+
+
+if __name__ == "__main__":
+    main()

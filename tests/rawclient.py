@@ -10,13 +10,19 @@ import fcntl
 import os
 import socket
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
+
+from helpers import wait_for
 from vllm_dedup.registry import protocol as p
+from vllm_dedup.registry.client import BrokerClient
 from vllm_dedup.registry.server import BrokerServer
 
 ALL_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+KEY = "uint8[8192]/[1]:" + "a5" * 16  # the content key of the segment `publisher` publishes
+NBYTES = 8192
 
 
 class RawClient:
@@ -87,6 +93,38 @@ def fd_kinds() -> Counter:
         except OSError:  # the directory listing's own descriptor, closed by now
             pass
     return kinds
+
+
+def publisher(server: BrokerServer) -> BrokerClient:
+    """An engine connected to ``server`` holding a published segment of ``KEY`` (``NBYTES``
+    bytes) until it is closed."""
+    client = BrokerClient(server.path)
+    client.hello("publisher", "cpu", "default")
+    fd = memfd(NBYTES)
+    client.publish(fd, NBYTES, [(KEY, 0, NBYTES)])
+    os.close(fd)
+    return client
+
+
+def well_behaved(server: BrokerServer, timeout_s: float = 5.0) -> float:
+    """A normal client's stats, hello and acquire of ``KEY``, each answered; returns the seconds
+    they took, once the broker has let the client's lease go."""
+    start = time.monotonic()
+    with BrokerClient(server.path, timeout_s=timeout_s) as client:
+        client.stats()
+        engine = client.hello("good", "cpu", "default")
+        (hit, fd), = client.acquire([KEY])
+        kind = fd_kind(fd)
+        os.close(fd)
+        assert hit.nbytes == NBYTES and kind == "memfd"
+    took = time.monotonic() - start
+    assert wait_for(lambda: engine not in engine_ids(server), timeout_s=10, poll_s=0.001)
+    return took
+
+
+def engine_ids(server: BrokerServer) -> set[int]:
+    with server._mutex:
+        return set(server.registry.engines)
 
 
 def registry_state(server: BrokerServer):

@@ -19,44 +19,20 @@ import time
 import pytest
 
 from helpers import wait_for
-from rawclient import DESCRIPTOR_KINDS, RawClient, descriptor, fd_kind, fd_kinds, memfd, registry_state
+from rawclient import (DESCRIPTOR_KINDS, KEY, NBYTES, RawClient, descriptor, engine_ids, fd_kind, fd_kinds, memfd,
+                       publisher, registry_state, well_behaved)
 from vllm_dedup.errors import ProtocolError, RegistryUnavailable
 from vllm_dedup.registry import protocol as p
 from vllm_dedup.registry.client import BrokerClient
 from vllm_dedup.registry.server import BrokerServer
 from vllm_dedup.registry.state import Registry
 
-KEY = "uint8[8192]/[1]:" + "5a" * 16
-NBYTES = 8192
-
 
 @pytest.fixture
 def published(broker):
     """The broker, with one engine holding a published segment of ``KEY``."""
-    publisher = BrokerClient(broker.path)
-    publisher.hello("publisher", "cpu", "default")
-    fd = memfd(NBYTES)
-    publisher.publish(fd, NBYTES, [(KEY, 0, NBYTES)])
-    os.close(fd)
-    yield broker
-    publisher.close()
-
-
-def engine_count(server: BrokerServer) -> int:
-    with server._mutex:
-        return len(server.registry.engines)
-
-
-def good_round(path, timeout_s: float = 5.0) -> float:
-    """A well-behaved client's stats, hello and acquire of ``KEY``; returns the seconds taken."""
-    start = time.monotonic()
-    with BrokerClient(path, timeout_s=timeout_s) as client:
-        client.stats()
-        client.hello("good", "cpu", "default")
-        (hit, fd), = client.acquire([KEY])
-        assert hit.nbytes == NBYTES and fd_kind(fd) == "memfd"
-        os.close(fd)
-    return time.monotonic() - start
+    with publisher(broker):
+        yield broker
 
 
 def test_a_client_that_never_reads_is_dropped_while_others_get_prompt_answers(published):
@@ -76,14 +52,14 @@ def test_a_client_that_never_reads_is_dropped_while_others_get_prompt_answers(pu
             pass
         except (BrokenPipeError, ConnectionResetError):
             dropped = True
-        slowest = max(slowest, good_round(published.path))
+        slowest = max(slowest, well_behaved(published))
     assert dropped, f"the broker never dropped a client that sent {sent} requests and read no reply"
     assert slowest < 2.0, f"a well-behaved client waited {slowest:.1f} s for its answers"
-    assert wait_for(lambda: engine_count(published) == 1)  # the flooder's lease is gone
+    assert wait_for(lambda: len(engine_ids(published)) == 1)  # the flooder's lease is gone
     flood.close()
     # Its queued replies' descriptors (duplicates of the segment's) and its socket are closed.
     assert wait_for(lambda: fd_kinds() == before), f"{fd_kinds() - before} leaked, {before - fd_kinds()} lost"
-    assert good_round(published.path) < 2.0
+    assert well_behaved(published) < 2.0
 
 
 def test_hundreds_of_simultaneous_connections_are_all_served_and_leak_nothing(published):
@@ -122,7 +98,7 @@ def test_hundreds_of_simultaneous_connections_are_all_served_and_leak_nothing(pu
         for t in threads:
             t.join(timeout=60)
     assert hits == ["memfd"] * n
-    assert wait_for(lambda: engine_count(published) == 1)
+    assert wait_for(lambda: len(engine_ids(published)) == 1)
     assert wait_for(lambda: fd_kinds() == before), f"{fd_kinds() - before} leaked, {before - fd_kinds()} lost"
 
 
@@ -199,7 +175,7 @@ def test_field_values_out_of_range_are_refused_and_change_nothing(published, req
         assert error in reply["error"] and len(reply["error"]) < 500
         assert registry_state(published) == state_before and fd_kinds() == fds_before
         assert "groups" in raw.ask({"op": "stats"})  # the connection still serves
-    assert good_round(published.path) < 2.0
+    assert well_behaved(published) < 2.0
 
 
 def test_an_error_reply_never_breaks_the_broker(published):
@@ -208,7 +184,7 @@ def test_an_error_reply_never_breaks_the_broker(published):
         p.send(raw.sock, {"op": "\x7f" * 150_000})
         reply, _ = raw.recv()
         assert reply["error"].startswith("unknown op '\\x7f\\x7f") and len(reply["error"]) < 500
-    assert good_round(published.path) < 2.0
+    assert well_behaved(published) < 2.0
 
 
 def test_empty_and_oversized_datagrams_are_answered_and_the_lease_kept(published):
@@ -231,7 +207,7 @@ def test_empty_and_oversized_datagrams_are_answered_and_the_lease_kept(published
         assert raw.ask(b'{"op": "report", "load": {"x": NaN}}')["error"].startswith("bad request: registry message is not JSON (NaN")
         assert engine in {e.id for e in registry_state(published)[2].values()}
         assert raw.ask({"op": "expect"}) == {"bytes": 0}
-    assert good_round(published.path) < 2.0
+    assert well_behaved(published) < 2.0
 
 
 def test_messages_too_big_for_a_datagram_travel_in_a_memfd(published):
@@ -270,7 +246,7 @@ def test_the_connection_limit_refuses_newcomers_with_a_clear_error(tmp_path):
             extra.hello("m", "cpu", "default")
         extra.close()
         clients.pop().close()
-        assert wait_for(lambda: engine_count(server) == 2)
+        assert wait_for(lambda: len(engine_ids(server)) == 2)
         with BrokerClient(server.path) as late:
             assert late.hello("m", "cpu", "default") > 0
         for c in clients:
@@ -311,7 +287,7 @@ def test_a_broker_out_of_descriptors_keeps_serving_and_recovers(published):
     assert "groups" in json.loads(waiting.recv(1 << 16))
     waiting.close()
     raw.close()
-    assert good_round(published.path) < 2.0
+    assert well_behaved(published) < 2.0
 
 
 def test_a_client_waits_while_the_registry_backlog_is_full(tmp_path):

@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from rawclient import DESCRIPTOR_KINDS, RawClient, descriptor, fd_kind, fd_kinds, memfd, registry_state
+from helpers import wait_for
+from rawclient import (DESCRIPTOR_KINDS, KEY, NBYTES, RawClient, descriptor, engine_ids, fd_kind, fd_kinds, publisher,
+                       registry_state, well_behaved)
 from vllm_dedup.registry import protocol as p
-from vllm_dedup.registry.client import BrokerClient
 from vllm_dedup.registry.server import BrokerServer
 from vllm_dedup.registry.state import Registry, RegistryStats
-
-KEY = "uint8[8192]/[1]:" + "a5" * 16
-NBYTES = 8192
 
 # Generous deadlines: the machine is shared, and a stalled broker fails on its socket timeout.
 FUZZ = settings(max_examples=int(os.environ.get("VLLM_DEDUP_FUZZ_EXAMPLES", "100")), deadline=5000,
@@ -56,36 +53,16 @@ def fuzz_broker(tmp_path_factory):
     """One broker for every example (it must survive them all), with ``KEY`` published by an
     engine that stays connected."""
     server = BrokerServer(Registry(), tmp_path_factory.mktemp("fuzz") / "run" / "fuzz.sock").start()
-    publisher = BrokerClient(server.path)
-    publisher.hello("publisher", "cpu", "default")
-    fd = memfd(NBYTES)
-    publisher.publish(fd, NBYTES, [(KEY, 0, NBYTES)])
-    os.close(fd)
-    yield server
-    publisher.close()
+    with publisher(server):
+        yield server
     server.stop()
-
-
-def settle(predicate, timeout_s: float = 10.0) -> bool:
-    """Poll every millisecond: the broker handles a hang-up on its own thread."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def engines(server: BrokerServer) -> set[int]:
-    with server._mutex:
-        return set(server.registry.engines)
 
 
 def exchange(server: BrokerServer, payload: bytes | dict, kinds: list[str] = (), hello: bool = True) -> dict:
     """Send one message with descriptors of ``kinds`` (`rawclient.descriptor`) on a fresh
     connection (that said hello first, with ``hello``); check everything the module docstring
     promises and return the reply."""
-    engines_before = engines(server)
+    engines_before = engine_ids(server)
     with RawClient(server.path) as raw:
         if hello:
             raw.hello()
@@ -111,7 +88,8 @@ def exchange(server: BrokerServer, payload: bytes | dict, kinds: list[str] = (),
         # The broker kept exactly the descriptor of a segment it accepted, nothing else.
         expected = fds_before + Counter(memfd=1) if "segment" in reply else fds_before
         assert fd_kinds() == expected, f"{fd_kinds() - expected} leaked, {expected - fd_kinds()} lost"
-    assert settle(lambda: engines(server) == engines_before), "the raw connection's lease outlived it"
+    assert wait_for(lambda: engine_ids(server) == engines_before, timeout_s=10, poll_s=0.001), \
+        "the raw connection's lease outlived it"
     well_behaved(server)
     return reply
 
@@ -122,17 +100,6 @@ def check_reply(op: str, reply: dict) -> None:
         RegistryStats.from_dict(reply)
     else:
         REPLIES[op].from_wire(reply)
-
-
-def well_behaved(server: BrokerServer) -> None:
-    """A normal client's stats, hello and acquire are answered; its lease ends with it."""
-    with BrokerClient(server.path, timeout_s=5) as client:
-        client.stats()
-        engine = client.hello("good", "cpu", "default")
-        (hit, fd), = client.acquire([KEY])
-        os.close(fd)
-        assert hit.nbytes == NBYTES
-    assert settle(lambda: engine not in engines(server))
 
 
 def is_json_object(data: bytes) -> bool:
@@ -179,37 +146,33 @@ HOSTILE = (json_values | BOUNDARY_INTS | st.integers() | st.sampled_from(["", "x
 
 @st.composite
 def mutated_requests(draw):
-    """A valid request with one or two of its values replaced, removed, or a field added."""
+    """A valid request with one or two of its values (at any depth) replaced or removed, or a
+    field added."""
     op = draw(st.sampled_from(list(VALID)))
-    msg = json.loads(json.dumps({"op": op, **VALID[op]}))
+    msg = json.loads(json.dumps(VALID[op]))  # a deep copy
     for _ in range(draw(st.integers(1, 2))):
         paths = list(_paths(msg))
-        path = draw(st.sampled_from(paths))
-        action = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
-        parent, last = _walk(msg, path)
-        if action == "replace" or not path:
-            if path:
-                parent[last] = draw(HOSTILE)
-        elif action == "delete":
-            del parent[last]
-        else:
+        action = draw(st.sampled_from(["replace", "replace", "delete", "add"] if paths else ["add"]))
+        if action == "add":
             msg[draw(st.text(max_size=8))] = draw(HOSTILE)
-    msg["op"] = op
-    return msg
+            continue
+        path = draw(st.sampled_from(paths))
+        parent = msg
+        for k in path[:-1]:
+            parent = parent[k]
+        if action == "delete":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(HOSTILE)
+    return {**msg, "op": op}
 
 
 def _paths(obj, prefix=()):
-    yield prefix
+    """The path (keys and indexes) of every value inside ``obj``."""
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for k, v in items:
-        if prefix or k != "op":
-            yield from _paths(v, (*prefix, k))
-
-
-def _walk(obj, path):
-    for k in path[:-1]:
-        obj = obj[k]
-    return obj, (path[-1] if path else None)
+        yield (*prefix, k)
+        yield from _paths(v, (*prefix, k))
 
 
 @FUZZ
@@ -225,6 +188,9 @@ def test_requests_with_mutated_fields_are_refused_or_valid(fuzz_broker, msg):
         assert all(0 <= off and 0 <= n and off + n <= msg["nbytes"] and len(k) <= 4096 for k, off, n in msg["keys"])
     if op == "acquire":
         assert len(msg["keys"]) <= p.MAX_FDS
+    if op == "report":
+        collisions = msg["load"].get("collisions", 0)
+        assert type(collisions) is int and collisions >= 0 and len(msg["load"]) <= 64
 
 
 @FUZZ

@@ -123,6 +123,7 @@ def well_behaved(server: BrokerServer, timeout_s: float = 5.0) -> float:
 
 
 def engine_ids(server: BrokerServer) -> set[int]:
+    """The ids of the engines the registry knows now."""
     with server._mutex:
         return set(server.registry.engines)
 

@@ -38,11 +38,12 @@ def scan_json(*paths, cache: Path, extra: tuple[str, ...] = ()) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def wait_for(predicate, timeout_s: float = 20) -> bool:
-    """Poll ``predicate`` every 50 ms until it is true (True) or ``timeout_s`` passes (False)."""
+def wait_for(predicate, timeout_s: float = 20, poll_s: float = 0.05) -> bool:
+    """Poll ``predicate`` every ``poll_s`` seconds until it is true (True) or ``timeout_s``
+    passes (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.05)
+        time.sleep(poll_s)
     return False

@@ -30,7 +30,8 @@ class RegistryUnavailable(DedupError, ConnectionError):
 
 class ProtocolError(RegistryUnavailable):
     """A registry message broke the protocol (`registry.protocol`): not JSON, an unknown op, a
-    missing or mistyped field, the wrong number of descriptors, or too big to send."""
+    missing or mistyped field, a field out of its limits, the wrong number of descriptors, or
+    too big to send."""
 
 
 class SegmentError(DedupError):

@@ -192,7 +192,8 @@ def test_connections_leak_no_descriptors(broker):
     assert wait_for(lambda: fd_count() == before)
     assert a.end() == 0
     assert wait_for(lambda: stats(broker).groups == [])
-    assert wait_for(lambda: fd_count() == before - 1)  # the segment's own descriptor is closed
+    # The publisher's connection and the segment's own descriptor are both closed.
+    assert wait_for(lambda: fd_count() == before - 2)
 
 
 def test_status_command_reports_the_registry(tmp_path, monkeypatch):

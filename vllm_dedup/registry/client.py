@@ -31,7 +31,8 @@ class BrokerClient:
 
     Raises (the constructor and every method):
         RegistryUnavailable: cannot connect, refused, the registry went away or answered an
-            error (`ProtocolError`, a subclass, when a message broke the protocol).
+            error (`ProtocolError`, a subclass, when a request cannot be sent as given: a field
+            out of its limits, too big, or a reply that broke the protocol).
     """
 
     def __init__(self, path: Path, timeout_s: float = 30.0):
@@ -43,7 +44,7 @@ class BrokerClient:
                 raise RegistryUnavailable(f"{self.path} is a symlink or not ours; refusing to connect")
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._sock.settimeout(timeout_s)
-            self._sock.connect(str(self.path))
+            self._connect(timeout_s)
         except RegistryUnavailable:
             raise
         except FileNotFoundError:
@@ -54,16 +55,46 @@ class BrokerClient:
         self.engine_id: int | None = None
         self.group: str | None = None  # the share group said in `hello`
 
+    def _connect(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._sock.connect(str(self.path))
+                return
+            except BlockingIOError:  # the listen backlog is full: the registry is busy accepting others
+                if time.monotonic() > deadline:
+                    raise RegistryUnavailable(f"the registry at {self.path} accepted no connection within "
+                                              f"{timeout_s:.0f} s (its backlog stayed full)") from None
+                time.sleep(0.01)
+
+    def _parting_words(self) -> str | None:
+        """The error the registry left before it closed this connection, if any (it closes one it
+        will not serve, e.g. over its connection limit)."""
+        self._sock.setblocking(False)
+        for _ in range(2):  # the first read may report the reset itself
+            try:
+                reply, fds = p.recv(self._sock, p.MAX_REPLY)
+            except (ConnectionError, ProtocolError):
+                continue
+            except OSError:
+                return None
+            for fd in fds:
+                os.close(fd)
+            return reply.get("error") if reply else None
+        return None
+
     def _call(self, request: p.Message, reply_type: type[p.Message] | None, fds: list[int] = ()):
         """Send ``request``, return ``(reply, descriptors)``; ``reply`` is a ``reply_type``
         (or the raw dict when None).  The caller owns the descriptors."""
         with self._lock:
             try:
                 p.send(self._sock, request.to_wire(), fds)
-                reply, got = p.recv(self._sock)
+                reply, got = p.recv(self._sock, p.MAX_REPLY)
             except ProtocolError:
                 raise
             except OSError as e:
+                if isinstance(e, ConnectionError) and (parting := self._parting_words()) is not None:
+                    raise RegistryUnavailable(f"registry at {self.path}: {parting}") from None
                 raise RegistryUnavailable(f"registry at {self.path} went away: {e}") from None
         if reply is None:
             raise RegistryUnavailable(f"registry at {self.path} closed the connection")

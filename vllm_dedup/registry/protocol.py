@@ -6,6 +6,16 @@ Ray cannot carry file descriptors, so the registry's process serves a Unix socke
 descriptors ride along with ``SCM_RIGHTS`` (``socket.send_fds``/``recv_fds``).  SEQPACKET keeps
 message boundaries, so a descriptor always arrives with the message it belongs to.
 
+Framing (`frame`, `send`, `recv`): JSON of up to `INLINE_MAX` bytes travels in the datagram.
+Larger JSON (up to `MAX_MESSAGE` for a request, `MAX_REPLY` for a reply; the kernel refuses
+datagrams over about 200 kB) is written to a sealed memfd attached last, and the datagram says
+only ``{"$memfd": <bytes>}``.  A zero-length datagram is a bad message, not a hang-up: only a
+peer that really closed (``POLLHUP``) ends a connection.  NaN and infinities are refused.
+
+Limits every field obeys (`Message.from_wire`): a string holds at most `MAX_STRING` characters,
+a list at most `MAX_ITEMS` items, an int fits in 64 bits or in its field's `Range`.  Requests
+check what spans fields (a publish's tensors lie inside its segment) in ``__post_init__``.
+
 Security: the socket lives in a private directory (mode 0700, owned by the user, not a symlink;
 `ensure_private_dir`) and the server checks each peer's uid with ``SO_PEERCRED`` (`peer_uid`).
 
@@ -29,6 +39,7 @@ Requests (one dataclass each, below; ``op`` names it on the wire) and their repl
 
 Any request may instead be answered ``{"error": message}``.  Every field is type-checked on
 arrival (`Message.from_wire`): a bad message gets a `ProtocolError` that names the field.
+The server checks a published descriptor before it keeps it (`server.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import socket
 import stat
 import struct
@@ -45,18 +57,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from ..errors import ProtocolError, RegistryUnavailable
+from ..errors import ProtocolError, RegistryUnavailable, SegmentError
+from ..segments.host import check_sealed_memfd, sealed_memfd
 
 __all__ = [
-    "DEFAULT_NAMESPACE", "MAX_FDS", "MAX_MESSAGE", "REQUESTS",
+    "DEFAULT_NAMESPACE", "INLINE_MAX", "MAX_FDS", "MAX_ITEMS", "MAX_MESSAGE", "MAX_REPLY", "MAX_STRING", "REQUESTS",
     "Acquire", "AcquireReply", "Empty", "Expect", "ExpectReply", "GetRecipes", "Hello", "HelloReply", "Lock",
-    "LockReply", "Message", "Publish", "PublishReply", "PutRecipe", "RecipesReply", "Release", "Report", "Shutdown",
-    "ShutdownReply", "Stats", "Unlock",
-    "ensure_private_dir", "parse_request", "peer_uid", "recv", "runtime_dir", "send", "socket_path",
+    "LockReply", "Message", "Publish", "PublishReply", "PutRecipe", "Range", "RecipesReply", "Release", "Report",
+    "Shutdown", "ShutdownReply", "Stats", "Unlock",
+    "ensure_private_dir", "frame", "parse_request", "peer_uid", "recv", "runtime_dir", "send", "socket_path",
 ]
 
 MAX_MESSAGE = 1 << 20  # bytes of one message's JSON
+MAX_REPLY = 16 << 20  # bytes of one reply's JSON: stats grow with the engines connected
+INLINE_MAX = 64 << 10  # bytes of JSON sent in the datagram itself; larger JSON goes in a memfd
 MAX_FDS = 250  # descriptors per message: below the kernel's SCM_MAX_FD (253)
+MAX_STRING = 4096  # characters of any string field (PATH_MAX: a model may be named by its path)
+MAX_ITEMS = 1 << 16  # items of any list field
+_CARRIER = "$memfd"  # the datagram's only key when the JSON travels in a memfd
 DEFAULT_NAMESPACE = "vllm-dedup"
 
 
@@ -107,52 +125,125 @@ def peer_uid(sock: socket.socket) -> int:
 
 
 # framing -----------------------------------------------------------------------------------
-def send(sock: socket.socket, obj: dict, fds: typing.Sequence[int] = ()) -> None:
-    """Send one message (a JSON object) with ``fds`` attached.
+def frame(obj: dict, limit: int = MAX_MESSAGE) -> tuple[bytes, int | None]:
+    """The datagram of one message, and the sealed memfd carrying its JSON when that is over
+    `INLINE_MAX` bytes (else None).  The caller owns the memfd: attach it after the message's
+    own descriptors, and close it once sent.
 
     Raises:
-        ProtocolError: the message is over `MAX_MESSAGE` bytes or carries over `MAX_FDS` descriptors.
+        ProtocolError: the JSON is over ``limit`` bytes, or holds NaN or an infinity.
+        OSError: the memfd could not be made (out of memory or descriptors).
+    """
+    try:
+        data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as e:
+        raise ProtocolError(f"a registry message cannot carry {e}") from None
+    if len(data) > limit:
+        raise ProtocolError(f"a registry message of {len(data)} bytes exceeds the limit of {limit}")
+    if len(data) <= INLINE_MAX:
+        return data, None
+    return json.dumps({_CARRIER: len(data)}).encode(), sealed_memfd([(data, 0)], len(data), "vllm-dedup-message")
+
+
+def send(sock: socket.socket, obj: dict, fds: typing.Sequence[int] = (), limit: int = MAX_MESSAGE) -> None:
+    """Send one message (a JSON object of at most ``limit`` bytes) with ``fds`` attached; waits
+    while the socket's buffer is full (the server uses `frame` and never waits).
+
+    Raises:
+        ProtocolError: the message is over ``limit`` bytes or carries over `MAX_FDS` descriptors.
         OSError: the socket failed.
     """
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    if len(data) > MAX_MESSAGE:
-        raise ProtocolError(f"a registry message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE}")
     if len(fds) > MAX_FDS:
         raise ProtocolError(f"a registry message may carry at most {MAX_FDS} descriptors, not {len(fds)}")
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
+    data, carrier = frame(obj, limit)
+    try:
+        socket.send_fds(sock, [data], [*fds, carrier] if carrier is not None else list(fds))
+    finally:
+        if carrier is not None:
+            os.close(carrier)
 
 
-def recv(sock: socket.socket) -> tuple[dict | None, list[int]]:
-    """One message and the descriptors that came with it; ``(None, [])`` when the peer closed.
+def recv(sock: socket.socket, limit: int = MAX_MESSAGE) -> tuple[dict | None, list[int]]:
+    """One message (its JSON at most ``limit`` bytes) and the descriptors that came with it;
+    ``(None, [])`` when the peer closed.
 
     The caller owns the descriptors returned.  On a `ProtocolError` every received descriptor is
     closed first.
 
     Raises:
-        ProtocolError: the message was truncated (too big, or too many descriptors) or is not a
-            JSON object.
-        OSError: the socket failed.
+        ProtocolError: the message was empty, truncated (a datagram over `INLINE_MAX` bytes, or
+            descriptors that could not all be received), over ``limit``, not a JSON object, or
+            its memfd was not a sealed one.
+        OSError: the socket failed (BlockingIOError: nothing to read on a non-blocking socket).
     """
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS + 3)
+    data, fds, flags, _ = socket.recv_fds(sock, INLINE_MAX, MAX_FDS + 3)
     try:
-        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-            raise ProtocolError(f"registry message truncated (over {MAX_MESSAGE} bytes or {MAX_FDS} descriptors)")
+        if flags & socket.MSG_TRUNC:
+            raise ProtocolError(f"registry message truncated: a datagram holds at most {INLINE_MAX} bytes "
+                                "(protocol.send carries larger messages in a memfd)")
+        if flags & socket.MSG_CTRUNC:
+            raise ProtocolError(f"registry message truncated: its descriptors could not all be received (over "
+                                f"{MAX_FDS}, or the receiver is out of descriptors)")
         if not data:
-            _close_all(fds)
-            return None, []
-        try:
-            obj = json.loads(data)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ProtocolError(f"registry message is not JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise ProtocolError(f"registry message must be a JSON object, got {type(obj).__name__}")
+            if not fds and _hung_up(sock):
+                return None, []
+            raise ProtocolError("empty registry message")
+        obj = _decode(data)
+        if list(obj) == [_CARRIER]:
+            if not fds:
+                raise ProtocolError(f"a registry message of {_brief(obj[_CARRIER])} bytes announced, but no memfd attached")
+            obj = _decode(_read_carrier(fds.pop(), obj[_CARRIER], limit))
     except ProtocolError:
         _close_all(fds)
         raise
     return obj, fds
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer closed (a read of 0 bytes is also what an empty datagram gives)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+    return any(events & (select.POLLHUP | select.POLLRDHUP) for _, events in poller.poll(0))
+
+
+def _decode(data: bytes) -> dict:
+    try:
+        obj = json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise ProtocolError("registry message is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"registry message is not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"registry message must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number the registry accepts")
+
+
+def _read_carrier(fd: int, nbytes, limit: int) -> bytes:
+    """The JSON of a message that travels in a memfd (closed here, whatever happens)."""
+    try:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes <= limit:
+            raise ProtocolError(f"a registry message announces {_brief(nbytes)} bytes in a memfd; the limit is {limit}")
+        try:
+            check_sealed_memfd(fd, nbytes)  # sealed: nobody changes it while we read, reads never block
+        except SegmentError as e:
+            raise ProtocolError(f"a registry message's memfd is refused: {e}") from None
+        chunks, done = [], 0
+        while done < nbytes:
+            chunks.append(os.pread(fd, nbytes - done, done))
+            done += len(chunks[-1])
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _brief(value, width: int = 60) -> str:
+    """``repr(value)``, cut to ``width`` characters: error messages quote what a peer sent."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _close_all(fds: typing.Iterable[int]) -> None:
@@ -184,10 +275,11 @@ class Message:
         """Check and convert a received JSON object.
 
         Raises:
-            ProtocolError: a required field is missing or a field has the wrong type (the
-                message names it).
+            ProtocolError: a required field is missing, a field has the wrong type or is out
+                of its limits (`MAX_STRING`, `MAX_ITEMS`, 64 bits, its `Range`), or the fields
+                disagree (``__post_init__``); the message names the field.
         """
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         values = {}
         for f in dataclasses.fields(cls):
             if f.name not in msg:
@@ -210,10 +302,26 @@ def _to_json(value):
     return value
 
 
-def _convert(value, hint, where: str):
+@dataclass(frozen=True)
+class Range:
+    """Bounds (inclusive) of an int field: ``nbytes: Annotated[int, Range(0, MAX_BYTES)]``."""
+
+    low: int
+    high: int
+
+
+MAX_BYTES = (1 << 63) - 1  # sizes and offsets: what fits in an off_t
+Bytes = typing.Annotated[int, Range(0, MAX_BYTES)]
+_INT64 = Range(-(1 << 63), (1 << 63) - 1)  # any int: what other languages' JSON readers hold
+
+
+def _convert(value, hint, where: str, bounds: Range = _INT64):
     """``value`` checked against the type ``hint`` (str, int, float, bool, dict, None, and
-    list/tuple/Optional of those), converted where JSON lost the type (tuples)."""
+    list/tuple/Optional/Annotated-with-`Range` of those) and the limits of the module
+    docstring, converted where JSON lost the type (tuples)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Annotated:
+        return _convert(value, args[0], where, next(a for a in args[1:] if isinstance(a, Range)))
     if origin is typing.Union or origin is types.UnionType:
         if value is None and type(None) in args:
             return None
@@ -222,6 +330,8 @@ def _convert(value, hint, where: str):
     if origin is list:
         if not isinstance(value, list):
             raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+        if len(value) > MAX_ITEMS:
+            raise ProtocolError(f"{where} holds {len(value)} items; the limit is {MAX_ITEMS}")
         return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         if not isinstance(value, list) or len(value) != len(args):
@@ -235,13 +345,17 @@ def _convert(value, hint, where: str):
         ok = isinstance(value, hint)
     if not ok:
         raise ProtocolError(f"{where} must be {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+    if hint is int and not bounds.low <= value <= bounds.high:
+        raise ProtocolError(f"{where} must be between {bounds.low} and {bounds.high}, not {_brief(value)}")
+    if hint is str and len(value) > MAX_STRING:
+        raise ProtocolError(f"{where} holds {len(value)} characters; the limit is {MAX_STRING}")
     return value
 
 
 class Hello(Message, op="hello"):
     """Make this connection an engine's lease."""
 
-    pid: int
+    pid: typing.Annotated[int, Range(1, (1 << 31) - 1)]
     model: str
     device: str  # a device key (`segments.Segment.device_key`)
     group: str  # the share group
@@ -253,12 +367,23 @@ class Acquire(Message, op="acquire"):
 
     keys: list[str]
 
+    def __post_init__(self):
+        if len(self.keys) > MAX_FDS:  # one descriptor per segment hit
+            raise ProtocolError(f"{self._what()}: at most {MAX_FDS} keys per request, not {len(self.keys)}")
+
 
 class Publish(Message, op="publish", fds=1):
     """A new segment (its descriptor attached) holding tensors at offsets."""
 
-    nbytes: int
-    keys: list[tuple[str, int, int]]  # (content key, offset, bytes)
+    nbytes: Bytes
+    keys: list[tuple[str, Bytes, Bytes]]  # (content key, offset, bytes)
+
+    def __post_init__(self):
+        if not self.keys:
+            raise ProtocolError(f"{self._what()}: no keys; a segment holds at least one tensor")
+        for i, (_, offset, size) in enumerate(self.keys):
+            if offset + size > self.nbytes:
+                raise ProtocolError(f"{self._what()}: key {i} ({offset} + {size} bytes) ends past nbytes {self.nbytes}")
 
 
 class Release(Message, op="release"):
@@ -268,9 +393,20 @@ class Release(Message, op="release"):
 
 
 class Report(Message, op="report"):
-    """The engine's load outcome (numbers only are kept)."""
+    """The engine's load outcome (numbers and strings are kept)."""
 
     load: dict
+
+    MAX_ENTRIES: ClassVar[int] = 64  # a `engine.share.ShareResult` has about ten
+
+    def __post_init__(self):
+        if len(self.load) > self.MAX_ENTRIES:
+            raise ProtocolError(f"{self._what()}: load holds {len(self.load)} entries; the limit is {self.MAX_ENTRIES}")
+        if long := [k for k in self.load if len(k) > 64]:
+            raise ProtocolError(f"{self._what()}: load key {_brief(long[0])} is over 64 characters")
+        collisions = self.load.get("collisions", 0)
+        if not isinstance(collisions, int) or isinstance(collisions, bool) or not 0 <= collisions <= MAX_BYTES:
+            raise ProtocolError(f"{self._what()}: load 'collisions' must be an int >= 0, not {_brief(collisions)}")
 
 
 class Lock(Message, op="lock"):
@@ -292,7 +428,7 @@ class PutRecipe(Message, op="put_recipe", fds=1):
     """A recipe for the engine's share group: its JSON (`engine.recipe.Recipe.to_bytes`) in a
     sealed memfd of ``nbytes`` bytes, attached."""
 
-    nbytes: int
+    nbytes: Bytes
 
 
 class GetRecipes(Message, op="get_recipes"):
@@ -326,7 +462,7 @@ def parse_request(msg: dict, fds: list[int]) -> Message:
     op = msg.get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown op {op!r}; known: {', '.join(REQUESTS)}")
+        raise ProtocolError(f"unknown op {_brief(op)}; known: {', '.join(REQUESTS)}")
     if len(fds) != cls.fds:
         raise ProtocolError(f"request {op!r} carries exactly {cls.fds} descriptor(s), got {len(fds)}")
     return cls.from_wire(msg)

@@ -4,6 +4,23 @@ Messages and framing are `protocol.py`'s.  Each request type has one handler in 
 table (`BrokerServer._handlers`); a bad request is answered with an error and the connection
 stays usable, so one broken client never takes the registry down for the others.
 
+Hostile and broken clients (tests/integration/test_hostile_clients.py, test_protocol_fuzz.py):
+
+- replies never block the serving thread: sockets are non-blocking, and a reply the kernel
+  cannot take yet waits in the connection's queue.  An honest client reads each reply before
+  its next request, so a queue over `MAX_PENDING_REPLIES` means a client that does not read: it
+  is dropped (its lease with it);
+- a published descriptor is checked before it is kept: a host segment must be a memfd sealed
+  read-only of at least ``nbytes`` (`segments.host.check_sealed_memfd`).  A segment of a
+  ``cuda:*`` device is a CUDA export descriptor the registry cannot inspect; there the share
+  group is the isolation (an engine only ever maps what engines of its own group published)
+  and the importer maps it read-only;
+- descriptors of a rejected message are all closed; an error never echoes more than a few dozen
+  characters of what the peer sent;
+- connections are limited (``max_connections``): a newcomer over the limit is told so and
+  closed.  Out of descriptors, the listener pauses instead of failing; connections wait in the
+  listen backlog meanwhile.
+
 Lease: an engine keeps one connection open for its lifetime.  When it closes, for whatever
 reason (exit, crash, SIGKILL), the kernel closes the socket and the server drops that engine's
 references (`Registry.drop_engine`).
@@ -17,13 +34,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import selectors
 import socket
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
-from ..errors import ProtocolError, RegistryUnavailable
+from ..errors import ProtocolError, RegistryUnavailable, SegmentError
+from ..segments.host import check_sealed_memfd
 from . import protocol as p
 from .state import Registry, RegistryStats
 
@@ -31,25 +51,43 @@ __all__ = ["BrokerServer"]
 
 logger = logging.getLogger(__name__)
 
+MAX_PENDING_REPLIES = 4  # replies waiting for a client beyond what the kernel buffers for it
+ACCEPT_PAUSE_S = 0.2  # out of descriptors: how long the listener rests before trying again
+EXPIRE_EVERY_S = 0.5
+SELECT_TIMEOUT_S = 0.1  # how soon the loop sees `stop` and a paused listener's time is up
+
+
+def default_max_connections() -> int:
+    """Half of this process's descriptors (``RLIMIT_NOFILE``), at most 4096: the other half
+    holds segments and the descriptors of replies in flight."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(16, min(4096, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 2))
+
 
 class BrokerServer:
     """Serves a `Registry` on a Unix socket from one background thread.
 
     One thread serves the socket and handles requests one at a time; `stats` may be called
     from other threads (the Ray actor's, the metrics exporter), so every access to the registry
-    holds ``self._mutex``.  Unheld segments are expired about once a second.
+    holds ``self._mutex``.  Unheld segments are expired about twice a second.
 
     Args:
         registry: the state to serve.
         path: the socket path; its directory must be private (see `protocol.ensure_private_dir`).
+        max_connections: connections served at once (default: `default_max_connections`).
     """
 
-    def __init__(self, registry: Registry, path: Path):
+    def __init__(self, registry: Registry, path: Path, max_connections: int | None = None):
         self.registry = registry
         self.path = Path(path)
+        self.max_connections = max_connections or default_max_connections()
         self._sel = selectors.DefaultSelector()
         self._connections: dict[socket.socket, int | None] = {}  # -> engine id, None before hello
         self._refused: set[socket.socket] = set()
+        # replies the kernel could not take yet: (datagram, descriptors owned by the queue)
+        self._outbox: dict[socket.socket, deque[tuple[bytes, list[int]]]] = {}
+        self._accept_paused_until: float | None = None
+        self._next_expire = 0.0
         self._stop = threading.Event()
         self._mutex = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -83,7 +121,7 @@ class BrokerServer:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(str(self.path))
         os.chmod(self.path, 0o600)
-        self._listener.listen(64)
+        self._listener.listen(socket.SOMAXCONN)  # engines starting together must not find it full
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._loop, name="vllm-dedup-broker", daemon=True)
@@ -118,14 +156,16 @@ class BrokerServer:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                for sel_key, _ in self._sel.select(timeout=0.5):
+                for sel_key, events in self._sel.select(timeout=SELECT_TIMEOUT_S):
                     with self._mutex:
-                        if sel_key.fileobj is self._listener:
-                            self._accept()
-                        else:
-                            self._serve_one(sel_key.fileobj)
+                        self._on_event(sel_key.fileobj, events)
                 with self._mutex:
-                    self.registry.expire()
+                    now = time.monotonic()
+                    if self._accept_paused_until is not None and now >= self._accept_paused_until:
+                        self._resume_accept()
+                    if now >= self._next_expire:  # not once per message: a flood must not cost a scan each
+                        self.registry.expire()
+                        self._next_expire = now + EXPIRE_EVERY_S
         finally:
             with self._mutex:
                 for conn in [*self._connections, *self._refused]:
@@ -140,13 +180,42 @@ class BrokerServer:
             with self._mutex:
                 self.registry.close()
 
+    def _on_event(self, sock, events: int) -> None:
+        try:
+            if sock is self._listener:
+                self._accept()
+                return
+            if events & selectors.EVENT_WRITE:
+                self._flush(sock)
+            if events & selectors.EVENT_READ and self._is_open(sock):
+                self._serve_one(sock)
+        except Exception:  # whatever one connection did, the broker goes on serving the others
+            logger.exception("broker: unexpected error; closing that connection")
+            if sock is not self._listener and self._is_open(sock):
+                self._disconnect(sock)
+
+    def _is_open(self, conn: socket.socket) -> bool:
+        return conn in self._connections or conn in self._refused
+
     def _accept(self) -> None:
         try:
             conn, _ = self._listener.accept()
         except BlockingIOError:
             return
-        uid = p.peer_uid(conn)
-        conn.setblocking(True)
+        except OSError as e:  # out of descriptors or memory: the connection waits in the backlog
+            logger.warning("broker cannot accept a connection (%s); retrying in %.1f s", e, ACCEPT_PAUSE_S)
+            self._sel.unregister(self._listener)
+            self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+            return
+        conn.setblocking(False)  # replies never wait for a client (see the module docstring)
+        try:
+            uid = p.peer_uid(conn)
+        except OSError:  # already gone
+            conn.close()
+            return
+        if len(self._connections) + len(self._refused) >= self.max_connections:
+            self._turn_away(conn, f"refused: the registry is serving its limit of {self.max_connections} connections")
+            return
         if uid != os.getuid():
             # Kept open and answered with the refusal until the peer hangs up: closing at once
             # would discard its request unread and it would see only a reset.
@@ -156,17 +225,36 @@ class BrokerServer:
             self._connections[conn] = None
         self._sel.register(conn, selectors.EVENT_READ)
 
+    def _resume_accept(self) -> None:
+        if self._accept_paused_until is not None:
+            self._accept_paused_until = None
+            self._sel.register(self._listener, selectors.EVENT_READ)
+
+    def _turn_away(self, conn: socket.socket, why: str) -> None:
+        """Say ``why`` and close: the client reads it when its request finds the socket closed."""
+        logger.warning("broker: %s", why)
+        try:
+            conn.send(p.frame({"error": why})[0])
+        except OSError:
+            pass
+        conn.close()
+
     def _disconnect(self, conn: socket.socket) -> None:
         self._refused.discard(conn)
         engine = self._connections.pop(conn, None)
+        for _, fds in self._outbox.pop(conn, ()):
+            _close(fds)
         self._sel.unregister(conn)
         conn.close()
         if engine is not None:
             self.registry.drop_engine(engine)
+        self._resume_accept()  # a descriptor is free again
 
     def _serve_one(self, conn: socket.socket) -> None:
         try:
             msg, fds = p.recv(conn)
+        except BlockingIOError:  # woken for nothing
+            return
         except ProtocolError as e:  # answer, keep the connection
             self._reply(conn, {"error": f"bad request: {e}"}, [])
             return
@@ -182,18 +270,58 @@ class BrokerServer:
             reply, out_fds = self._handle(conn, request, fds)
         except (PermissionError, ProtocolError, ValueError) as e:
             _close(fds)
-            reply, out_fds = {"error": str(e)}, []
+            reply, out_fds = {"error": str(e)[:1000]}, []
         except Exception as e:  # a bad request must not take the broker down
             _close(fds)
             logger.exception("broker request %r failed", msg.get("op"))
-            reply, out_fds = {"error": f"{type(e).__name__}: {e}"}, []
+            reply, out_fds = {"error": f"{type(e).__name__}: {e}"[:1000]}, []
         self._reply(conn, reply, out_fds)
 
     def _reply(self, conn: socket.socket, reply: dict, fds: list[int]) -> None:
+        """Send now, or queue (see the module docstring); never waits.  ``fds`` stay the caller's."""
         try:
-            p.send(conn, reply, fds)
-        except OSError:
+            data, carrier = p.frame(reply, p.MAX_REPLY)
+        except (ProtocolError, OSError) as e:  # too big even for a memfd, or no memfd to be had
+            data, carrier, fds = p.frame({"error": f"the reply cannot be sent: {e}"})[0], None, []
+        out = [*fds, carrier] if carrier is not None else list(fds)
+        try:
+            queue = self._outbox.get(conn)
+            if not queue:
+                try:
+                    socket.send_fds(conn, [data], out)
+                    return
+                except BlockingIOError:  # the client has not read its earlier replies yet
+                    pass
+            if queue is not None and len(queue) >= MAX_PENDING_REPLIES:
+                logger.warning("broker: dropping a client that reads none of its replies")
+                self._disconnect(conn)
+                return
+            # The queue holds its own duplicates: the registry may free a segment, and close its
+            # descriptor, before the client reads the reply that names it.
+            self._outbox.setdefault(conn, deque()).append((data, _dup_all(out)))
+            self._sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE)
+        except OSError:  # the client went away, or no descriptor left to queue with
             self._disconnect(conn)
+        finally:
+            if carrier is not None:
+                os.close(carrier)
+
+    def _flush(self, conn: socket.socket) -> None:
+        """Send what waits in the connection's queue, as far as the kernel takes it."""
+        queue = self._outbox[conn]
+        while queue:
+            data, fds = queue[0]
+            try:
+                socket.send_fds(conn, [data], fds)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._disconnect(conn)
+                return
+            queue.popleft()
+            _close(fds)
+        del self._outbox[conn]
+        self._sel.modify(conn, selectors.EVENT_READ)
 
     def _handle(self, conn, request: p.Message, fds: list[int]) -> tuple[dict, list[int]]:
         engine = self._connections.get(conn)
@@ -217,6 +345,11 @@ class BrokerServer:
         return reply, [self.registry.fd_of(s) for s in segments]
 
     def _publish(self, conn, engine, req: p.Publish, fds):
+        if not self.registry.engines[engine].device.startswith("cuda:"):  # cuda: see the module docstring
+            try:
+                check_sealed_memfd(fds[0], req.nbytes)
+            except SegmentError as e:
+                raise ProtocolError(f"request 'publish': {e}") from None
         return p.PublishReply(self.registry.publish(engine, fds[0], req.nbytes, req.keys)), []
 
     def _release(self, conn, engine, req: p.Release, fds):
@@ -283,3 +416,15 @@ def _recipe_summary(fd: int, nbytes: int) -> tuple[str, str, dict[str, int]]:
 def _close(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _dup_all(fds: list[int]) -> list[int]:
+    """Duplicates of ``fds``, all or none (OSError: out of descriptors)."""
+    out: list[int] = []
+    try:
+        for fd in fds:
+            out.append(os.dup(fd))
+    except OSError:
+        _close(out)
+        raise
+    return out

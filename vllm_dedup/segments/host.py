@@ -13,15 +13,65 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import stat
 import warnings
 
 from ..content.views import tensor_bytes, typed_view
 from ..errors import SegmentError
 from .base import Segment
 
-__all__ = ["HostSegment"]
+__all__ = ["HostSegment", "check_sealed_memfd", "sealed_memfd"]
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+_SEAL_NAMES = [(fcntl.F_SEAL_WRITE, "F_SEAL_WRITE"), (fcntl.F_SEAL_SHRINK, "F_SEAL_SHRINK"),
+               (fcntl.F_SEAL_GROW, "F_SEAL_GROW"), (fcntl.F_SEAL_SEAL, "F_SEAL_SEAL")]
+_KINDS = [(stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")]
+
+
+def sealed_memfd(parts, nbytes: int, name: str = "vllm-dedup") -> int:
+    """A new memfd of ``nbytes`` bytes holding each ``(buffer, offset)`` of ``parts``, then
+    sealed read-only (``F_SEAL_WRITE|SHRINK|GROW|SEAL``).  The caller owns the descriptor.
+
+    Raises:
+        OSError: memfd_create, write or sealing failed (e.g. out of memory or descriptors).
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))  # mmap of length 0 is an error: an empty segment maps 1 byte
+        for view, offset in parts:
+            view, done = memoryview(view).cast("B"), 0
+            while done < view.nbytes:
+                done += os.pwrite(fd, view[done:], offset + done)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_sealed_memfd(fd: int, nbytes: int) -> None:
+    """Check that ``fd`` is a memfd sealed read-only holding at least ``nbytes`` bytes: what a
+    peer may hand over as a host segment, since nobody can change its bytes after the check.
+    The descriptor stays open either way.
+
+    Raises:
+        SegmentError: it is not (the message says what it is instead, or what is missing).
+    """
+    try:
+        info = os.fstat(fd)
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as e:
+        raise SegmentError(f"the descriptor cannot be inspected ({e})") from None
+    if not target.startswith("/memfd:"):
+        kind = next((what for test, what in _KINDS if test(info.st_mode)), target)
+        raise SegmentError(f"the descriptor is {kind}, not a memfd")
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    missing = [name for flag, name in _SEAL_NAMES if not seals & flag]
+    if missing:
+        raise SegmentError(f"the memfd is not sealed read-only (missing {', '.join(missing)})")
+    if info.st_size < nbytes:
+        raise SegmentError(f"the memfd holds {info.st_size} bytes, fewer than the {nbytes} expected")
 
 
 class HostSegment(Segment):
@@ -54,24 +104,7 @@ class HostSegment(Segment):
         for view, offset in views:
             if offset < 0 or offset + view.nbytes > nbytes:
                 raise ValueError(f"a {view.nbytes}-byte part at offset {offset} does not fit in {nbytes} bytes")
-        try:
-            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as e:
-            raise SegmentError(f"cannot create a memfd segment: {e}") from None
-        try:
-            os.ftruncate(fd, max(nbytes, 1))
-            for view, offset in views:
-                done = 0
-                while done < view.nbytes:
-                    done += os.pwrite(fd, view[done:], offset + done)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        except OSError as e:
-            os.close(fd)
-            raise SegmentError(f"cannot fill a {nbytes}-byte memfd segment: {e}") from None
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(fd, nbytes, device)
+        return cls._sealed(views, nbytes, device, name)
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str = "vllm-dedup-recipe") -> HostSegment:
@@ -80,10 +113,15 @@ class HostSegment(Segment):
         Raises:
             SegmentError: as `create_packed`.
         """
-        import torch
+        return cls._sealed([(data, 0)], len(data), "cpu", name)
 
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return cls.create_packed([(raw, 0)], len(data), "cpu", name)
+    @classmethod
+    def _sealed(cls, parts, nbytes: int, device: str, name: str) -> HostSegment:
+        try:
+            fd = sealed_memfd(parts, nbytes, name)
+        except OSError as e:
+            raise SegmentError(f"cannot create a {nbytes}-byte memfd segment: {e}") from None
+        return cls(fd, nbytes, device)  # closes the descriptor if it cannot be mapped
 
     def read(self) -> bytes:
         """A copy of the segment's ``nbytes`` bytes."""
@@ -107,14 +145,10 @@ class HostSegment(Segment):
                 cannot be mapped.  The descriptor is closed.
         """
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            size = os.fstat(fd).st_size
-        except OSError as e:
+            check_sealed_memfd(fd, nbytes)
+        except SegmentError:
             os.close(fd)
-            raise SegmentError(f"received descriptor is not a memfd ({e})") from None
-        if seals & _SEALS != _SEALS or size < nbytes:
-            os.close(fd)
-            raise SegmentError(f"received memfd is not sealed read-only or is too small ({size} < {nbytes} bytes)")
+            raise
         return cls(fd, nbytes, device)
 
     def tensor(self, offset: int, dtype, shape, stride):

@@ -1,0 +1,313 @@
+"""Hostile and broken clients against a real broker on a real socket: a client that never reads
+its replies, hundreds of connections at once, descriptors that are not sealed memfds, field
+values out of range, empty and oversized messages, a broker out of descriptors.  In each case
+the broker answers with a clear error, keeps serving the others and leaks nothing.
+
+The broker runs in the test process, so ``/proc/self/fd`` shows its descriptors.
+(Property-based tests of the same protocol: test_protocol_fuzz.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import threading
+import time
+
+import pytest
+
+from helpers import wait_for
+from rawclient import (DESCRIPTOR_KINDS, KEY, NBYTES, RawClient, descriptor, engine_ids, fd_kind, fd_kinds, memfd,
+                       publisher, registry_state, well_behaved)
+from vllm_dedup.errors import ProtocolError, RegistryUnavailable
+from vllm_dedup.registry import protocol as p
+from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.registry.server import BrokerServer
+from vllm_dedup.registry.state import Registry
+
+
+@pytest.fixture
+def published(broker):
+    """The broker, with one engine holding a published segment of ``KEY``."""
+    with publisher(broker):
+        yield broker
+
+
+def test_a_client_that_never_reads_is_dropped_while_others_get_prompt_answers(published):
+    before = fd_kinds()
+    flood = RawClient(published.path)
+    flood.hello()
+    flood.sock.setblocking(False)
+    request = json.dumps({"op": "acquire", "keys": [KEY]}).encode()  # each reply carries a descriptor
+    sent, dropped, slowest = 0, False, 0.0
+    deadline = time.monotonic() + 30
+    while not dropped and time.monotonic() < deadline:
+        try:
+            for _ in range(50):
+                flood.sock.send(request)
+                sent += 1
+        except BlockingIOError:  # the broker reads at its own pace
+            pass
+        except (BrokenPipeError, ConnectionResetError):
+            dropped = True
+        slowest = max(slowest, well_behaved(published))
+    assert dropped, f"the broker never dropped a client that sent {sent} requests and read no reply"
+    assert slowest < 2.0, f"a well-behaved client waited {slowest:.1f} s for its answers"
+    assert wait_for(lambda: len(engine_ids(published)) == 1)  # the flooder's lease is gone
+    flood.close()
+    # Its queued replies' descriptors (duplicates of the segment's) and its socket are closed.
+    assert wait_for(lambda: fd_kinds() == before), f"{fd_kinds() - before} leaked, {before - fd_kinds()} lost"
+    assert well_behaved(published) < 2.0
+
+
+def test_hundreds_of_simultaneous_connections_are_all_served_and_leak_nothing(published):
+    n = 320
+    before = fd_kinds()
+    start, connected, finish = threading.Barrier(n), threading.Barrier(n + 1), threading.Event()
+    errors, hits = [], []
+
+    def engine(i: int) -> None:
+        try:
+            start.wait(timeout=60)  # every thread connects at the same moment
+            with BrokerClient(published.path, timeout_s=60) as client:
+                client.hello(f"model-{i}", "cpu", "default")
+                (hit, fd), = client.acquire([KEY])
+                hits.append(fd_kind(fd))
+                os.close(fd)
+                connected.wait(timeout=120)
+                finish.wait(timeout=120)
+        except BaseException as e:  # seen by the assertions below, not lost in the thread
+            errors.append(f"engine {i}: {e!r}")
+            connected.abort()
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        try:
+            connected.wait(timeout=120)
+        except threading.BrokenBarrierError:  # an engine failed: its error is in ``errors``
+            pass
+        assert errors == [], f"{len(errors)} engines failed, e.g. {errors[:3]}"
+        stats = BrokerClient(published.path).stats()
+        assert len(stats.engines) == n + 1 and stats.groups[0].mapped_bytes == (n + 1) * NBYTES
+    finally:
+        finish.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert hits == ["memfd"] * n
+    assert wait_for(lambda: len(engine_ids(published)) == 1)
+    assert wait_for(lambda: fd_kinds() == before), f"{fd_kinds() - before} leaked, {before - fd_kinds()} lost"
+
+
+REFUSALS = {
+    "unsealed memfd": "the memfd is not sealed read-only (missing F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)",
+    "memfd without sealing": "the memfd is not sealed read-only (missing F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW)",
+    "memfd sealed but writable": "the memfd is not sealed read-only (missing F_SEAL_WRITE)",
+    "memfd too small": f"the memfd holds {NBYTES // 2} bytes, fewer than the {NBYTES} expected",
+    "pipe": "the descriptor is a pipe, not a memfd",
+    "socket": "the descriptor is a socket, not a memfd",
+    "regular file": "the descriptor is a regular file, not a memfd",
+    "directory": "the descriptor is a directory, not a memfd",
+}
+
+
+@pytest.mark.parametrize("kind", [k for k in DESCRIPTOR_KINDS if k != "sealed memfd"])
+def test_publish_refuses_a_descriptor_that_is_not_a_sealed_memfd(broker, kind):
+    request = {"op": "publish", "nbytes": NBYTES, "keys": [[KEY, 0, NBYTES]]}
+    with RawClient(broker.path) as raw:
+        raw.hello()
+        fds_before, state_before = fd_kinds(), registry_state(broker)
+        fd = descriptor(kind, NBYTES)
+        reply = raw.ask(request, [fd])
+        os.close(fd)
+        assert reply == {"error": f"request 'publish': {REFUSALS[kind]}"}
+        assert fd_kinds() == fds_before  # the broker closed its copy
+        assert registry_state(broker) == state_before  # nothing registered
+        fd = descriptor("sealed memfd", NBYTES)  # the same connection publishes a real segment
+        assert "segment" in raw.ask(request, [fd])
+        os.close(fd)
+        with BrokerClient(broker.path) as client:
+            client.hello("m", "cpu", "default")
+            (hit, fd), = client.acquire([KEY])
+            os.close(fd)
+            assert hit.nbytes == NBYTES
+
+
+BAD_FIELDS = [
+    ({"op": "hello", "pid": -1, "model": "m", "device": "cpu", "group": "g"},
+     "request 'hello' field 'pid' must be between 1 and"),
+    ({"op": "hello", "pid": 1, "model": "m" * 5000, "device": "cpu", "group": "g"},
+     "request 'hello' field 'model' holds 5000 characters; the limit is 4096"),
+    ({"op": "acquire", "keys": [f"k{i}" for i in range(p.MAX_FDS + 1)]},
+     f"request 'acquire': at most {p.MAX_FDS} keys per request, not {p.MAX_FDS + 1}"),
+    ({"op": "acquire", "keys": ["k"] * 70000}, "request 'acquire' field 'keys' holds 70000 items; the limit is"),
+    ({"op": "publish", "nbytes": -8, "keys": [[KEY, 0, 8]]}, "request 'publish' field 'nbytes' must be between 0 and"),
+    ({"op": "publish", "nbytes": 2**64, "keys": [[KEY, 0, 8]]}, "field 'nbytes' must be between 0 and"),
+    ({"op": "publish", "nbytes": NBYTES, "keys": [[KEY, -1, 8]]}, "field 'keys'[0][1] must be between 0 and"),
+    ({"op": "publish", "nbytes": NBYTES, "keys": [[KEY, NBYTES - 4, 8]]},
+     f"request 'publish': key 0 ({NBYTES - 4} + 8 bytes) ends past nbytes {NBYTES}"),
+    ({"op": "publish", "nbytes": NBYTES, "keys": []}, "request 'publish': no keys"),
+    ({"op": "report", "load": {"collisions": "many"}}, "request 'report': load 'collisions' must be an int >= 0"),
+    ({"op": "report", "load": {"collisions": -3}}, "request 'report': load 'collisions' must be an int >= 0"),
+    ({"op": "report", "load": {f"n{i}": i for i in range(100)}}, "request 'report': load holds 100 entries"),
+    ({"op": "lock", "names": ["x" * 5000]}, "field 'names'[0] holds 5000 characters"),
+    ({"op": "release", "segments": [1.5]}, "field 'segments'[0] must be int, got float"),
+    ({"op": "x" * 100_000}, "unknown op 'xxxxxxxx"),
+]
+
+
+@pytest.mark.parametrize("request_, error", BAD_FIELDS, ids=[f"{r['op'][:10]}-{i}" for i, (r, _) in enumerate(BAD_FIELDS)])
+def test_field_values_out_of_range_are_refused_and_change_nothing(published, request_, error):
+    with RawClient(published.path) as raw:
+        if request_["op"] != "hello":
+            raw.hello()
+        else:
+            raw.ask({"op": "stats"})  # the broker has accepted the connection: its socket is counted
+        fds_before, state_before = fd_kinds(), registry_state(published)
+        fd = memfd(NBYTES) if request_["op"] == "publish" else None
+        p.send(raw.sock, request_, [fd] if fd is not None else [])  # framed as a real client would
+        reply, _ = raw.recv()
+        if fd is not None:
+            os.close(fd)
+        assert error in reply["error"] and len(reply["error"]) < 500
+        assert registry_state(published) == state_before and fd_kinds() == fds_before
+        assert "groups" in raw.ask({"op": "stats"})  # the connection still serves
+    assert well_behaved(published) < 2.0
+
+
+def test_an_error_reply_never_breaks_the_broker(published):
+    """An op of 150,000 DEL characters: quoted whole in the error, the reply would be 750 kB."""
+    with RawClient(published.path) as raw:
+        p.send(raw.sock, {"op": "\x7f" * 150_000})
+        reply, _ = raw.recv()
+        assert reply["error"].startswith("unknown op '\\x7f\\x7f") and len(reply["error"]) < 500
+    assert well_behaved(published) < 2.0
+
+
+def test_empty_and_oversized_datagrams_are_answered_and_the_lease_kept(published):
+    with RawClient(published.path) as raw:
+        engine = raw.hello()
+        assert raw.ask(b"") == {"error": "bad request: empty registry message"}
+        reply = raw.ask(b"{" + b" " * (p.INLINE_MAX + 10) + b"}")  # over the inline limit: truncated
+        assert reply["error"].startswith("bad request: registry message truncated")
+        reply = raw.ask({"$memfd": 100})  # a carrier without its descriptor
+        assert reply["error"] == "bad request: a registry message of 100 bytes announced, but no memfd attached"
+        fd = memfd(7, data=b"[1,2,3]")
+        assert raw.ask({"$memfd": 7}, [fd])["error"] == "bad request: registry message must be a JSON object, got list"
+        os.close(fd)
+        fd = memfd(7, seals=0, data=b"{}")
+        reply = raw.ask({"$memfd": 7}, [fd])
+        assert reply["error"] == ("bad request: a registry message's memfd is refused: the memfd is not sealed read-only "
+                                  "(missing F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)")
+        os.close(fd)
+        assert raw.ask(b"[" * 50_000)["error"] == "bad request: registry message is nested too deeply"
+        assert raw.ask(b'{"op": "report", "load": {"x": NaN}}')["error"].startswith("bad request: registry message is not JSON (NaN")
+        assert engine in {e.id for e in registry_state(published)[2].values()}
+        assert raw.ask({"op": "expect"}) == {"bytes": 0}
+    assert well_behaved(published) < 2.0
+
+
+def test_messages_too_big_for_a_datagram_travel_in_a_memfd(published):
+    """A reply larger than a datagram can be (the stats of many engines with long names) and a
+    request as large (a publish of many keys) both arrive whole."""
+    long = "m" * 4000
+    clients = [BrokerClient(published.path) for _ in range(60)]
+    try:
+        for c in clients:
+            c.hello(long, "cpu", "default", signature=long)
+        stats = BrokerClient(published.path).stats()  # about 500 kB of JSON
+        assert len(stats.engines) == 61 and sum(e.model == long for e in stats.engines) == 60
+        keys = [(f"{KEY}-{i:05}", i * 2, 2) for i in range(NBYTES // 2)]  # 4096 keys: about 300 kB
+        fd = memfd(NBYTES)
+        clients[0].publish(fd, NBYTES, keys)
+        os.close(fd)
+        (hit, fd), = clients[1].acquire([keys[-1][0]])
+        os.close(fd)
+        assert (hit.offset, hit.nbytes) == (NBYTES - 2, 2)
+    finally:
+        for c in clients:
+            c.close()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b, pytest.raises(ProtocolError, match="exceeds the limit"):
+        p.send(a, {"op": "stats", "pad": "x" * p.MAX_MESSAGE})
+
+
+def test_the_connection_limit_refuses_newcomers_with_a_clear_error(tmp_path):
+    server = BrokerServer(Registry(), tmp_path / "run" / "limit.sock", max_connections=3).start()
+    try:
+        clients = [BrokerClient(server.path) for _ in range(3)]
+        for c in clients:
+            c.hello("m", "cpu", "default")
+        extra = BrokerClient(server.path)
+        with pytest.raises(RegistryUnavailable, match="serving its limit of 3 connections"):
+            extra.hello("m", "cpu", "default")
+        extra.close()
+        clients.pop().close()
+        assert wait_for(lambda: len(engine_ids(server)) == 2)
+        with BrokerClient(server.path) as late:
+            assert late.hello("m", "cpu", "default") > 0
+        for c in clients:
+            c.close()
+    finally:
+        server.stop()
+
+
+def test_a_broker_out_of_descriptors_keeps_serving_and_recovers(published):
+    """With no descriptor left in its process, the broker can neither accept a connection nor
+    receive a descriptor: the connection waits, the message is answered with an error, and both
+    work once descriptors are free again."""
+    raw = RawClient(published.path)
+    raw.hello()
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    segment = memfd(NBYTES)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 1, hard))
+        while True:  # take every free number below the limit
+            try:
+                fillers.append(os.dup(0))
+            except OSError:
+                break
+        waiting.connect(str(published.path))  # queued: the broker cannot accept it now
+        time.sleep(0.3)
+        reply = raw.ask({"op": "publish", "nbytes": NBYTES, "keys": [[KEY + "x", 0, NBYTES]]}, [segment])
+        assert reply["error"].startswith("bad request: registry message truncated")
+        assert "descriptors" in reply["error"]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fillers:
+            os.close(fd)
+    os.close(segment)
+    waiting.settimeout(5)
+    waiting.send(b'{"op":"stats"}')
+    assert "groups" in json.loads(waiting.recv(1 << 16))
+    waiting.close()
+    raw.close()
+    assert well_behaved(published) < 2.0
+
+
+def test_a_client_waits_while_the_registry_backlog_is_full(tmp_path):
+    """A registry too busy to accept fills its listen backlog; a client connecting meanwhile
+    waits until it is accepted instead of failing at once.  A bare listener with a backlog of
+    one stands for the busy registry (a real one's backlog takes 4096 connections to fill)."""
+    path = tmp_path / "run" / "busy.sock"
+    p.ensure_private_dir(path.parent)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(0)
+    first = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    first.connect(str(path))  # the backlog is full now
+    accepted = []
+    later = threading.Timer(0.3, lambda: accepted.extend(listener.accept()[0] for _ in range(2)))
+    later.start()
+    start = time.monotonic()
+    with BrokerClient(path, timeout_s=10):
+        waited = time.monotonic() - start
+    later.join()
+    assert waited >= 0.25 and len(accepted) == 2
+    for s in (*accepted, first, listener):
+        s.close()

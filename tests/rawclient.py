@@ -132,7 +132,7 @@ def registry_state(server: BrokerServer):
     """A deep copy of everything the registry holds, taken under the server's lock."""
     reg = server.registry
     with server._mutex:
-        return copy.deepcopy((reg.segments, reg.index, reg.engines, reg.locks, reg.models, reg.collisions))
+        return copy.deepcopy((reg.segments, reg.index, reg.engines, reg.locks, reg.recipes, reg.collisions))
 
 
 def memfd(nbytes: int, seals: int = ALL_SEALS, allow_sealing: bool = True, data: bytes | None = None) -> int:

@@ -123,9 +123,13 @@ class HostSegment(Segment):
             raise SegmentError(f"cannot create a {nbytes}-byte memfd segment: {e}") from None
         return cls(fd, nbytes, device)  # closes the descriptor if it cannot be mapped
 
+    def view(self) -> memoryview:
+        """The segment's ``nbytes`` bytes, zero-copy and read-only."""
+        return memoryview(self._map)[: self.nbytes]
+
     def read(self) -> bytes:
         """A copy of the segment's ``nbytes`` bytes."""
-        return bytes(self._map[: self.nbytes])
+        return bytes(self.view())
 
     @classmethod
     def device_key(cls, device="cpu") -> str:

@@ -50,16 +50,18 @@ class ServeProcess:
         log: file for the server's output.
         core: CPU core for the engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``).
         kv_cache_bytes: the KV cache's size (the CPU backend needs one given explicitly).
+        dtype: the engine's dtype.
     """
 
     def __init__(self, model, load_format: str, log: Path, extra_config: dict | None = None,
-                 core: int | None = None, kv_cache_bytes: int = 32 << 20, env: dict | None = None):
+                 core: int | None = None, kv_cache_bytes: int = 32 << 20, env: dict | None = None,
+                 dtype: str = "bfloat16"):
         self.model = str(model)
         self.port = free_port()
         self.log_path = Path(log)
         self._log = open(self.log_path, "wb")
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", self.model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+               "--port", str(self.port), "--dtype", dtype, "--max-model-len", "256", "--enforce-eager",
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--load-format", load_format, "--seed", "0"]
         if extra_config:
             cmd += ["--model-loader-extra-config", json.dumps(extra_config)]
@@ -122,21 +124,24 @@ class EngineProcess(PeerProcess):
         core: CPU core for its OpenMP threads.
         kv_cache_bytes: the KV cache's size in bytes.
         rlimits: resource limits for the engine's process (`PeerProcess`).
+        dtype: the engine's dtype (``bfloat16``; ``float32`` serves a float32 checkpoint as is).
 
     The child prints ``READY`` once loaded; `generate`, `complete` and `rpc` talk to it; its
-    stderr (vLLM's log) is kept for `log`.
+    stderr (vLLM's log) is kept for `log`.  `load_stats` says what loading the model cost,
+    measured the same way for every load format.
     """
 
     def __init__(self, model, load_format: str = "dedup", extra: dict | None = None, env: dict | None = None,
-                 core: int | None = None, kv_cache_bytes: int = 32 << 20, rlimits: dict[int, int] | None = None):
+                 core: int | None = None, kv_cache_bytes: int = 32 << 20, rlimits: dict[int, int] | None = None,
+                 dtype: str = "bfloat16"):
         # vLLM logs to stdout by default; to stderr here, so that stdout carries only the
         # protocol and `log` holds everything the engine said.
         full_env = {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
         if core is not None:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-        self.model = str(model)
+        self.model, self.load_format = str(model), load_format
         super().__init__(["-m", "harness.engines", self.model, load_format, json.dumps(extra or {}),
-                          str(kv_cache_bytes)], f"engine for {self.model}", full_env, rlimits=rlimits)
+                          str(kv_cache_bytes), dtype], f"engine for {self.model}", full_env, rlimits=rlimits)
 
     def wait_ready(self, timeout_s: float = 300) -> EngineProcess:
         """Wait until the engine has loaded.
@@ -155,6 +160,12 @@ class EngineProcess(PeerProcess):
     def generate(self, prompts: list[str] = PROMPTS, max_tokens: int = 16) -> list[list[int]]:
         """Greedy token ids for each prompt."""
         return self.complete(prompts, max_tokens)["ids"]
+
+    def load_stats(self) -> dict:
+        """``{"seconds": wall time of vLLM's get_model (the loader's load_model), "peak_bytes":
+        the largest growth of the process's private memory (RssAnon) during it}``."""
+        self.send({"load_stats": True})
+        return self.read_json("LOADSTATS ", 60)
 
     def rpc(self, method: str) -> str:
         """``LLM.collective_rpc(method)``: ``"ok"`` or ``"error <message>"``."""
@@ -207,7 +218,9 @@ def _engine_main(argv: list[str]) -> None:
     model, fmt = argv[0], argv[1]
     extra = json.loads(argv[2]) if len(argv) > 2 else {}
     kv_bytes = int(argv[3]) if len(argv) > 3 else 32 << 20
-    llm = LLM(model, load_format=fmt, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+    dtype = argv[4] if len(argv) > 4 else "bfloat16"
+    load_stats = _meter_get_model()
+    llm = LLM(model, load_format=fmt, dtype=dtype, max_model_len=256, enforce_eager=True,
               kv_cache_memory_bytes=kv_bytes, seed=0, **({"model_loader_extra_config": extra} if extra else {}))
     print("READY", flush=True)
     for line in sys.stdin:
@@ -222,6 +235,9 @@ def _engine_main(argv: list[str]) -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
             print("TRIMMED", flush=True)
             continue
+        if req.get("load_stats"):
+            print("LOADSTATS " + json.dumps(load_stats), flush=True)
+            continue
         if "rpc" in req:
             try:
                 llm.collective_rpc(req["rpc"])
@@ -235,6 +251,26 @@ def _engine_main(argv: list[str]) -> None:
         print("RESULT " + json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs],
                                       "texts": [o.outputs[0].text for o in outs],
                                       "seconds": time.perf_counter() - start}), flush=True)
+
+
+def _meter_get_model() -> dict:
+    """Time vLLM's ``get_model`` (which calls the loader's ``load_model``) in this process and
+    sample its private memory, whatever the load format; the figures land in the dict returned."""
+    import vllm.v1.worker.cpu_model_runner as runner
+
+    from vllm_dedup.engine.meter import LoadMeter
+
+    stats: dict = {}
+    get_model = runner.get_model
+
+    def measured(*args, **kwargs):
+        with LoadMeter("cpu") as meter:
+            model = get_model(*args, **kwargs)
+        stats.update(seconds=meter.seconds, peak_bytes=max(meter.peak_growth, 0))
+        return model
+
+    runner.get_model = measured
+    return stats
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ the base:
     embedding and head.
 ``fp16``
     A float16 copy.  Shared: nothing (a different dtype is different content).
+``fp32``
+    A float32 copy (twice the bytes: the load benchmark's model of at least 500 MB).  Not in
+    `VARIANT_KINDS`, which the tests build.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 __all__ = ["VARIANT_KINDS", "build_variant", "cached_variant", "load_state_dict", "save_state_dict"]
 
 VARIANT_KINDS = ("renamed-resharded", "last-layers", "vocab-extended", "fp16")
+_DTYPES = {"fp16": "float16", "fp32": "float32"}
 
 _ADDED_TOKENS = [f"<|variant_token_{i}|>" for i in range(8)]
 
@@ -80,8 +84,8 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
     """
     import torch
 
-    if kind not in VARIANT_KINDS:
-        raise ValueError(f"unknown variant kind {kind!r}; choose one of {', '.join(VARIANT_KINDS)}")
+    if kind not in VARIANT_KINDS and kind not in _DTYPES:
+        raise ValueError(f"unknown variant kind {kind!r}; choose one of {', '.join([*VARIANT_KINDS, 'fp32'])}")
     base, out_dir = Path(base), Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -116,9 +120,10 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(base)
         tokenizer.add_tokens(_ADDED_TOKENS)
         tokenizer.save_pretrained(tmp)
-    elif kind == "fp16":
-        tensors = {k: (v.half() if v.is_floating_point() else v) for k, v in tensors.items()}
-        config["torch_dtype"] = config["dtype"] = "float16"
+    elif kind in _DTYPES:
+        dtype = getattr(torch, _DTYPES[kind])
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+        config["torch_dtype"] = config["dtype"] = _DTYPES[kind]
 
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_state_dict(tensors, tmp, shard)

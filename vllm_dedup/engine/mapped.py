@@ -21,7 +21,7 @@ The steps of `MappedBuild.build`, in order:
 
 Any failure raises `FallBack` after giving back every segment it acquired; the loader then
 loads the whole model as usual.  Nothing here compares bytes: the trust is the source keys and
-the load signature, within a share group (README, "Trust").
+the load signature, within a share group (docs/architecture.md, "Loading only what is not resident").
 """
 
 from __future__ import annotations

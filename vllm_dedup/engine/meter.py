@@ -1,5 +1,5 @@
 """What one ``load_model`` call cost: wall time, the growth of the worker's memory, and the
-checkpoint bytes read (reported per engine, docs/architecture.md, "Recipes").
+checkpoint bytes read (reported per engine, docs/architecture.md, "Loading only what is not resident").
 
 Memory growth is the peak, sampled every few milliseconds on a background thread, of the
 process's private memory above its level when the load began: ``RssAnon`` (anonymous resident

@@ -1,6 +1,6 @@
 """Recipes: how one engine's final tensors came from its checkpoint, so that a later engine with
 the same load signature maps them instead of reading the checkpoint (docs/architecture.md,
-"Recipes").
+"Loading only what is not resident").
 
 A recipe holds, for one load signature (`signature.py`):
 

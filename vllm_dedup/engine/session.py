@@ -144,19 +144,25 @@ class EngineSession:
 
         if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
             return 0
+        from ..errors import SegmentError
         from ..segments.cuda import CudaSegment
-
         from .signature import load_signature
 
-        device = CudaSegment.device_key(torch.cuda.current_device())
+        pc = vllm_config.parallel_config
+        try:
+            device = CudaSegment.device_key(torch.cuda.current_device())
+            names = sorted({startup_lock_name(CudaSegment.device_key(d))
+                            for d in startup_devices(pc.tensor_parallel_size * pc.pipeline_parallel_size)})
+        except SegmentError as e:  # no usable driver or cuda-bindings: the load will stay private
+            if config.on_registry_error == "fail":
+                raise RuntimeError(f"vllm-dedup: cannot name this GPU ({e})") from None
+            logger.warning("vllm-dedup: cannot name this GPU (%s); starting without the start-up lock", e)
+            return 0
         signature = load_signature(vllm_config, config.inner_load_format)
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
         if client is None:
             return 0
         self.startup_client, self.startup_device, self.startup_signature = client, device, signature
-        pc = vllm_config.parallel_config
-        names = sorted({startup_lock_name(CudaSegment.device_key(d))
-                        for d in startup_devices(pc.tensor_parallel_size * pc.pipeline_parallel_size)})
         try:
             client.lock(names, owner=f"vllm-instance:{vllm_config.instance_id}",
                         timeout_s=config.startup_lock_timeout_s)

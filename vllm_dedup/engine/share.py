@@ -170,10 +170,19 @@ class _Sharing:
         self.pending: dict[str, list[Slot]] = defaultdict(list)
         for slot, key in zip(slots, _keys([s.tensor for s in slots], device_type)):
             self.pending[key].append(slot)
-        self.granularity = pack_granularity or (self.seg_cls.granularity(slots[0].tensor.device) if slots else None)
+        self.granularity, self.no_segments = pack_granularity, None
+        if slots and not pack_granularity:
+            try:
+                self.granularity = self.seg_cls.granularity(slots[0].tensor.device)
+            except SegmentError as e:  # the backend cannot make segments on this device at all
+                self.no_segments = e
         self.freed = 0  # private bytes dropped since the allocator's cache was last emptied
 
     def run(self, lock_timeout_s: float) -> ShareResult:
+        if self.no_segments is not None:
+            self.segment_failed(list(self.pending.values()), self.no_segments)
+            self.pending.clear()
+            return self._finish()
         try:
             with self.client.locked(f"publish:{self.device_key}:{self.client.group}", timeout_s=lock_timeout_s):
                 self.acquire_and_adopt()
@@ -186,6 +195,9 @@ class _Sharing:
             for group in self.pending.values():
                 self.keep_private(group)
             self.pending.clear()
+        return self._finish()
+
+    def _finish(self) -> ShareResult:
         if self.segment_failures:
             tensors = sum(n for n, _, _ in self.segment_failures)
             nbytes = sum(b for _, b, _ in self.segment_failures)

@@ -2,7 +2,7 @@
 tensors after ``process_weights_after_loading``.
 
 Two engines with the same signature whose modules were fed the same checkpoint tensors end
-with the same final tensors in those modules (docs/architecture.md, "Recipes").  So the
+with the same final tensors in those modules (docs/architecture.md, "Loading only what is not resident").  So the
 signature covers: vLLM's version, the architecture, the dtype, quantization and its config, the
 TP and PP size and this worker's rank in each (each rank holds other shards), the inner load
 format, the options of this loader that change post-processing (``cpu_share_linear`` on the CPU

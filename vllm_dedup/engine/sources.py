@@ -4,7 +4,7 @@ the model each one went into.
 A *source key* is a checkpoint tensor's content key as stored (XXH3-128 of its bytes, with its
 dtype and shape): the same key ``vllm-dedup scan`` computes, kept in the same manifest cache
 (`scan.manifest`), so an engine learns a checkpoint's keys without reading tensor bytes once
-any engine or scan has seen the file (docs/architecture.md, "Recipes").
+any engine or scan has seen the file (docs/architecture.md, "Loading only what is not resident").
 
 `SourceRecorder` runs during a load.  It wraps the inner loader's weight iterator: every tensor
 it yields is hashed zero-copy in a thread pool, overlapped with the load.  And it wraps every

@@ -49,7 +49,7 @@ STARTUP_HOOKS = (
     ("vllm.v1.worker.gpu_worker", "Worker", "load_model",
      lambda worker: EngineSession.current().correct_budget(worker)),
     ("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model",
-     lambda worker: EngineSession.current().end_startup()),
+     lambda worker: _after_warm_up()),
 )
 
 _MARK = "__vllm_dedup_hook__"
@@ -94,6 +94,17 @@ def _wrap(module_name: str, cls_name: str, name: str, make) -> bool:
     setattr(wrapper, _MARK, True)
     setattr(cls, name, wrapper)
     return True
+
+
+def _after_warm_up() -> None:
+    """The KV cache is allocated and CUDA graphs are captured: give the start-up lock back, and
+    unmap the segment ranges whose release was deferred during graph capture (`segments.vmm`)."""
+    import sys
+
+    EngineSession.current().end_startup()
+    vmm = sys.modules.get("vllm_dedup.segments.vmm")  # imported only where CUDA segments are used
+    if vmm is not None:
+        vmm.release_deferred()
 
 
 def _guard(method, name: str, why: str):

@@ -393,7 +393,7 @@ class BrokerServer:
 
 def _recipe_summary(fd: int, nbytes: int) -> tuple[str, str, dict[str, int]]:
     """(signature, recipe id, final content key -> bytes) of the recipe JSON in the sealed
-    memfd ``fd`` (docs/architecture.md, "Recipes"); the descriptor stays open.
+    memfd ``fd`` (docs/architecture.md, "Loading only what is not resident"); the descriptor stays open.
 
     Raises:
         ValueError: not a sealed memfd of ``nbytes`` bytes, or not a recipe.

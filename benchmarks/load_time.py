@@ -1,0 +1,165 @@
+"""What loading costs, plain vs dedup, in one run: the N-th engine of a model and a fine-tune.
+
+    .venv/bin/python benchmarks/load_time.py [--model DIR] [--json]
+
+Engines (real vLLM engines on the CPU backend, one process each, started in turn):
+
+1. ``plain``: ``--load-format auto``;
+2. ``dedup first``: the first dedup engine (no recipe yet: loads as usual, publishes, leaves a
+   recipe);
+3. ``dedup second``: a second dedup engine of the same model while the first is up (the
+   ``full`` path);
+4. ``dedup last-layers``: the model with its last two decoder layers retrained
+   (`harness.variants`), its keys in the manifest cache (scanned first, as `vllm-dedup scan`
+   does), while the first is up (the ``modules`` path); and a plain engine of it for its
+   reference tokens.
+
+For each: ``load_s`` (wall time of vLLM's ``get_model``, i.e. the loader's ``load_model``,
+measured in the engine's process the same way for every load format), ``read_bytes`` (checkpoint
+bytes the engine read, as it reports; plain: the checkpoint's tensor bytes), ``peak_bytes``
+(the largest growth of the process's private memory during the load, sampled every 2 ms; for
+dedup engines plus the bytes of the segments they created) and whether its greedy tokens equal
+the plain engine's.  Then ``vllm serve`` time-to-ready for a restart: the server is started,
+stopped and started again, plain, then dedup with ``keep_warm_s`` (the second start maps).
+
+The default model is SmolLM2-135M-Instruct saved as float32 (538 MB, served as float32), built
+once from the packaged checkpoint.  The page cache is warm for every engine (the plain engine
+read the checkpoint first): the plain figures are a plain load's best case.  Prints a table;
+writes ``benchmarks/results/load_time.json`` (``--json``: also the last line of stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+
+from harness.engines import PROMPTS, EngineProcess, ServeProcess  # noqa: E402
+from harness.variants import cached_variant  # noqa: E402
+from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
+from vllm_dedup.scan.files import scan_model  # noqa: E402
+from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
+from vllm_dedup.scan.report import Report  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MB = 1e6
+
+
+def measure(engine: EngineProcess, reference: list | None, checkpoint_bytes: int) -> dict:
+    stats = engine.load_stats()
+    tokens = engine.generate()
+    row = {"load_s": stats["seconds"], "peak_bytes": stats["peak_bytes"], "read_bytes": checkpoint_bytes,
+           "path": "-", "same_tokens": reference is None or tokens == reference}
+    if engine.load_format == "dedup":
+        load = registry_stats().engine(engine.pid).load
+        row.update(path=load["path"], read_bytes=load["checkpoint_bytes_read"],
+                   peak_bytes=stats["peak_bytes"] + load["published_bytes"] + load["padding_bytes"],
+                   engine_load_s=load["load_seconds"], engine_peak_bytes=load["peak_bytes"])
+    return row | {"tokens": tokens}
+
+
+def start(model: Path, load_format: str, dtype: str, core: int, extra: dict | None = None) -> EngineProcess:
+    return EngineProcess(model, load_format, extra=extra, core=core, dtype=dtype).wait_ready(600)
+
+
+def serve_restart(model: Path, load_format: str, dtype: str, logs: Path, extra: dict | None = None) -> list[float]:
+    """Seconds to ``/health`` of two ``vllm serve`` starts, one after the other."""
+    times = []
+    for i in range(2):
+        begin = time.monotonic()
+        server = ServeProcess(model, load_format, logs / f"{load_format}-{i}.log", extra_config=extra, core=0,
+                              dtype=dtype).wait_ready(600)
+        times.append(time.monotonic() - begin)
+        server.complete(PROMPTS[:1], max_tokens=4)
+        server.stop()
+    return times
+
+
+def run(model: Path, dtype: str) -> dict:
+    tuned = cached_variant(model, "last-layers")
+    cache = ManifestCache(default_cache_dir())
+    scans = [scan_model(m, cache=cache, progress=False) for m in (model, tuned)]  # the variant's keys cached
+    report = Report(scans)
+    model_bytes = report.model_bytes(scans[0])
+    tuned_unique = report.model_bytes(scans[1]) - report.shared_with_earlier_bytes()[1]
+    rows: dict[str, dict] = {}
+    logs = Path(tempfile.mkdtemp(prefix="load-time-"))
+    plain = start(model, "auto", dtype, 0)
+    rows["plain"] = measure(plain, None, model_bytes)
+    reference = rows["plain"].pop("tokens")
+    plain.stop()
+    plain_tuned = start(tuned, "auto", dtype, 0)
+    rows["plain last-layers"] = measure(plain_tuned, None, report.model_bytes(scans[1]))
+    tuned_reference = rows["plain last-layers"].pop("tokens")
+    plain_tuned.stop()
+    first = start(model, "dedup", dtype, 0)
+    try:
+        rows["dedup first"] = measure(first, reference, 0)
+        second = start(model, "dedup", dtype, 1)
+        rows["dedup second"] = measure(second, reference, 0)
+        second.stop()
+        variant = start(tuned, "dedup", dtype, 1)
+        rows["dedup last-layers"] = measure(variant, tuned_reference, 0)
+        variant.stop()
+    finally:
+        first.stop()
+        shutdown_registry()
+    for row in rows.values():
+        row.pop("tokens", None)
+    serve = {"plain": serve_restart(model, "auto", dtype, logs),
+             "dedup": serve_restart(model, "dedup", dtype, logs, {"keep_warm_s": 600})}
+    shutdown_registry()
+    plain_s = rows["plain"]["load_s"]
+    targets = {
+        "second engine load_s <= 5% of plain": rows["dedup second"]["load_s"] <= 0.05 * plain_s,
+        "second engine peak_bytes <= 5% of the model": rows["dedup second"]["peak_bytes"] <= 0.05 * model_bytes,
+        "last-layers reads <= its unique bytes + 5%": rows["dedup last-layers"]["read_bytes"] <= 1.05 * tuned_unique,
+        "first engine load_s <= plain + 10%": rows["dedup first"]["load_s"] <= 1.10 * plain_s,
+    }
+    return {"model": str(model), "dtype": dtype, "model_bytes": model_bytes, "last_layers_unique_bytes": tuned_unique,
+            "engines": rows, "serve_ready_s": serve, "targets": targets}
+
+
+def print_table(result: dict) -> None:
+    print(f"model {result['model']} ({result['dtype']}, {result['model_bytes'] / MB:.0f} MB of tensors); "
+          f"last-layers variant: {result['last_layers_unique_bytes'] / MB:.1f} MB of its own")
+    print(f"{'engine':<20}{'path':>8}{'load s':>9}{'vs plain':>10}{'read MB':>10}{'peak MB':>10}  same tokens")
+    plain_s = result["engines"]["plain"]["load_s"]
+    for name, r in result["engines"].items():
+        print(f"{name:<20}{r['path']:>8}{r['load_s']:>9.2f}{r['load_s'] / plain_s:>9.0%} {r['read_bytes'] / MB:>9.1f}"
+              f"{r['peak_bytes'] / MB:>10.1f}  {r['same_tokens']}")
+    for fmt, (cold, again) in result["serve_ready_s"].items():
+        print(f"vllm serve {fmt:<6} ready in {cold:.1f} s, restarted ready in {again:.1f} s")
+    for target, ok in result["targets"].items():
+        print(f"[{'met' if ok else 'MISSED'}] {target}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="HF folder (default: SmolLM2 as float32)")
+    parser.add_argument("--dtype", default=None, help="engine dtype (default: float32 for the default model)")
+    parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_DEDUP_RUNTIME_DIR", tempfile.mkdtemp(prefix="load-time-run-"))
+    if args.model is None:
+        from harness.sample_models import smollm2_hf
+
+        args.model, args.dtype = cached_variant(smollm2_hf(), "fp32"), args.dtype or "float32"
+    result = run(args.model, args.dtype or "bfloat16")
+    print_table(result)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "load_time.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    return 0 if all(r["same_tokens"] for r in result["engines"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -175,3 +175,38 @@ def test_after_the_first_engine_is_sigkilled_a_warm_registry_still_gives_the_fas
         load = registry.engine_loads()[second.pid]
         assert (load["path"], load["checkpoint_bytes_read"]) == ("full", 0)
         assert second.generate() == plain_smollm2
+
+
+def test_after_the_registry_dies_a_later_engine_maps_again(smollm2, registry, plain_smollm2):
+    """The registry is SIGKILLed under a running engine; the engine re-registers its segments and
+    recipe with the next registry, and a later engine still takes the full path."""
+    import json
+    import signal
+
+    from helpers import run_cli
+
+    first = EngineProcess(smollm2, core=0).wait_ready()
+    try:
+        old = registry.stats().registry_pid
+        os.kill(old, signal.SIGKILL)
+        assert wait_for(lambda: _reregistered(registry, first.pid, old), 60), dedup_lines(first)
+        status = json.loads(run_cli("status", "--json", check=True).stdout)
+        (engine,) = status["engines"]
+        assert (engine["pid"], engine["load"]["reregistered"], engine["load"]["path"]) == (first.pid, 1, "none")
+        with EngineProcess(smollm2, core=1) as second:
+            second.wait_ready()
+            load = registry.engine_loads()[second.pid]
+            assert (load["path"], load["checkpoint_bytes_read"]) == ("full", 0)
+            assert second.generate() == plain_smollm2
+        assert first.generate() == plain_smollm2
+    finally:
+        first.stop()
+
+
+def _reregistered(registry, pid: int, old_registry: int) -> bool:
+    try:
+        stats = registry.stats()
+    except Exception:  # noqa: BLE001 (no registry yet)
+        return False
+    engine = stats.engine(pid)
+    return stats.registry_pid != old_registry and engine is not None and engine.load.get("reregistered") == 1

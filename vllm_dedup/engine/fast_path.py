@@ -75,7 +75,8 @@ class FastPath:
         from ..segments import segment_class
 
         try:
-            recipes = [Recipe.from_bytes(data) for data in self.client.get_recipes(self.signature)]
+            raw = self.client.get_recipes(self.signature)
+            recipes = [Recipe.from_bytes(data) for data in raw]
         except (RegistryUnavailable, SegmentError, ValueError) as e:
             return self._decline(f"the registry's recipes cannot be read ({e})")
         if not recipes:
@@ -95,6 +96,7 @@ class FastPath:
         except FallBack as e:
             return self._decline(f"the recipe could not be used ({e})")
         self._build, self.mapped, self.bytes_read = build, build.placement, self.bytes_read + build.bytes_read
+        self.client.keep_recipe(raw[recipes.index(match.recipe)])  # given again to a registry that comes back
         self.path = "modules" if match.unmatched else "full"
         if match.unmatched:
             first, reason = sorted(match.unmatched.items())[0]

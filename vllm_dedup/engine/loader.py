@@ -159,6 +159,7 @@ class DedupModelLoader(BaseModelLoader):
             pass
         session = EngineSession.current()
         session.hold(client, result.segment_bytes, result.shared_bytes)
+        client.watch()  # re-registers what it holds with a registry that comes back
         _describe_for_upstream_hooks(model, session)
         logger.info("vllm-dedup: %s: %s", model_config.model, result.summary())
         return model

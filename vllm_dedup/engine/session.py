@@ -5,7 +5,8 @@ worker hooks (`worker_hooks.py`) and the guards read and write it; nothing else 
 between them.  It holds:
 
 - the registry connections this engine keeps open: its **leases** on the segments it maps
-  (docs/architecture.md, "Registry");
+  (`registry.lease.Lease`, which re-registers them with a registry that comes back after
+  dying; docs/architecture.md, "Registry");
 - the GPU **start-up lock** and the **prediction** of bytes to be mapped (GPU only, below);
 - the bytes of this engine's tensors that live in segments (read by the guards) and the
   **budget correction** the worker applies after loading.
@@ -55,7 +56,7 @@ from typing import ClassVar
 
 from ..config import DedupConfig
 from ..errors import RegistryUnavailable
-from ..registry.client import BrokerClient
+from ..registry.lease import Lease
 from ..registry.state import startup_lock_name
 
 __all__ = ["EngineSession", "startup_devices"]
@@ -79,8 +80,8 @@ class EngineSession:
     _current: ClassVar[EngineSession | None] = None
 
     def __init__(self):
-        self.leases: list[BrokerClient] = []  # open for the process's lifetime
-        self.startup_client: BrokerClient | None = None  # the connection `begin_startup` opened
+        self.leases: list[Lease] = []  # open for the process's lifetime
+        self.startup_client: Lease | None = None  # the connection `begin_startup` opened
         self.startup_device: str | None = None  # its device key
         self.startup_signature: str | None = None
         self.locks: list[str] = []  # start-up locks held now
@@ -96,7 +97,7 @@ class EngineSession:
         return cls._current
 
     # the registry connection -------------------------------------------------------------
-    def connect(self, config: DedupConfig, model: str, device_key: str, signature: str) -> BrokerClient | None:
+    def connect(self, config: DedupConfig, model: str, device_key: str, signature: str) -> Lease | None:
         """A registry connection that has said hello for this engine: the one `begin_startup`
         opened for this device and signature, else a new one.  None: no registry (fallback).
 
@@ -105,12 +106,18 @@ class EngineSession:
         """
         if self.startup_device == device_key and self.startup_signature == signature:
             return self.startup_client
+        import functools
+
+        from ..registry.daemon import is_daemon, start_daemon
         from ..registry.discovery import connect_registry
 
         try:
             client = connect_registry(config.registry_namespace, config.registry_address, config.keep_warm_s)
-            client.hello(model, device_key, config.share_group, signature)
-            return client
+            # Come back the way it came: a daemon is started again by whichever engine
+            # notices first; a Ray actor by whoever created it (a new engine, the Serve helper).
+            restart = (functools.partial(start_daemon, keep_warm_s=config.keep_warm_s)
+                       if is_daemon(client.stats().registry_pid) else None)
+            return Lease(client, model, device_key, config.share_group, signature, restart)
         except RegistryUnavailable as e:
             if config.on_registry_error == "fail":
                 raise RuntimeError(
@@ -120,11 +127,11 @@ class EngineSession:
             logger.warning("vllm-dedup: cannot reach the weight registry (%s); loading without sharing", e)
             return None
 
-    def hold(self, client: BrokerClient, segment_bytes: int, shared_bytes: int) -> None:
-        """Keep ``client`` open as this engine's lease on the segments it now maps, and record
+    def hold(self, lease: Lease, segment_bytes: int, shared_bytes: int) -> None:
+        """Keep ``lease`` open as this engine's lease on the segments it now maps, and record
         what its load put in segments: ``segment_bytes`` in all, ``shared_bytes`` of them mapped
         from other engines (for the budget correction: ``shared - predicted``)."""
-        self.leases.append(client)
+        self.leases.append(lease)
         self.segment_bytes += segment_bytes
         if self.predicted is not None:
             self.correction_bytes += shared_bytes - self.predicted

@@ -44,6 +44,7 @@ from ..content.fingerprint import device_fingerprints, fingerprint_key, same_byt
 from ..content.keys import ContentKey, content_keys, tensor_key
 from ..errors import RegistryUnavailable, SegmentError
 from ..registry.client import BrokerClient
+from ..registry.lease import Lease
 from ..segments import segment_class
 from ..segments.packing import plan_packs
 from .slots import Slot, collect_slots, swap
@@ -107,7 +108,7 @@ class ShareResult:
         )
 
 
-def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tensor_bytes: int = 1 << 16,
+def share_model(model, client: BrokerClient | Lease, device_type: str = "cpu", min_tensor_bytes: int = 1 << 16,
                 verify: bool = True, fail: bool = False, lock_timeout_s: float = 600.0,
                 device_key: str = "cpu", pack_granularity: int | None = None,
                 mapped: dict[int, str] | None = None, report: bool = True) -> ShareResult:
@@ -153,7 +154,7 @@ def share_model(model, client: BrokerClient, device_type: str = "cpu", min_tenso
 class _Sharing:
     """One model's sharing pass: the steps of the module docstring, one method each."""
 
-    def __init__(self, model, client: BrokerClient, device_type: str, min_tensor_bytes: int, verify: bool,
+    def __init__(self, model, client: BrokerClient | Lease, device_type: str, min_tensor_bytes: int, verify: bool,
                  device_key: str, pack_granularity: int | None, fail: bool, mapped: dict[int, str]):
         self.client, self.device_type, self.verify, self.device_key = client, device_type, verify, device_key
         self.fail = fail

@@ -127,17 +127,20 @@ class BrokerClient:
         for start in range(0, len(keys), p.MAX_FDS):
             reply, fds = self._call(p.Acquire(keys[start : start + p.MAX_FDS]), p.AcquireReply)
             by_segment = dict(zip(reply.segments, fds))
+            about = {seg: (uid, size) for seg, uid, size in zip(reply.segments, reply.uids, reply.sizes)}
             used = set()
             for key, seg, offset, nbytes in reply.hits:
                 fd = by_segment[seg] if seg not in used else os.dup(by_segment[seg])
                 used.add(seg)
-                out.append((Hit(key, seg, offset, nbytes), fd))
+                uid, size = about.get(seg, ("", 0))
+                out.append((Hit(key, seg, offset, nbytes, uid, size), fd))
         return out
 
-    def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]]) -> int:
+    def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]], uid: str = "") -> int:
         """Publish a segment (its descriptor ``fd``, ``nbytes`` usable bytes) holding
-        ``(content key, offset, bytes)`` tensors; returns its id.  The caller keeps ``fd``."""
-        return self._call(p.Publish(nbytes, list(keys)), p.PublishReply, [fd])[0].segment
+        ``(content key, offset, bytes)`` tensors; returns its id.  ``uid`` names the segment
+        across registry restarts (`protocol.Publish`).  The caller keeps ``fd``."""
+        return self._call(p.Publish(nbytes, list(keys), uid), p.PublishReply, [fd])[0].segment
 
     def release(self, segments: list[int]) -> None:
         self._call(p.Release(list(segments)), p.Empty)

@@ -25,7 +25,7 @@ from .protocol import ensure_private_dir, socket_path
 from .server import BrokerServer
 from .state import Registry
 
-__all__ = ["main", "start_daemon"]
+__all__ = ["is_daemon", "main", "start_daemon"]
 
 
 def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0, timeout_s: float = 30.0) -> None:
@@ -64,6 +64,14 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
                         f"the registry daemon for {path} did not start: {tail or 'no answer'}"
                     ) from None
                 time.sleep(0.05)
+
+
+def is_daemon(pid: int) -> bool:
+    """Whether process ``pid`` (of this node) is a standalone registry daemon."""
+    try:
+        return b"vllm_dedup.registry.daemon" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

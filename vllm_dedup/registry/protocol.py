@@ -373,10 +373,14 @@ class Acquire(Message, op="acquire"):
 
 
 class Publish(Message, op="publish", fds=1):
-    """A new segment (its descriptor attached) holding tensors at offsets."""
+    """A segment (its descriptor attached) holding tensors at offsets.  ``uid`` names the
+    segment for good (its publisher draws it): an engine re-registering a segment it holds
+    after a registry restart sends it again, and a segment already known by its uid is held,
+    not stored twice (`Registry.publish`)."""
 
     nbytes: Bytes
     keys: list[tuple[str, Bytes, Bytes]]  # (content key, offset, bytes)
+    uid: str = ""
 
     def __post_init__(self):
         if not self.keys:
@@ -477,10 +481,13 @@ class HelloReply(Message):
 
 
 class AcquireReply(Message):
-    """Hits, and the segments whose descriptors are attached, in that order."""
+    """Hits, and the segments whose descriptors are attached, in that order, with each
+    segment's uid and size in bytes (what re-registering it needs)."""
 
     hits: list[tuple[str, int, int, int]] = field(default_factory=list)  # key, segment, offset, bytes
     segments: list[int] = field(default_factory=list)
+    uids: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 class PublishReply(Message):

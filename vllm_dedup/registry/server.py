@@ -341,8 +341,10 @@ class BrokerServer:
     def _acquire(self, conn, engine, req: p.Acquire, fds):
         hits = self.registry.acquire(engine, req.keys[: p.MAX_FDS])
         segments = list(dict.fromkeys(h.segment for h in hits))
-        reply = p.AcquireReply([(h.key, h.segment, h.offset, h.nbytes) for h in hits], segments)
-        return reply, [self.registry.fd_of(s) for s in segments]
+        entries = [self.registry.segments[s] for s in segments]
+        reply = p.AcquireReply([(h.key, h.segment, h.offset, h.nbytes) for h in hits], segments,
+                               [e.uid for e in entries], [e.nbytes for e in entries])
+        return reply, [e.fd for e in entries]
 
     def _publish(self, conn, engine, req: p.Publish, fds):
         if not self.registry.engines[engine].device.startswith("cuda:"):  # cuda: see the module docstring
@@ -350,7 +352,7 @@ class BrokerServer:
                 check_sealed_memfd(fds[0], req.nbytes)
             except SegmentError as e:
                 raise ProtocolError(f"request 'publish': {e}") from None
-        return p.PublishReply(self.registry.publish(engine, fds[0], req.nbytes, req.keys)), []
+        return p.PublishReply(self.registry.publish(engine, fds[0], req.nbytes, req.keys, req.uid)), []
 
     def _release(self, conn, engine, req: p.Release, fds):
         self.registry.release(engine, req.segments)

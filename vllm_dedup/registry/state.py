@@ -60,6 +60,7 @@ class SegmentEntry:
     holders: set[int] = field(default_factory=set)
     idle_since: float | None = None
     deferred: bool = False  # unheld, kept because its device's start-up lock is held
+    uid: str = ""  # drawn by its publisher; names it across registry restarts
 
 
 @dataclass
@@ -98,12 +99,15 @@ class RecipeEntry:
 
 @dataclass(frozen=True)
 class Hit:
-    """A lookup result: content ``key`` lies at ``offset`` in segment ``segment``."""
+    """A lookup result: content ``key`` lies at ``offset`` in segment ``segment`` (``uid`` and
+    ``segment_bytes`` name and size the segment, as a client learns them)."""
 
     key: str
     segment: int
     offset: int
     nbytes: int
+    uid: str = ""
+    segment_bytes: int = 0
 
 
 @dataclass
@@ -189,6 +193,7 @@ class Registry:
         self.engines: dict[int, EngineEntry] = {}
         self.locks: dict[str, LockEntry] = {}
         self.recipes: dict[tuple[str, str], list[RecipeEntry]] = {}  # (group, signature) -> oldest first
+        self._uids: dict[str, int] = {}  # segment uid -> id
         self._ids = itertools.count(1)
         self.collisions = 0  # caught by engines' exact compares, over the registry's life
 
@@ -226,13 +231,24 @@ class Registry:
             hits.append(Hit(key, seg_id, offset, nbytes))
         return hits
 
-    def publish(self, engine_id: int, fd: int, nbytes: int, keys: list[tuple[str, int, int]]) -> int:
-        """Record a new segment (the registry now owns ``fd``) holding ``keys``; the publishing
+    def publish(self, engine_id: int, fd: int, nbytes: int, keys: list[tuple[str, int, int]], uid: str = "") -> int:
+        """Record a segment (the registry now owns ``fd``) holding ``keys``; the publishing
         engine holds it.  ``keys``: (content key, offset, bytes) per tensor.  A key already
-        indexed keeps its first segment."""
+        indexed keeps its first segment.
+
+        A segment whose ``uid`` is already known (engines holding one segment re-register it
+        after a registry restart, each with the keys it knows) is not stored twice: ``fd`` is
+        closed, the keys are added to it, and the engine holds it."""
         engine = self.engines[engine_id]
-        seg = SegmentEntry(next(self._ids), fd, nbytes, engine.device, engine.group, list(keys))
-        self.segments[seg.id] = seg
+        seg = self.segments.get(self._uids.get(uid)) if uid else None
+        if seg is not None and (seg.device, seg.group) == (engine.device, engine.group):
+            self._close(fd)
+            seg.keys += [k for k in keys if k not in seg.keys]
+        else:
+            seg = SegmentEntry(next(self._ids), fd, nbytes, engine.device, engine.group, list(keys), uid=uid)
+            self.segments[seg.id] = seg
+            if uid:
+                self._uids[uid] = seg.id
         for key, offset, size in keys:
             self.index.setdefault((engine.device, engine.group, key), (seg.id, offset, size))
         self._hold(seg.id, engine_id)
@@ -358,6 +374,8 @@ class Registry:
 
     def _free(self, seg: SegmentEntry) -> None:
         del self.segments[seg.id]
+        if self._uids.get(seg.uid) == seg.id:
+            del self._uids[seg.uid]
         for key, _, _ in seg.keys:
             if self.index.get((seg.device, seg.group, key), (None,))[0] == seg.id:
                 del self.index[(seg.device, seg.group, key)]

@@ -1,0 +1,76 @@
+"""The registry dies and comes back: engines re-register what they hold, once per segment, and a
+newcomer maps it again.  Real processes (lease peers), the real standalone daemon, SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from harness.procs import PeerProcess, memfd_holders, processes_matching
+from helpers import wait_for
+from vllm_dedup.errors import RegistryUnavailable
+from vllm_dedup.registry.client import BrokerClient, registry_stats, shutdown_registry
+from vllm_dedup.registry.daemon import start_daemon
+
+PEER = Path(__file__).resolve().parents[1] / "peers" / "lease_peer.py"
+MB = 1 << 20
+
+
+def lease_peer(sock: Path, *args: str) -> PeerProcess:
+    return PeerProcess([PEER, sock, *args], f"lease peer {' '.join(args)}")
+
+
+def stats_or_none(sock: Path):
+    try:
+        return registry_stats(sock)
+    except RegistryUnavailable:
+        return None
+
+
+def recipes(sock: Path) -> list[bytes]:
+    with BrokerClient(sock) as client:
+        client.hello("probe", "cpu", "default", "sig")
+        return client.get_recipes("sig")
+
+
+def test_engines_re_register_what_they_hold_with_a_registry_that_comes_back(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    sock = run / "vllm-dedup.sock"
+    start_daemon(sock)
+    peers = []
+    try:
+        a = lease_peer(sock, "publish", "k", str(8 * MB))
+        peers.append(a)
+        digest = a.read_json()["digest"]
+        b = lease_peer(sock, "map", "k")
+        peers.append(b)
+        assert b.read_json()["digest"] == digest
+        for restart in (1, 2):
+            old = registry_stats(sock)
+            assert (len(old.engines), old.groups[0].segments) == (2, 1)
+            os.kill(old.registry_pid, signal.SIGKILL)  # no clean-up of any kind in the registry
+            # The peers notice, the first to reconnect starts a daemon again, both re-register.
+            assert wait_for(lambda: (s := stats_or_none(sock)) is not None and s.registry_pid != old.registry_pid
+                            and len(s.engines) == 2 and all(e.load.get("reregistered") == restart for e in s.engines),
+                            timeout_s=30), stats_or_none(sock)
+            new = registry_stats(sock)
+            (group,) = new.groups
+            assert (group.segments, group.engines, group.resident_bytes) == (1, 2, 8 * MB)  # stored once
+            assert sorted(e.pid for e in new.engines) == sorted([a.pid, b.pid])
+            assert recipes(sock)  # the recipe came back with its engine
+            for peer in (a, b):
+                peer.send("digest")
+                assert peer.read_json() == {"digest": digest, "reregistrations": restart}
+            with lease_peer(sock, "map", "k") as newcomer:  # a later engine maps again
+                assert newcomer.read_json()["digest"] == digest
+        assert a.end() == 0
+        assert wait_for(lambda: len(registry_stats(sock).engines) == 1)
+        assert registry_stats(sock).groups[0].segments == 1  # b still holds it
+    finally:
+        for peer in peers:
+            peer.end()
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+    assert memfd_holders() == []

@@ -10,23 +10,29 @@ from harness.engines import PROMPTS, EngineProcess, ServeProcess
 
 
 @pytest.fixture(scope="session")
-def plain_tokens(smollm2, variants):
-    """model folder -> greedy token ids of a plain engine for `PROMPTS` (made on first use).
-    The first plain engine also shows that the guards let in-place writers through when
-    nothing is shared."""
+def plain_completions(smollm2, variants):
+    """model folder -> a plain engine's greedy completions for `PROMPTS` (``{"ids", "texts"}``,
+    made on first use).  The first plain engine also shows that the guards let in-place writers
+    through when nothing is shared."""
     made: dict = {}
 
-    def tokens(model) -> list[list[int]]:
+    def completions(model) -> dict:
         if model not in made:
             with EngineProcess(model, "auto") as plain:
                 plain.wait_ready()
-                made[model] = plain.generate()
+                made[model] = plain.complete()
                 if not made.get("guard-checked"):
                     assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
                     made["guard-checked"] = True
         return made[model]
 
-    return tokens
+    return completions
+
+
+@pytest.fixture(scope="session")
+def plain_tokens(plain_completions):
+    """model folder -> greedy token ids of a plain engine for `PROMPTS`."""
+    return lambda model: plain_completions(model)["ids"]
 
 
 @pytest.fixture(scope="session")

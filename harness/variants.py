@@ -19,8 +19,14 @@ the base:
 ``fp16``
     A float16 copy.  Shared: nothing (a different dtype is different content).
 ``fp32``
-    A float32 copy (twice the bytes: the load benchmark's model of at least 500 MB).  Not in
-    `VARIANT_KINDS`, which the tests build.
+    A float32 copy (twice the bytes: the load benchmark's model of at least 500 MB).
+``w8a8-int8``
+    Quantized as llm-compressor saves a W8A8 int8 ``compressed-tensors`` checkpoint: the decoder
+    layers' linear weights as per-output-channel symmetric int8 with float32 ``weight_scale``,
+    activations quantized per token at run time; embeddings and norms as they were.  vLLM's CPU
+    backend serves it (oneDNN int8 kernels).
+
+The last two are not in `VARIANT_KINDS`, which the session fixtures build.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ __all__ = ["VARIANT_KINDS", "build_variant", "cached_variant", "load_state_dict"
 
 VARIANT_KINDS = ("renamed-resharded", "last-layers", "vocab-extended", "fp16")
 _DTYPES = {"fp16": "float16", "fp32": "float32"}
+_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 _ADDED_TOKENS = [f"<|variant_token_{i}|>" for i in range(8)]
 
@@ -84,8 +91,9 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
     """
     import torch
 
-    if kind not in VARIANT_KINDS and kind not in _DTYPES:
-        raise ValueError(f"unknown variant kind {kind!r}; choose one of {', '.join([*VARIANT_KINDS, 'fp32'])}")
+    if kind not in VARIANT_KINDS and kind not in _DTYPES and kind != "w8a8-int8":
+        raise ValueError(f"unknown variant kind {kind!r}; choose one of "
+                         f"{', '.join([*VARIANT_KINDS, 'fp32', 'w8a8-int8'])}")
     base, out_dir = Path(base), Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -120,6 +128,19 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(base)
         tokenizer.add_tokens(_ADDED_TOKENS)
         tokenizer.save_pretrained(tmp)
+    elif kind == "w8a8-int8":
+        for name in [n for n in tensors if _LINEAR.search(n)]:
+            weight = tensors[name].float()
+            scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+            tensors[name] = torch.round(weight / scale).clamp(-128, 127).to(torch.int8)
+            tensors[name.replace(".weight", ".weight_scale")] = scale
+        int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {**int8, "strategy": "channel", "dynamic": False},
+                                          "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
+        }
     elif kind in _DTYPES:
         dtype = getattr(torch, _DTYPES[kind])
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}

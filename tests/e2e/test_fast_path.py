@@ -210,3 +210,29 @@ def _reregistered(registry, pid: int, old_registry: int) -> bool:
         return False
     engine = stats.engine(pid)
     return stats.registry_pid != old_registry and engine is not None and engine.load.get("reregistered") == 1
+
+
+def test_a_quantized_model_is_shared_and_answers_as_plain(smollm2, registry, plain_tokens):
+    """W8A8 int8 (compressed-tensors), which vLLM's CPU backend serves.  Its int8 weights are
+    shared like any others.  The fast path cannot map its attention layers in this vLLM: the
+    compressed-tensors KV-cache method declares pre-processed support but ignores the mode
+    (patches/0003 is the fix), so the engine loads as usual, with one line saying why."""
+    from harness.variants import cached_variant
+
+    quantized = cached_variant(smollm2, "w8a8-int8")
+    reference = plain_tokens(quantized)
+    engines = [EngineProcess(quantized, core=i).wait_ready() for i in range(2)]
+    try:
+        first, second = (registry.engine_loads()[e.pid] for e in engines)
+        with SafetensorsFile(quantized / "model.safetensors") as f:
+            big = sum(e.nbytes for e in f.entries() if e.nbytes >= 1 << 16)  # the int8 matrices, the embedding
+        assert big <= first["published_bytes"] <= big + (2 << 20)  # and the rotary cache vLLM computes
+        assert second["shared_bytes"] == first["published_bytes"] and second["published_tensors"] == 0
+        assert second["path"] in ("none", "modules")
+        if second["path"] == "none":  # vLLM without patches/0003
+            assert "failed in vLLM's pre-processed mode" in engines[1].log(), dedup_lines(engines[1])
+        for e in engines:
+            assert e.generate() == reference
+    finally:
+        for e in engines:
+            e.stop()

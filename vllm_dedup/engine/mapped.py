@@ -111,10 +111,11 @@ class MappedBuild:
                     setattr(model, key, value)
                 if self.match.unmatched:
                     self._load_unmatched(model, modules)
-                self._post_process(model, [modules[m] for m in self.match.matched])
+                self._post_process(model, {m: modules[m] for m in self.match.matched})
             _check_no_meta(model)
             return model.eval()
         except Exception as e:  # a fast path never stops an engine: the usual load follows
+            logger.debug("vllm-dedup: building the model from a recipe failed", exc_info=True)
             self.release()
             if model is not None:
                 _forget_layers(self.vllm_config, model)
@@ -239,43 +240,48 @@ class MappedBuild:
         return self.recorder.bytes_read
 
     # 5. post-processing --------------------------------------------------------------------
-    def _post_process(self, model: nn.Module, mapped: list[nn.Module]) -> None:
+    def _post_process(self, model: nn.Module, mapped: dict[str, nn.Module]) -> None:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.model_executor.utils import weights_already_processed
 
-        if not self.match.unmatched:
-            with weights_already_processed():
-                process_weights_after_loading(model, self.model_config, self.device)
-            return
-        with _pre_processed(mapped):
+        with _pre_processed(mapped), contextlib.ExitStack() as stack:
+            if not self.match.unmatched:
+                stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.model_config, self.device)
 
 
 @contextlib.contextmanager
-def _pre_processed(modules: list[nn.Module]):
-    """Run these modules' post-processing in vLLM's pre-processed mode, the others' normally,
-    within one ``process_weights_after_loading`` call: their quantization methods' (and a
-    deferred attention layer's own) ``process_weights_after_loading`` are wrapped, for the
-    duration, to enter ``weights_already_processed`` when called for one of these modules."""
+def _pre_processed(modules: dict[str, nn.Module]):
+    """Run these modules' post-processing in vLLM's pre-processed mode (the others' normally) within
+    one ``process_weights_after_loading`` call: their quantization methods' (and a deferred
+    attention layer's own) ``process_weights_after_loading`` are wrapped, for the duration, to
+    enter ``weights_already_processed`` when called for one of them.  A failure there is a
+    `FallBack` naming the module and the method (some of vLLM's methods declare
+    ``supports_pre_processed_weights`` and then ignore the mode: ``patches/`` has their fixes)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.utils import weights_already_processed
 
-    chosen = {id(m) for m in modules}
+    name_of = {id(m): name for name, m in modules.items()}
     patched: list[tuple[object, bool, object]] = []  # (owner, had an instance attribute, it)
 
     def wrap(owner, bound, layer_of):
         def process(*args, **kwargs):
-            if id(layer_of(args)) in chosen:
+            name = name_of.get(id(layer_of(args)))
+            if name is None:
+                return bound(*args, **kwargs)
+            try:
                 with weights_already_processed():
                     return bound(*args, **kwargs)
-            return bound(*args, **kwargs)
+            except Exception as e:
+                raise FallBack(f"{type(owner).__name__}.process_weights_after_loading of {name} failed in vLLM's "
+                               f"pre-processed mode ({type(e).__name__}: {e})") from e
 
         patched.append((owner, "process_weights_after_loading" in vars(owner),
                         vars(owner).get("process_weights_after_loading")))
         owner.process_weights_after_loading = process
 
     seen = set()
-    for module in modules:
+    for module in modules.values():
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None and id(quant_method) not in seen:
             seen.add(id(quant_method))

@@ -3,7 +3,7 @@ JSON (stdout's last line and the results file) and its PNG; and the budget count
 two-scenario picture from rows given to its functions.
 
 The command runs the ``same-model`` scenario only (``--scenario same-model``, 2 engines plain
-then dedup: four ``vllm serve`` starts, about 2.5 minutes here).  The ``family`` scenario runs
+then dedup: four ``vllm serve`` starts, 100 s here).  The ``family`` scenario runs
 the same code with the variants' checkpoints and would double that.
 """
 

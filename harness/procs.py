@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = ["ROOT", "ChildExited", "PeerProcess", "descendants", "free_port", "memfd_holders", "processes_matching",
-           "pss_bytes", "read_reply", "serve_replica_pids", "tree_pss_bytes"]
+           "pss_bytes", "read_reply", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
 
 
 class ChildExited(RuntimeError):
@@ -107,6 +107,24 @@ def tree_pss_bytes(pid: int) -> int:
         except (FileNotFoundError, ProcessLookupError):
             pass
     return total
+
+
+def tree_pss_parts(pid: int) -> dict[str, int]:
+    """``Pss`` of ``pid`` and all its descendants and its parts, in bytes: ``Pss_Anon`` (private
+    heap), ``Pss_File`` (file-backed pages: libraries, Python modules, mapped checkpoints, which
+    the page cache holds once for every process that maps them) and ``Pss_Shmem`` (shared
+    memory, e.g. memfd segments), summed from each process's ``smaps_rollup``."""
+    parts = dict.fromkeys(("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"), 0)
+    for p in descendants(pid):
+        try:
+            lines = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in lines:
+            name, _, value = line.partition(":")
+            if name in parts:
+                parts[name] += int(value.split()[0]) * 1024
+    return parts
 
 
 def processes_matching(*markers: bytes) -> list[int]:

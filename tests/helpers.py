@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -47,3 +48,34 @@ def wait_for(predicate, timeout_s: float = 20, poll_s: float = 0.05) -> bool:
             return True
         time.sleep(poll_s)
     return False
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's header, after checking its signature and that its first
+    chunk is IHDR."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == PNG_SIGNATURE, head[:8]
+    assert head[12:16] == b"IHDR", head[12:16]
+    return struct.unpack(">II", head[16:24])
+
+
+def decoded_pixels(path: Path):
+    """The PNG decoded by matplotlib's reader (an independent check that the whole file is a
+    valid image, not only its header)."""
+    import matplotlib.image
+
+    return matplotlib.image.imread(path)
+
+
+def picture_size(png: Path) -> tuple[int, int]:
+    """(width, height) of ``png`` after checking that it is a whole, valid PNG (`png_size`,
+    `decoded_pixels`) of a sensible size (400 to 6000 px each way) that is not blank."""
+    width, height = png_size(png)
+    assert 400 <= width <= 6000 and 400 <= height <= 6000, (width, height)
+    pixels = decoded_pixels(png)
+    assert pixels.shape[:2] == (height, width)
+    assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[2])[::97]}) > 20  # a picture, not a blank
+    return width, height

@@ -6,46 +6,20 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import picture_size, run_cli
 from vllm_dedup.scan.files import scan_model
 from vllm_dedup.scan.manifest import ManifestCache
 from vllm_dedup.scan.plot import plot_data, short_labels
 from vllm_dedup.scan.report import Report
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    """(width, height) from a PNG's header, after checking its signature and that its first
-    chunk is IHDR."""
-    head = path.read_bytes()[:24]
-    assert head[:8] == PNG_SIGNATURE, head[:8]
-    assert head[12:16] == b"IHDR", head[12:16]
-    return struct.unpack(">II", head[16:24])
-
-
-def decoded_pixels(path: Path):
-    """The PNG decoded by matplotlib's reader (an independent check that the whole file is a
-    valid image, not only its header)."""
-    import matplotlib.image
-
-    return matplotlib.image.imread(path)
-
-
 def plot_ok(proc, png: Path) -> tuple[int, int]:
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"vllm-dedup scan: heatmap written to {png}"
-    width, height = png_size(png)
-    assert 400 <= width <= 6000 and 400 <= height <= 6000, (width, height)
-    pixels = decoded_pixels(png)
-    assert pixels.shape[:2] == (height, width)
-    assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[2])[::97]}) > 20  # a picture, not a blank
-    return width, height
+    return picture_size(png)
 
 
 def hardlinked_copies(model: Path, root: Path, n: int) -> list[Path]:

@@ -51,18 +51,22 @@ class ServeProcess:
         core: CPU core for the engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``).
         kv_cache_bytes: the KV cache's size (the CPU backend needs one given explicitly).
         dtype: the engine's dtype.
+        compiled: run as users do, under torch.compile (no ``--enforce-eager``): 60 to 100 s
+            more start-up on the CPU backend.
     """
 
     def __init__(self, model, load_format: str, log: Path, extra_config: dict | None = None,
                  core: int | None = None, kv_cache_bytes: int = 32 << 20, env: dict | None = None,
-                 dtype: str = "bfloat16"):
+                 dtype: str = "bfloat16", compiled: bool = False):
         self.model = str(model)
         self.port = free_port()
         self.log_path = Path(log)
         self._log = open(self.log_path, "wb")
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", self.model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", dtype, "--max-model-len", "256", "--enforce-eager",
+               "--port", str(self.port), "--dtype", dtype, "--max-model-len", "256",
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--load-format", load_format, "--seed", "0"]
+        if not compiled:
+            cmd.append("--enforce-eager")
         if extra_config:
             cmd += ["--model-loader-extra-config", json.dumps(extra_config)]
         full_env = {**os.environ, **(env or {})}
@@ -125,6 +129,8 @@ class EngineProcess(PeerProcess):
         kv_cache_bytes: the KV cache's size in bytes.
         rlimits: resource limits for the engine's process (`PeerProcess`).
         dtype: the engine's dtype (``bfloat16``; ``float32`` serves a float32 checkpoint as is).
+        compiled: run as users do, under torch.compile (``enforce_eager=False``): 60 to 100 s
+            more start-up on the CPU backend.
 
     The child prints ``READY`` once loaded; `generate`, `complete` and `rpc` talk to it; its
     stderr (vLLM's log) is kept for `log`.  `load_stats` says what loading the model cost,
@@ -133,7 +139,7 @@ class EngineProcess(PeerProcess):
 
     def __init__(self, model, load_format: str = "dedup", extra: dict | None = None, env: dict | None = None,
                  core: int | None = None, kv_cache_bytes: int = 32 << 20, rlimits: dict[int, int] | None = None,
-                 dtype: str = "bfloat16"):
+                 dtype: str = "bfloat16", compiled: bool = False):
         # vLLM logs to stdout by default; to stderr here, so that stdout carries only the
         # protocol and `log` holds everything the engine said.
         full_env = {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
@@ -141,7 +147,8 @@ class EngineProcess(PeerProcess):
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         self.model, self.load_format = str(model), load_format
         super().__init__(["-m", "harness.engines", self.model, load_format, json.dumps(extra or {}),
-                          str(kv_cache_bytes), dtype], f"engine for {self.model}", full_env, rlimits=rlimits)
+                          str(kv_cache_bytes), dtype, "compiled" if compiled else "eager"],
+                         f"engine for {self.model}", full_env, rlimits=rlimits)
 
     def wait_ready(self, timeout_s: float = 300) -> EngineProcess:
         """Wait until the engine has loaded.
@@ -219,8 +226,9 @@ def _engine_main(argv: list[str]) -> None:
     extra = json.loads(argv[2]) if len(argv) > 2 else {}
     kv_bytes = int(argv[3]) if len(argv) > 3 else 32 << 20
     dtype = argv[4] if len(argv) > 4 else "bfloat16"
+    eager = argv[5] != "compiled" if len(argv) > 5 else True
     load_stats = _meter_get_model()
-    llm = LLM(model, load_format=fmt, dtype=dtype, max_model_len=256, enforce_eager=True,
+    llm = LLM(model, load_format=fmt, dtype=dtype, max_model_len=256, enforce_eager=eager,
               kv_cache_memory_bytes=kv_bytes, seed=0, **({"model_loader_extra_config": extra} if extra else {}))
     print("READY", flush=True)
     for line in sys.stdin:

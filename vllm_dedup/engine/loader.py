@@ -30,6 +30,8 @@ head plain (``F.linear``), so that they can be shared instead of being repacked 
 oneDNN-owned memory: vLLM's own ``_cpu_skip_gemm_dispatch`` mark for linear layers, and for the
 vocabulary embeddings a post-processing that does not pack (the input embedding's packed copy
 is never used by its lookup; the head's is the one private copy of a weight left otherwise).
+That changes the model's graph, so it enters vLLM's compile-cache key (`compile_cache`): a
+compiled artifact of a plain engine is never loaded into such a model, nor the other way round.
 """
 
 from __future__ import annotations
@@ -113,8 +115,17 @@ class DedupModelLoader(BaseModelLoader):
                 + EngineSession.current().begin_startup(self.config, vllm_config))
 
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        """The inner loader's model.  On the CPU backend, with ``cpu_share_linear``: plain linear
+        weights, and that graph change in vLLM's compile-cache key; and vLLM's CPU artifacts
+        made loadable (`compile_cache`)."""
         model = self.inner.create_model(vllm_config, model_config, prefix)
-        if self.config.cpu_share_linear and _is_cpu():
+        if not _is_cpu():
+            return model
+        from .compile_cache import allow_cpu_aot_loads, key_compile_cache
+
+        allow_cpu_aot_loads()
+        key_compile_cache(vllm_config, self.config.cpu_share_linear)
+        if self.config.cpu_share_linear:
             marked = _keep_cpu_weights_plain(model)
             logger.warning(
                 "vllm-dedup: cpu_share_linear=true: %d linear layers and vocabulary embeddings keep plain "

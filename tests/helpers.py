@@ -47,3 +47,18 @@ def wait_for(predicate, timeout_s: float = 20, poll_s: float = 0.05) -> bool:
             return True
         time.sleep(poll_s)
     return False
+
+
+def prometheus_samples(port: int, prefix: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples whose metric name starts with ``prefix`` on the Prometheus endpoint at
+    ``127.0.0.1:port`` (Ray's metrics export port of a node): (name, labels, value) each."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = []
+    for line in text.splitlines():
+        if line.startswith(prefix) and (m := re.fullmatch(r"([^{\s]+)\{(.*)\}\s+(\S+)", line)):
+            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m[2]))
+            samples.append((m[1], labels, float(m[3])))
+    return samples

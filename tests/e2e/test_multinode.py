@@ -167,6 +167,14 @@ def test_engine_processes_use_their_own_nodes_registry_and_status_lists_every_no
         finally:
             ray.util.remove_placement_group(group)
     assert "placement_group_bundle_label_selector" not in dedup_llm_config("m", "/m", node=None).deployment_config
+    # A driver's own node never travels to the replicas (each finds its own); the rest of its
+    # VLLM_DEDUP_* environment does.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_DEDUP_RAY_NODE_ID", head)
+        env.setenv("VLLM_DEDUP_RAY_NODE_DIR", str(sockets[head].parent))
+        passed = dedup_llm_config("m", "/m").runtime_env["env_vars"]
+    assert passed["VLLM_DEDUP_RUNTIME_DIR"] == str(registry.run_dir)
+    assert not {"VLLM_DEDUP_RAY_NODE_ID", "VLLM_DEDUP_RAY_NODE_DIR"} & set(passed)
 
 
 def test_replicas_of_one_model_on_two_nodes_hold_one_copy_per_node(smollm2, nodes, registry):

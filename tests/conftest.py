@@ -11,6 +11,8 @@ Serve; marked ``slow``).  ``bash tests/run.sh -m "not slow"`` runs the first two
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -140,22 +142,71 @@ while True:
 """
 
 
+# Two nodes on this machine, as `ray start` twice would make them: the head and a worker, each
+# with its own raylet and the same address, 127.0.0.1, and 3 logical CPUs: room for one Ray
+# Serve LLM replica (2: its engine's bundle and the replica actor), not two, and for the OpenAI
+# ingress (1).
+RAY_TWO_NODE_HOLDER = """
+import json, signal, sys, time
+from ray.cluster_utils import Cluster
+node = {"num_cpus": 3, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+cluster = Cluster(initialize_head=True, head_node_args={**node, "temp_dir": sys.argv[1] + "/ray"})
+worker = cluster.add_node(**node)
+cluster.wait_for_nodes()
+print("ADDRESS " + json.dumps({"address": cluster.address, "head": cluster.head_node.node_id,
+                               "worker": worker.node_id, "tmp": sys.argv[1]}), flush=True)
+signal.signal(signal.SIGTERM, lambda *a: (cluster.shutdown(), sys.exit(0)))
+while True:
+    time.sleep(1)
+"""
+
+
+@contextlib.contextmanager
+def _ray_holder(script: str, own_ray_tmpdir: bool = False):
+    """Run a holder ``script`` with a temp dir of its own (its HOME; with ``own_ray_tmpdir``
+    also the RAY_TMPDIR of every process the cluster starts); gives what it prints after
+    ``ADDRESS``, then stops it and removes the dir."""
+    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are long
+    env = {**os.environ, **RAY_TEST_ENV, "HOME": str(tmp)}
+    if own_ray_tmpdir:
+        env["RAY_TMPDIR"] = str(tmp)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = "-"
+        while line and not line.startswith("ADDRESS "):
+            line = proc.stdout.readline()
+        assert line.startswith("ADDRESS "), f"Ray did not start (exit {proc.poll()})"
+        yield line.split(" ", 1)[1].strip()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """A real single-node Ray cluster on loopback, started by a holder process; yields its
     address.  Stopping the holder stops the cluster (never `ray stop`: it kills every Ray)."""
-    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths are long
-    env = {**os.environ, **RAY_TEST_ENV, "HOME": str(tmp)}
-    proc = subprocess.Popen([sys.executable, "-c", RAY_HOLDER, str(tmp)], stdout=subprocess.PIPE, text=True,
-                            env=env)
-    line = "-"
-    while line and not line.startswith("ADDRESS "):
-        line = proc.stdout.readline()
-    assert line.startswith("ADDRESS "), f"Ray did not start (exit {proc.poll()})"
-    yield line.split()[1]
-    proc.terminate()
-    proc.wait(timeout=60)
-    shutil.rmtree(tmp, ignore_errors=True)
+    with _ray_holder(RAY_HOLDER) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def two_ray_nodes() -> dict:
+    """A real two-node Ray cluster on this machine (`RAY_TWO_NODE_HOLDER`); yields
+    ``{"address", "head", "worker", "tmp"}`` (node ids in hex; ``tmp``: its temp dir, also the
+    ``RAY_TMPDIR`` of every process it starts, so that they can be told from others')."""
+    with _ray_holder(RAY_TWO_NODE_HOLDER, own_ray_tmpdir=True) as line:
+        yield json.loads(line)
+
+
+@pytest.fixture
+def two_nodes_address(two_ray_nodes, registry, monkeypatch) -> dict:
+    """`two_ray_nodes`, exported to the engines and commands this test starts (as `ray_address`)."""
+    for key, value in {**RAY_TEST_ENV, "RAY_ADDRESS": two_ray_nodes["address"]}.items():
+        monkeypatch.setenv(key, value)
+    assert two_ray_nodes["address"].startswith("127.0.0.1:"), two_ray_nodes
+    return two_ray_nodes
 
 
 @pytest.fixture

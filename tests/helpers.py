@@ -79,3 +79,17 @@ def picture_size(png: Path) -> tuple[int, int]:
     assert pixels.shape[:2] == (height, width)
     assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[2])[::97]}) > 20  # a picture, not a blank
     return width, height
+
+
+def prometheus_samples(port: int, prefix: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples whose metric name starts with ``prefix`` on the Prometheus endpoint at
+    ``127.0.0.1:port`` (Ray's metrics export port of a node): (name, labels, value) each, parsed
+    by prometheus_client's text-format parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return [(sample.name, dict(sample.labels), sample.value)
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith(prefix)]

@@ -1,12 +1,17 @@
 """The ``vllm-dedup`` command.
 
     vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache] [--plot FILE.png]
-    vllm-dedup status [--json | --watch [SECONDS]] [--namespace NS]
+    vllm-dedup status [--json | --watch [SECONDS]] [--namespace NS] [--all-nodes [--address ADDR]]
 
 scan exit codes: 0 success; 1 some models could not be read (``--keep-going``: the rest are
 still reported); 2 bad usage or, without ``--keep-going``, the first model that could not be
 read, or a ``--plot`` file that cannot be written.  status exit codes: 0 success (``--watch``:
-stopped with Ctrl-C); 1 no registry runs for the namespace on this node.
+stopped with Ctrl-C); 1 no registry runs for the namespace on this node (``--all-nodes``: in
+the Ray cluster, or no Ray cluster answers, or some node's registry did not answer).
+
+``status --all-nodes --json`` prints ``{"namespace": NS, "registries": [...]}``, one item per
+node's registry actor, head node first: ``name``, ``node_id``, ``node_ip``, ``head``, ``socket``
+and either ``stats`` (the object ``status --json`` prints for one registry) or ``error``.
 """
 
 from __future__ import annotations
@@ -110,10 +115,69 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def _all_nodes_frame(namespace: str) -> tuple[str, list]:
+    """The status text of every node's registry in ``namespace`` (through Ray), and the
+    registries (`ray_actor.NodeRegistry`)."""
+    from .registry.ray_actor import node_registries
+
+    found = node_registries(namespace)
+    if not found:
+        return f"no registry for namespace {namespace!r} in the Ray cluster", found
+    text = format_status([(r.where(), r.stats) for r in found if r.stats is not None])
+    errors = [f"registry {r.name} on {r.where()} did not answer: {r.error}" for r in found if r.stats is None]
+    return "\n\n".join(part for part in (text, "\n".join(errors)) if part), found
+
+
+def _cmd_status_all_nodes(args: argparse.Namespace) -> int:
+    import logging
+
+    try:
+        import ray
+    except ImportError as e:
+        print(f"vllm-dedup status: --all-nodes reads the registries through Ray, which is not installed ({e})",
+              file=sys.stderr)
+        return 1
+    from .registry.ray_actor import probe_ray_address
+
+    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        probe_ray_address(address)
+        ray.init(address=address, namespace=args.namespace, logging_level=logging.WARNING, log_to_driver=False,
+                 include_dashboard=False)
+    except (RegistryUnavailable, ConnectionError, RuntimeError, ValueError) as e:
+        print(f"vllm-dedup status: no Ray cluster at {address} ({e})", file=sys.stderr)
+        return 1
+    try:
+        if args.watch is not None:
+            def frame() -> str:
+                try:
+                    return _all_nodes_frame(args.namespace)[0]
+                except Exception as e:  # the cluster going away is shown, and tried again
+                    return f"cannot read the registries through Ray: {e}; retrying every {args.watch:g}s"
+
+            return watch(frame, args.watch)
+        text, found = _all_nodes_frame(args.namespace)
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps({"namespace": args.namespace, "registries": [r.to_dict() for r in found]}))
+    else:
+        print(text)
+    if not found:
+        print(f"vllm-dedup status: no registry for namespace {args.namespace!r} in the Ray cluster at {address}",
+              file=sys.stderr)
+    return 0 if found and all(r.stats is not None for r in found) else 1
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from .registry.client import registry_stats
     from .registry.protocol import socket_path
 
+    if args.all_nodes:
+        return _cmd_status_all_nodes(args)
+    if args.address is not None:
+        print("vllm-dedup status: error: --address needs --all-nodes", file=sys.stderr)
+        return 2
     path = socket_path(args.namespace)
     if args.watch is not None:
         def frame() -> str:
@@ -170,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                             description="The registry's engines, segments, and bytes shared and saved, "
                             "per device and share group.")
     status.add_argument("--namespace", default="vllm-dedup", help="registry namespace (default: vllm-dedup)")
+    status.add_argument("--all-nodes", action="store_true",
+                        help="every node's registry in the Ray cluster, read through Ray (one per node)")
+    status.add_argument("--address", metavar="ADDR", default=None,
+                        help="with --all-nodes: the Ray cluster (default: $RAY_ADDRESS, else the local one)")
     shown = status.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true", help="print one JSON object")
     shown.add_argument("--watch", type=_positive_seconds, nargs="?", const=2.0, default=None, metavar="SECONDS",

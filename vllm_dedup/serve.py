@@ -1,4 +1,4 @@
-"""Ray Serve deployments of several models that share weights on one device.
+"""Ray Serve deployments of several models that share weights on one device (per node).
 
 A few lines deploy several fine-tunes of one model family behind one OpenAI-compatible route
 (Ray Serve LLM's ``build_openai_app``; the request's ``model`` field picks the deployment)::
@@ -17,12 +17,19 @@ What the helpers add to plain Ray Serve LLM configs:
 - engine arguments: ``load_format="dedup"`` and its ``model_loader_extra_config``
   (`config.DedupConfig`), with ``registry_address`` set to the current Ray cluster, so every
   replica's engine uses the cluster's registry actor;
-- the registry actor itself, created before any replica starts (`ensure_registry`), so that
-  replicas find it on their node's socket instead of each connecting to Ray to look for it;
-- resources: every replica's bundle is pinned to one node (Ray's ``node:<ip>`` resource), and on
-  GPUs takes ``1 / replicas_per_device`` of a GPU, so the replicas sit on one device;
-- the registry's environment (``VLLM_DEDUP_*`` variables of this process) in the replicas'
-  ``runtime_env``, so that they look for the registry where it is.
+- the registry actor of each node the replicas may use, created before any replica starts
+  (`ensure_registry`), so that replicas find it on their node's socket instead of each
+  connecting to Ray to look for it;
+- placement: by default every replica's bundle is pinned to the driver's node (Ray's
+  ``ray.io/node-id`` label, exact even when several nodes share an IP address), or to a node
+  given by id, or left to Ray (``node=None``); on GPUs each takes ``1 / replicas_per_device``
+  of a GPU, so the replicas sit on one device;
+- the registry's environment (``VLLM_DEDUP_*`` variables of this process, less the node-local
+  ones of `registry.nodes.NODE_ENV`) in the replicas' ``runtime_env``, so that they look for
+  the registry where it is.
+
+Sharing stays within a node: a replica's engine uses its own node's registry
+(`registry.nodes`), so replicas of one model on two nodes hold one copy per node.
 
 Requires ``ray[serve]`` and ``pyarrow`` (what ``ray.serve.llm`` imports) and vLLM.
 """
@@ -33,18 +40,22 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .registry.protocol import DEFAULT_NAMESPACE, socket_path
+from .registry.nodes import NODE_ENV, ray_node
+from .registry.protocol import DEFAULT_NAMESPACE
 
-__all__ = ["build_dedup_app", "dedup_engine_kwargs", "dedup_llm_config", "ensure_registry"]
+__all__ = ["DRIVER_NODE", "build_dedup_app", "dedup_engine_kwargs", "dedup_llm_config", "ensure_registry"]
+
+DRIVER_NODE = "driver"  # the ``node`` that means: the node this process (the driver) runs on
+NODE_ID_LABEL = "ray.io/node-id"  # Ray's default label of every node: its node id
 
 
-def ensure_registry(namespace: str = DEFAULT_NAMESPACE) -> Path:
-    """Create this node's registry actor in the current Ray cluster (or find it); returns its
-    socket path.  Call after ``ray.init``.
+def ensure_registry(namespace: str = DEFAULT_NAMESPACE, node_id: str | None = None) -> Path:
+    """Create the registry actor of node ``node_id`` (default: this driver's node) in the current
+    Ray cluster, or find it; returns its socket path.  Call after ``ray.init``.
 
     Raises:
         RuntimeError: Ray is not initialized in this process.
-        RegistryUnavailable: the actor could not be created.
+        RegistryUnavailable: the actor could not be created, or ``node_id`` is no alive node.
     """
     import ray
 
@@ -52,7 +63,7 @@ def ensure_registry(namespace: str = DEFAULT_NAMESPACE) -> Path:
 
     if not ray.is_initialized():
         raise RuntimeError("vllm_dedup.serve.ensure_registry needs a Ray connection: call ray.init() first")
-    return Path(ensure_actor(namespace, socket_path(namespace)))
+    return Path(ensure_actor(namespace, node_id=node_id))
 
 
 def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Mapping | None = None) -> dict:
@@ -79,7 +90,8 @@ def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Map
 
 def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: bool = True,
                      engine_kwargs: Mapping | None = None, loader_config: Mapping | None = None,
-                     replicas_per_device: int = 1, device: str = "cpu", **llm_config):
+                     replicas_per_device: int = 1, device: str = "cpu", node: str | None = DRIVER_NODE,
+                     **llm_config):
     """A ``ray.serve.llm.LLMConfig`` for one model, placed to share one device with others.
 
     Args:
@@ -92,10 +104,17 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
         replicas_per_device: how many engines share one GPU (each bundle takes that fraction
             of a GPU; ``gpu_memory_utilization`` defaults to 0.9 divided among them).
         device: ``"cpu"`` (vLLM's CPU backend) or ``"gpu"``.
+        node: where the replicas run: `DRIVER_NODE` (the default: this process's node; not
+            pinned when this process is not connected to Ray), a Ray node id (hex), or None
+            (wherever Ray finds room: replicas on several nodes hold one copy per node).
+            Pinning uses the deployment's ``placement_group_bundle_label_selector``, unless
+            ``deployment_config`` sets one.
         llm_config: further ``LLMConfig`` fields (``deployment_config``, ``runtime_env``, ...).
 
     Raises:
-        ValueError: bad ``device`` or ``replicas_per_device``, or an unknown loader config key.
+        ValueError: bad ``device`` or ``replicas_per_device``, an unknown loader config key, or a
+            ``node`` that is no alive Ray node.
+        RuntimeError: ``node`` is a node id but this process is not connected to Ray.
     """
     from ray.serve.llm import LLMConfig
 
@@ -108,12 +127,15 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
     if device == "gpu":
         bundle["GPU"] = 1 / replicas_per_device
         kwargs.setdefault("gpu_memory_utilization", round(0.9 / replicas_per_device, 4))
-    if (node := _node_resource()) is not None:
-        bundle[node] = 0.001
+    if (node_id := _pinned_node(node)) is not None:
+        deployment = dict(llm_config.pop("deployment_config", None) or {})
+        deployment.setdefault("placement_group_bundle_label_selector", [{NODE_ID_LABEL: node_id}])
+        llm_config["deployment_config"] = deployment
     if dedup:
         kwargs = dedup_engine_kwargs(kwargs, loader_config)
     runtime_env = dict(llm_config.pop("runtime_env", None) or {})
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DEDUP_")}
+    # The node's own socket directory is not the replicas': each finds its node (registry.nodes).
+    env_vars = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DEDUP_") and k not in NODE_ENV}
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": str(model_source)},
@@ -127,20 +149,26 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
 
 def build_dedup_app(models: Mapping[str, str | os.PathLike], *, dedup: bool = True, device: str = "cpu",
                     engine_kwargs: Mapping | None = None, loader_config: Mapping | None = None,
-                    namespace: str | None = None, **llm_config):
+                    namespace: str | None = None, node: str | None = DRIVER_NODE, **llm_config):
     """One Ray Serve application: a deployment per model, one OpenAI-compatible route.
 
     Connects to Ray (``ray.init()``) if this process is not connected yet and, with ``dedup``,
-    creates the registry actor before returning.
+    creates the registry actors before returning: on the node the replicas are pinned to, or
+    with ``node=None`` on every alive node (a node that joins later gets its registry from its
+    first engine).
 
     Args:
         models: model id -> model folder or Hugging Face id.
-        dedup, device, engine_kwargs, loader_config, llm_config: see `dedup_llm_config`
+        dedup, device, engine_kwargs, loader_config, node, llm_config: see `dedup_llm_config`
             (``replicas_per_device`` is the number of models).
         namespace: the registry namespace (``loader_config["registry_namespace"]``).
 
     Returns:
         the application for ``serve.run``.
+
+    Raises:
+        ValueError: see `dedup_llm_config`.
+        RegistryUnavailable: a registry actor could not be created.
     """
     import ray
     from ray.serve.llm import build_openai_app
@@ -150,13 +178,15 @@ def build_dedup_app(models: Mapping[str, str | os.PathLike], *, dedup: bool = Tr
     loader = dict(loader_config or {})
     if namespace is not None:
         loader["registry_namespace"] = namespace
-    if dedup:
-        ensure_registry(loader.get("registry_namespace", DEFAULT_NAMESPACE))
     configs = [
         dedup_llm_config(model_id, source, dedup=dedup, engine_kwargs=engine_kwargs, loader_config=loader,
-                         replicas_per_device=len(models), device=device, **llm_config)
+                         replicas_per_device=len(models), device=device, node=node, **llm_config)
         for model_id, source in models.items()
-    ]
+    ]  # first: they check ``node``
+    if dedup:
+        nodes = [_pinned_node(node)] if node is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        for node_id in nodes:
+            ensure_registry(loader.get("registry_namespace", DEFAULT_NAMESPACE), node_id)
     return build_openai_app({"llm_configs": configs})
 
 
@@ -166,10 +196,16 @@ def _ray_address() -> str | None:
     return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
-def _node_resource() -> str | None:
-    """Ray's built-in resource of the driver's node (``node:<ip>``), or None outside Ray."""
+def _pinned_node(node: str | None) -> str | None:
+    """The id of the node ``node`` names (see `dedup_llm_config`), checked against Ray's node
+    table; None when the replicas are not to be pinned.
+
+    Raises:
+        ValueError: ``node`` is no alive node's id.
+        RuntimeError: ``node`` is an id but this process is not connected to Ray.
+    """
     import ray
 
-    if not ray.is_initialized():
+    if node is None or (node == DRIVER_NODE and not ray.is_initialized()):
         return None
-    return f"node:{ray.util.get_node_ip_address()}"
+    return ray_node(None if node == DRIVER_NODE else node).node_id

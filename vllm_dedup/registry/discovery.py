@@ -2,7 +2,8 @@
 
 In this order:
 
-1. a registry already answers on this node's socket for the namespace: use it;
+1. a registry already answers on this node's socket for the namespace: use it (on a Ray node
+   other than the head, the socket lives in that node's own directory: `nodes.py`);
 2. ``registry_address="local"``: start the standalone daemon (`daemon.py`, no Ray);
 3. a Ray cluster is reachable (``registry_address``, ``RAY_ADDRESS``, this process already in
    Ray, or a cluster running on this machine): get or create the node's actor (`ray_actor.py`);
@@ -20,6 +21,7 @@ from pathlib import Path
 from ..errors import RegistryUnavailable
 from .client import BrokerClient
 from .daemon import start_daemon
+from .nodes import NODE_ID_ENV, node_socket_path
 from .protocol import socket_path
 from .ray_actor import ensure_actor
 
@@ -27,7 +29,8 @@ __all__ = ["connect_registry"]
 
 
 def _ray_cluster_hint(address: str | None) -> bool:
-    if address or os.environ.get("RAY_ADDRESS"):
+    # NODE_ID_ENV: the process that started this engine was on a Ray node (`nodes.export_node`).
+    if address or os.environ.get("RAY_ADDRESS") or os.environ.get(NODE_ID_ENV):
         return True
     try:
         import ray
@@ -53,7 +56,11 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     Raises:
         RegistryUnavailable: no registry could be reached or started.
     """
-    path = socket_path(namespace)
+    socket_path(namespace)  # a bad namespace is the caller's error (ValueError), not a missing registry
+    try:
+        path = node_socket_path(namespace)
+    except Exception as e:  # Ray's node table unreachable: no registry, not a failed engine
+        raise RegistryUnavailable(f"cannot tell which Ray node this process is on: {e}") from None
     try:
         return BrokerClient(path)
     except RegistryUnavailable:
@@ -61,7 +68,7 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     if address != "local" and _ray_cluster_hint(address):  # an explicit Ray address always lands here
         # An actor that already exists serves the path its creator chose (its environment may
         # differ from ours, e.g. another VLLM_DEDUP_RUNTIME_DIR): connect there.
-        path = Path(ensure_actor(namespace, path, keep_warm_s, address))
+        path = Path(ensure_actor(namespace, keep_warm_s, address))
     else:
         start_daemon(path, keep_warm_s=keep_warm_s)
     deadline = time.monotonic() + timeout_s

@@ -3,7 +3,10 @@
 Its process serves the registry socket (`server.BrokerServer`) for the engines of that node,
 because Ray cannot carry file descriptors.  Engines talk to the socket only: they need Ray just
 to create the actor the first time (`ensure_actor`, called by `discovery.connect_registry`).
-The actor also exports the registry's figures as Ray metrics (`metrics.RegistryMetrics`).
+The socket's directory is the node's own (`nodes.py`), so several nodes on one machine never
+share a registry.  The actor also exports the registry's figures as Ray metrics, tagged with
+its node (`metrics.RegistryMetrics`), and `node_registries` reads every node's registry
+through Ray (``vllm-dedup status --all-nodes``).
 """
 
 from __future__ import annotations
@@ -12,16 +15,21 @@ import logging
 import os
 import socket
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RegistryUnavailable
 from .metrics import RegistryMetrics
+from .nodes import HEAD_RESOURCE, node_socket_path, ray_node, this_node
 from .server import BrokerServer
-from .state import Registry
+from .state import Registry, RegistryStats
 
-__all__ = ["RegistryActor", "actor_name", "ensure_actor", "probe_ray_address"]
+__all__ = ["ACTOR_PREFIX", "NodeRegistry", "RegistryActor", "actor_name", "ensure_actor", "node_registries",
+           "probe_ray_address"]
 
 logger = logging.getLogger(__name__)
+
+ACTOR_PREFIX = "vllm-dedup-registry-"
 
 
 class RegistryActor:
@@ -33,8 +41,11 @@ class RegistryActor:
     """
 
     def __init__(self, path: str, keep_warm_s: float = 0.0):
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.server = BrokerServer(Registry(keep_warm_s=keep_warm_s), Path(path)).start()
-        self.metrics = RegistryMetrics(self.server.stats).start()
+        self.metrics = RegistryMetrics(self.server.stats, node=self.node_id).start()
         # A registry stopped through its socket (`client.shutdown_registry`) takes its actor
         # with it, so that the name is free and the next engine creates a working one.
         threading.Thread(target=self._exit_when_stopped, name="vllm-dedup-actor-exit", daemon=True).start()
@@ -49,6 +60,10 @@ class RegistryActor:
         """Where engines connect (also: the actor is up and serving)."""
         return str(self.server.path)
 
+    def where(self) -> dict:
+        """``{"node_id": <the Ray node id this actor runs on>, "socket": <its socket path>}``."""
+        return {"node_id": self.node_id, "socket": str(self.server.path)}
+
     def stats(self) -> dict:
         """`Registry.stats` as a dict (the same figures the Ray metrics carry)."""
         return self.server.stats().to_dict()
@@ -60,23 +75,33 @@ class RegistryActor:
 
 def actor_name(node_id: str) -> str:
     """The registry actor's name on node ``node_id`` (one registry per node)."""
-    return f"vllm-dedup-registry-{node_id[:16]}"
+    return f"{ACTOR_PREFIX}{node_id[:16]}"
 
 
-def ensure_actor(namespace: str, path: Path, keep_warm_s: float = 0.0, address: str | None = None) -> str:
-    """Get or create this node's registry actor in ``namespace``; returns its socket path.
+def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None = None,
+                 node_id: str | None = None) -> str:
+    """Get or create the registry actor of node ``node_id`` in ``namespace``; returns its socket path.
+
+    ``node_id`` defaults to this process's node (`nodes.this_node`: the node of this process's
+    Ray connection, or the one its parent exported), and else to the node that ``ray.init``
+    connects this process to.  A new actor serves `nodes.node_socket_path` of that node; an
+    actor that exists already serves the path its creator chose.
 
     Connects this process to Ray if it is not connected yet (and disconnects afterwards: the
     actor is detached and outlives us).
 
     Raises:
-        RegistryUnavailable: Ray is not installed, or no cluster can be reached.
+        RegistryUnavailable: Ray is not installed, no cluster can be reached, ``node_id`` is no
+            alive node, or the actor could not be started.
     """
     try:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     except ImportError as e:
         raise RegistryUnavailable(f"Ray is not installed ({e})") from None
+    # Before connecting: an engine process knows its node from the environment, and ray.init
+    # may attach it to another node of the same machine (Ray picks one by IP address).
+    known = this_node()
     connected_here = False
     if not ray.is_initialized():
         probe_ray_address(address)
@@ -87,21 +112,95 @@ def ensure_actor(namespace: str, path: Path, keep_warm_s: float = 0.0, address: 
             raise RegistryUnavailable(f"no Ray cluster at {address or 'auto'}: {e}") from None
         connected_here = True
     try:
-        node_id = ray.get_runtime_context().get_node_id()
+        node = ray_node(node_id or (known.node_id if known else None))
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
         actor = actor_cls.options(
-            name=actor_name(node_id),
+            name=actor_name(node.node_id),
             namespace=namespace,
             lifetime="detached",
             get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(str(path), keep_warm_s)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        ).remote(str(node_socket_path(namespace, node)), keep_warm_s)
         return ray.get(actor.socket_path.remote(), timeout=60)
     except Exception as e:
         raise RegistryUnavailable(f"cannot start the registry actor in namespace {namespace!r}: {e}") from None
     finally:
         if connected_here:
             ray.shutdown()
+
+
+@dataclass
+class NodeRegistry:
+    """One node's registry actor, as `node_registries` found it.
+
+    Attributes:
+        node_id, node_ip, head: the Ray node it runs on (id from the actor, address and role
+            from Ray's node table; ``node_ip`` is "" when the node is no longer alive).
+        socket: the socket path engines on that node connect to.
+        stats: its `RegistryStats`, or None when it did not answer.
+        error: why it did not answer (None when it did).
+    """
+
+    name: str
+    node_id: str
+    node_ip: str
+    head: bool
+    socket: str
+    stats: RegistryStats | None
+    error: str | None = None
+
+    def where(self) -> str:
+        """``node <id16> (<ip>[, head]) <socket>``: the heading of this registry in the status."""
+        role = ", head" if self.head else ""
+        return f"node {self.node_id[:16]} ({self.node_ip or 'not alive'}{role}) {self.socket}"
+
+    def to_dict(self) -> dict:
+        """One item of ``vllm-dedup status --all-nodes --json``'s ``registries`` list."""
+        out = {"name": self.name, "node_id": self.node_id, "node_ip": self.node_ip, "head": self.head,
+               "socket": self.socket}
+        if self.stats is not None:
+            out["stats"] = self.stats.to_dict()
+        else:
+            out["error"] = self.error
+        return out
+
+
+def node_registries(namespace: str, timeout_s: float = 10.0) -> list[NodeRegistry]:
+    """Every node's registry actor in ``namespace`` (Ray's named actors), head node first, then
+    by node id; each asked for its node, socket and stats, all at once.  Needs a Ray connection.
+
+    An actor that does not answer within ``timeout_s`` seconds (or fails) is listed with its
+    ``error``; an empty list means no registry runs in that namespace.
+    """
+    import ray
+
+    nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == namespace and a["name"].startswith(ACTOR_PREFIX))
+    handles, pending = {}, {}
+    for name in names:
+        try:
+            handles[name] = ray.get_actor(name, namespace=namespace)
+            pending[name] = (handles[name].where.remote(), handles[name].stats.remote())
+        except ValueError as e:  # gone between the listing and now
+            pending[name] = e
+    out = []
+    for name in names:
+        node_id, socket_text, stats, error = name[len(ACTOR_PREFIX):], "", None, None
+        try:
+            if isinstance(pending[name], Exception):
+                raise pending[name]
+            where_ref, stats_ref = pending[name]
+            where, data = ray.get([where_ref, stats_ref], timeout=timeout_s)
+            node_id, socket_text, stats = where["node_id"], where["socket"], RegistryStats.from_dict(data)
+        except Exception as e:  # one registry's failure must not hide the others
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        # Without an answer only the name's 16 hex digits of the node id are known.
+        node = next((n for i, n in nodes.items() if i.startswith(node_id)), {})
+        out.append(NodeRegistry(name, node_id, node.get("NodeManagerAddress", ""),
+                                HEAD_RESOURCE in node.get("Resources", {}), socket_text, stats, error))
+    out.sort(key=lambda r: (not r.head, r.node_id))
+    return out
 
 
 def probe_ray_address(address: str | None, timeout_s: float = 3.0) -> None:

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from harness.procs import PeerProcess, memfd_holders, processes_matching
-from helpers import wait_for
+from helpers import run_cli, wait_for
 from vllm_dedup.errors import RegistryUnavailable
 from vllm_dedup.registry.client import BrokerClient, registry_stats, shutdown_registry
 from vllm_dedup.registry.daemon import start_daemon
@@ -60,6 +60,11 @@ def test_engines_re_register_what_they_hold_with_a_registry_that_comes_back(tmp_
             assert (group.segments, group.engines, group.resident_bytes) == (1, 2, 8 * MB)  # stored once
             assert sorted(e.pid for e in new.engines) == sorted([a.pid, b.pid])
             assert recipes(sock)  # the recipe came back with its engine
+            # `vllm-dedup status` shows them re-registered, `restart` times each.
+            table = run_cli("status", check=True).stdout.splitlines()
+            for peer, model in ((a, "peer-publish"), (b, "peer-map")):
+                row = next(line.split() for line in table if line.lstrip().startswith(f"{peer.pid} "))
+                assert row[-2:] == [str(restart), model], row
             for peer in (a, b):
                 peer.send("digest")
                 assert peer.read_json() == {"digest": digest, "reregistrations": restart}

@@ -65,11 +65,11 @@ def test_status_table_shows_the_live_broker(broker, two_peers):
     assert " ".join(group[4:6]) == " ".join(group[6:8]) == f"{resident / 1e6:.1f} MB"  # resident, shared
     header = next(line.split() for line in lines if line.lstrip().startswith("pid "))
     assert header == ["pid", "device", "share", "group", "segments", "shared", "published", "private", "path",
-                      "model"]
+                      "re-registered", "model"]
     for peer in (publisher, mapper):
         row = next(line.split() for line in lines if line.lstrip().startswith(f"{peer.pid} "))
         # The peers report no load: no bytes, no path.
-        assert row == [str(peer.pid), "cpu", "default", "1", "0", "B", "0", "B", "0", "B", "-", "peer"]
+        assert row == [str(peer.pid), "cpu", "default", "1", "0", "B", "0", "B", "0", "B", "-", "-", "peer"]
 
 
 def read_until(fd: int, done, timeout_s: float = 20.0) -> str:

@@ -1,5 +1,6 @@
 """The status table, from a real `Registry`'s stats: several registries one after another,
-and each engine's load path (``"-"`` when it reported none)."""
+and each engine's load path (``"-"`` when it reported none) and registry restarts it re-registered
+through."""
 
 from __future__ import annotations
 
@@ -43,14 +44,15 @@ def rows(text: str, first: str) -> list[list[str]]:
 def test_engine_rows_show_the_load_path_and_bytes():
     stats = stats_with([{"published_bytes": 4 * MB, "path": "full"},
                         {"shared_bytes": 4 * MB, "private_bytes": 250_000, "path": "modules"},
-                        {"shared_bytes": 4 * MB}])
+                        {"shared_bytes": 4 * MB, "path": "none", "reregistered": 2}])
     text = format_status([("/run/r.sock", stats)])
     header, _rule, *engines = rows(text, "pid")
-    assert header == ["pid", "device", "share group", "segments", "shared", "published", "private", "path", "model"]
+    assert header == ["pid", "device", "share group", "segments", "shared", "published", "private", "path",
+                      "re-registered", "model"]
     assert engines == [
-        ["1000", "cpu", "default", "1", "0 B", "4.0 MB", "0 B", "full", "model-0"],
-        ["1001", "cpu", "default", "1", "4.0 MB", "0 B", "250.0 kB", "modules", "model-1"],
-        ["1002", "cpu", "default", "1", "4.0 MB", "0 B", "0 B", "-", "model-2"],
+        ["1000", "cpu", "default", "1", "0 B", "4.0 MB", "0 B", "full", "-", "model-0"],
+        ["1001", "cpu", "default", "1", "4.0 MB", "0 B", "250.0 kB", "modules", "-", "model-1"],
+        ["1002", "cpu", "default", "1", "4.0 MB", "0 B", "0 B", "none", "2", "model-2"],
     ]
     header, _rule, group = rows(text, "device")
     assert header == ["device", "share group", "engines", "segments", "resident", "shared", "saved"]

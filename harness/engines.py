@@ -106,15 +106,36 @@ class ServeProcess:
         return descendants(self.proc.pid)
 
     def stop(self, timeout_s: float = 60) -> None:
-        """SIGTERM the process group, SIGKILL it after ``timeout_s``; close the log."""
+        """SIGTERM the process group (server, engine core, worker), SIGKILL what is left of it
+        after ``timeout_s``; return once every process of the group has exited, then close the log.
+
+        Waiting for the server alone is not enough: it can exit before its worker, whose
+        registry lease would then see a registry stopped right after as one to restart.
+        """
+        group = self.proc.pid  # start_new_session: the server leads its own group
+        deadline = time.monotonic() + timeout_s
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            os.killpg(group, signal.SIGTERM)
+        while _group_alive(group) and time.monotonic() < deadline:
+            self.proc.poll()  # reaps the server, the group's leader, once it exits
+            time.sleep(0.1)
+        if _group_alive(group):
+            os.killpg(group, signal.SIGKILL)
+            self.proc.wait()
+            deadline = time.monotonic() + 30  # the others are reaped by init
+            while _group_alive(group) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self.proc.wait()
         self._log.close()
+
+
+def _group_alive(group: int) -> bool:
+    """Whether process group ``group`` has a process left (a zombie not yet reaped counts)."""
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 class EngineProcess(PeerProcess):

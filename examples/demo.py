@@ -145,7 +145,8 @@ def cleanup(run_dir: Path) -> list[str]:
 def _leftovers(run_dir: Path) -> list[str]:
     pids = set(processes_matching(str(run_dir).encode())) | set(processes_matching(b"vllm", b"serve", b"127.0.0.1"))
     left = [f"process {pid}" for pid in sorted(pids)]
-    left += [f"memfd in process {pid}" for pid in memfd_holders()]
+    left += [f"segment memfd in process {pid}" for pid in memfd_holders()]
+    left += [f"recipe memfd in process {pid}" for pid in memfd_holders(RECIPE_MEMFD_NAME)]
     run = run_dir / "run"
     if run.exists() and any(run.iterdir()):
         left += [f"file {p}" for p in run.iterdir()]

@@ -23,6 +23,7 @@ from vllm_dedup.errors import RegistryUnavailable
 from vllm_dedup.registry.client import registry_stats, shutdown_registry
 from vllm_dedup.registry.daemon import start_daemon
 from vllm_dedup.registry.state import MAX_RECIPES
+from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 
 from .engines import PROMPTS, ServeProcess, openai_complete
 from .procs import descendants, memfd_holders, processes_matching, tree_pss_bytes
@@ -148,7 +149,11 @@ class Soak:
             stats = registry_stats(self.socket)
         except RegistryUnavailable:
             return -1
-        return len(stats.engines) if stats.registry_pid != old_registry else -1
+        if stats.registry_pid == old_registry:
+            return -1
+        # An engine is listed from its hello on, but has re-registered everything it holds only
+        # once its load report (sent last) is back.
+        return sum(1 for e in stats.engines if e.load.get("reregistered"))
 
     def _stop_all(self) -> None:
         for slot in self.slots:
@@ -198,12 +203,15 @@ class Soak:
         holders = set(memfd_holders())
         if not holders <= engines | {stats.registry_pid}:
             self._inconsistent(f"{when}: processes {sorted(holders - engines - {stats.registry_pid})} hold segments")
-        # The registry's memfds: one per segment, plus its recipes (at most MAX_RECIPES of this
+        # The registry holds one memfd per segment, and its recipes (at most MAX_RECIPES for this
         # family's one load signature).
-        memfds = memfd_holders().count(stats.registry_pid)
         segments = sum(g.segments for g in stats.groups)
-        if not segments <= memfds <= segments + MAX_RECIPES:
-            self._inconsistent(f"{when}: the registry holds {memfds} memfds for {segments} segments")
+        held = memfd_holders().count(stats.registry_pid)
+        if held != segments:
+            self._inconsistent(f"{when}: the registry holds {held} segment memfds for {segments} segments")
+        recipes = memfd_holders(RECIPE_MEMFD_NAME).count(stats.registry_pid)
+        if recipes > MAX_RECIPES:
+            self._inconsistent(f"{when}: the registry holds {recipes} recipe memfds (at most {MAX_RECIPES} kept)")
 
     def _inconsistent(self, what: str) -> None:
         self.report.consistent = False
@@ -218,9 +226,12 @@ class Soak:
         return total
 
     def _leftovers(self) -> dict:
-        _wait(lambda: not memfd_holders() and not processes_matching(str(self.socket).encode()), 30)
+        def memfds() -> int:
+            return len(memfd_holders()) + len(memfd_holders(RECIPE_MEMFD_NAME))
+
+        _wait(lambda: not memfds() and not processes_matching(str(self.socket).encode()), 30)
         return {
-            "memfd_holders": len(memfd_holders()),
+            "memfd_holders": memfds(),
             "registry_processes": len(processes_matching(b"vllm_dedup.registry.daemon", str(self.socket).encode())),
             "serve_processes": sum(len(processes_matching(b"serve", str(s.model).encode(), b"--port")) for s in self.slots),
             "socket_files": len([p for p in self.socket.parent.glob("*.sock")]) if self.socket.parent.exists() else 0,

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = ["ROOT", "ChildExited", "PeerProcess", "descendants", "free_port", "memfd_holders", "processes_matching",
@@ -160,8 +162,11 @@ def serve_replica_pids(app: str, deployment: str) -> list[int]:
     return pids
 
 
-def memfd_holders(prefix: str = "/memfd:vllm-dedup") -> list[int]:
-    """One pid per open descriptor of a segment memfd (names starting ``prefix``), machine-wide."""
+def memfd_holders(name: str = SEGMENT_MEMFD_NAME) -> list[int]:
+    """One pid per open descriptor of a memfd named exactly ``name``, machine-wide: by default a
+    weight segment's; `RECIPE_MEMFD_NAME` counts recipes, which a registry keeps after its engines
+    exit (at most `MAX_RECIPES` per share group and load signature)."""
+    targets = (f"/memfd:{name}", f"/memfd:{name} (deleted)")
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -172,7 +177,7 @@ def memfd_holders(prefix: str = "/memfd:vllm-dedup") -> list[int]:
             continue
         for fd in fds:
             try:
-                if os.readlink(fd).startswith(prefix):
+                if os.readlink(fd) in targets:
                     pids.append(int(proc.name))
             except OSError:
                 pass

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from harness.engines import PROMPTS, EngineProcess, ServeProcess, start_engines
 from harness.procs import free_port, memfd_holders, processes_matching
+from vllm_dedup.registry.state import MAX_RECIPES
+from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 from helpers import wait_for
 
 def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2, plain_smollm2, registry):
@@ -242,7 +244,11 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
         fds = len(os.listdir(f"/proc/{registry_pid}/fd"))
         fds_after_first = fds_after_first or fds
         assert fds <= fds_after_first, f"cycle {cycle}: the registry holds {fds} descriptors"
-        assert memfd_holders() == []
+        assert memfd_holders() == []  # no segment outlives its engines
+        # The Ray actor outlives them and keeps the model's recipe (for the next engine's fast
+        # path): one memfd, the same one every cycle, not one more per cycle.
+        recipe_holders = memfd_holders(RECIPE_MEMFD_NAME)
+        assert set(recipe_holders) == {registry_pid} and len(recipe_holders) <= MAX_RECIPES, recipe_holders
     assert registry_pid != os.getpid() and not registry.daemon_pids()  # the Ray actor, not a daemon
     assert len(_registry_actors(ray_address)) == 1
     assert processes_matching(b"harness.engines") == []

@@ -12,6 +12,7 @@ from helpers import run_cli, wait_for
 from vllm_dedup.errors import RegistryUnavailable
 from vllm_dedup.registry.client import BrokerClient, registry_stats, shutdown_registry
 from vllm_dedup.registry.daemon import start_daemon
+from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 
 PEER = Path(__file__).resolve().parents[1] / "peers" / "lease_peer.py"
 MB = 1 << 20
@@ -78,4 +79,4 @@ def test_engines_re_register_what_they_hold_with_a_registry_that_comes_back(tmp_
             peer.end()
         shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
-    assert memfd_holders() == []
+    assert memfd_holders() == [] and memfd_holders(RECIPE_MEMFD_NAME) == []

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import ProtocolError, RegistryUnavailable, SegmentError
-from ..segments.host import check_sealed_memfd, sealed_memfd
+from ..segments.host import MESSAGE_MEMFD_NAME, check_sealed_memfd, sealed_memfd
 
 __all__ = [
     "DEFAULT_NAMESPACE", "INLINE_MAX", "MAX_FDS", "MAX_ITEMS", "MAX_MESSAGE", "MAX_REPLY", "MAX_STRING", "REQUESTS",
@@ -142,7 +142,7 @@ def frame(obj: dict, limit: int = MAX_MESSAGE) -> tuple[bytes, int | None]:
         raise ProtocolError(f"a registry message of {len(data)} bytes exceeds the limit of {limit}")
     if len(data) <= INLINE_MAX:
         return data, None
-    return json.dumps({_CARRIER: len(data)}).encode(), sealed_memfd([(data, 0)], len(data), "vllm-dedup-message")
+    return json.dumps({_CARRIER: len(data)}).encode(), sealed_memfd([(data, 0)], len(data), MESSAGE_MEMFD_NAME)
 
 
 def send(sock: socket.socket, obj: dict, fds: typing.Sequence[int] = (), limit: int = MAX_MESSAGE) -> None:

@@ -20,7 +20,13 @@ from ..content.views import tensor_bytes, typed_view
 from ..errors import SegmentError
 from .base import Segment
 
-__all__ = ["HostSegment", "check_sealed_memfd", "sealed_memfd"]
+__all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd", "sealed_memfd"]
+
+# The memfd names (shown as ``/memfd:NAME`` in /proc/PID/fd): distinct, so a process's segments
+# and recipes can be told apart when counting what is left behind.
+SEGMENT_MEMFD_NAME = "vllm-dedup"
+RECIPE_MEMFD_NAME = "vllm-dedup-recipe"
+MESSAGE_MEMFD_NAME = "vllm-dedup-message"  # a registry message too large for a datagram
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _SEAL_NAMES = [(fcntl.F_SEAL_WRITE, "F_SEAL_WRITE"), (fcntl.F_SEAL_SHRINK, "F_SEAL_SHRINK"),
@@ -29,7 +35,7 @@ _KINDS = [(stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR,
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")]
 
 
-def sealed_memfd(parts, nbytes: int, name: str = "vllm-dedup") -> int:
+def sealed_memfd(parts, nbytes: int, name: str = SEGMENT_MEMFD_NAME) -> int:
     """A new memfd of ``nbytes`` bytes holding each ``(buffer, offset)`` of ``parts``, then
     sealed read-only (``F_SEAL_WRITE|SHRINK|GROW|SEAL``).  The caller owns the descriptor.
 
@@ -91,7 +97,7 @@ class HostSegment(Segment):
             raise SegmentError(f"cannot map a {nbytes}-byte memfd segment: {e}") from None
 
     @classmethod
-    def create_packed(cls, parts, nbytes: int, device: str = "cpu", name: str = "vllm-dedup") -> HostSegment:
+    def create_packed(cls, parts, nbytes: int, device: str = "cpu", name: str = SEGMENT_MEMFD_NAME) -> HostSegment:
         """Copy each ``(tensor, offset)`` of ``parts`` (contiguous CPU tensors) into a new sealed
         memfd of ``nbytes`` bytes.
 
@@ -107,7 +113,7 @@ class HostSegment(Segment):
         return cls._sealed(views, nbytes, device, name)
 
     @classmethod
-    def from_bytes(cls, data: bytes, name: str = "vllm-dedup-recipe") -> HostSegment:
+    def from_bytes(cls, data: bytes, name: str = RECIPE_MEMFD_NAME) -> HostSegment:
         """A new sealed memfd holding ``data`` (e.g. a recipe's JSON).
 
         Raises:

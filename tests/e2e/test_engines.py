@@ -228,7 +228,7 @@ def _registry_actors(address: str) -> list[str]:
 
 def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ray_address):
     reference = None
-    fds_after_first = None
+    fds = []  # the registry's open descriptors after each cycle
     for cycle in range(10):
         with EngineProcess(smollm2, core=cycle % 2) as e:
             e.wait_ready()
@@ -241,14 +241,15 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
             registry_pid = stats.registry_pid
         assert e.proc.returncode == 0
         assert wait_for(lambda: registry.stats().groups == [] and registry.stats().engines == [])
-        fds = len(os.listdir(f"/proc/{registry_pid}/fd"))
-        fds_after_first = fds_after_first or fds
-        assert fds <= fds_after_first, f"cycle {cycle}: the registry holds {fds} descriptors"
+        fds.append(len(os.listdir(f"/proc/{registry_pid}/fd")))
         assert memfd_holders() == []  # no segment outlives its engines
-        # The Ray actor outlives them and keeps the model's recipe (for the next engine's fast
-        # path): one memfd, the same one every cycle, not one more per cycle.
+        # The Ray actor outlives them and keeps the model's recipes (for the next engine's fast
+        # path): held by it alone, never more than it keeps.
         recipe_holders = memfd_holders(RECIPE_MEMFD_NAME)
         assert set(recipe_holders) == {registry_pid} and len(recipe_holders) <= MAX_RECIPES, recipe_holders
+    # Ray's own connections in the actor's process come and go by one or two; a descriptor leaked
+    # per engine would add nine over the nine cycles after the first.
+    assert fds[-1] - fds[0] <= 3, f"the registry's descriptors after each cycle: {fds}"
     assert registry_pid != os.getpid() and not registry.daemon_pids()  # the Ray actor, not a daemon
     assert len(_registry_actors(ray_address)) == 1
     assert processes_matching(b"harness.engines") == []

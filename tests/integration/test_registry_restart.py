@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 from harness.procs import PeerProcess, memfd_holders, processes_matching
@@ -18,8 +19,10 @@ PEER = Path(__file__).resolve().parents[1] / "peers" / "lease_peer.py"
 MB = 1 << 20
 
 
-def lease_peer(sock: Path, *args: str) -> PeerProcess:
-    return PeerProcess([PEER, sock, *args], f"lease peer {' '.join(args)}")
+def lease_peer(sock: Path, *args: str, restart: bool = True) -> PeerProcess:
+    """A lease peer (`tests/peers/lease_peer.py`); ``restart=False``: it starts no daemon."""
+    return PeerProcess([PEER, sock, *args], f"lease peer {' '.join(args)}",
+                       env=None if restart else {"LEASE_PEER_RESTART": "none"})
 
 
 def stats_or_none(sock: Path):
@@ -80,3 +83,45 @@ def test_engines_re_register_what_they_hold_with_a_registry_that_comes_back(tmp_
         shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
     assert memfd_holders() == [] and memfd_holders(RECIPE_MEMFD_NAME) == []
+
+
+def test_engines_re_register_with_a_ray_registry_actor_brought_back_by_the_next_engine(registry, ray_address):
+    """The Ray form: a SIGKILLed registry actor is not restarted by Ray (``max_restarts=0``) nor by
+    the engines holding leases; the next engine's `connect_registry` (or the Serve helper) creates
+    it again on the same node's socket, and every live engine re-registers with it."""
+    from vllm_dedup.registry.daemon import is_daemon
+    from vllm_dedup.registry.ray_actor import ensure_actor
+
+    def bring_back() -> Path | None:  # what the next engine does when it finds no registry
+        try:
+            return Path(ensure_actor("vllm-dedup", address=ray_address))
+        except RegistryUnavailable:  # the old actor not yet marked dead by Ray
+            return None
+
+    sock = bring_back()
+    assert sock == registry.socket
+    a = lease_peer(sock, "publish", "k", str(8 * MB), restart=False)
+    b = None
+    try:
+        digest = a.read_json()["digest"]
+        b = lease_peer(sock, "map", "k", restart=False)
+        assert b.read_json()["digest"] == digest
+        old = registry_stats(sock)
+        assert not is_daemon(old.registry_pid) and len(old.engines) == 2
+        os.kill(old.registry_pid, signal.SIGKILL)
+        assert wait_for(lambda: stats_or_none(sock) is None, 15)
+        time.sleep(2)
+        assert stats_or_none(sock) is None  # nobody brought it back on their own
+        assert not registry.daemon_pids()
+        assert wait_for(lambda: bring_back() == sock, 60)
+        assert wait_for(lambda: (s := stats_or_none(sock)) is not None and len(s.engines) == 2
+                        and all(e.load.get("reregistered") == 1 for e in s.engines), 30), stats_or_none(sock)
+        new = registry_stats(sock)
+        assert new.registry_pid != old.registry_pid and not is_daemon(new.registry_pid)
+        assert (new.groups[0].segments, new.groups[0].resident_bytes) == (1, 8 * MB)  # stored once
+        with lease_peer(sock, "map", "k", restart=False) as newcomer:  # a later engine maps again
+            assert newcomer.read_json()["digest"] == digest
+    finally:
+        for peer in (a, b):
+            if peer is not None:
+                peer.end()

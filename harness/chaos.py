@@ -200,13 +200,14 @@ class Soak:
             self._inconsistent(f"{when}: registry lists engines {sorted(engines - live)} that are not live")
         if len(engines) != sum(s.up for s in self.slots):
             self._inconsistent(f"{when}: {len(engines)} engines registered, {sum(s.up for s in self.slots)} up")
-        holders = set(memfd_holders())
+        segment_holders = memfd_holders()  # one pid per descriptor: one /proc scan for both checks
+        holders = set(segment_holders)
         if not holders <= engines | {stats.registry_pid}:
             self._inconsistent(f"{when}: processes {sorted(holders - engines - {stats.registry_pid})} hold segments")
         # The registry holds one memfd per segment, and its recipes (at most MAX_RECIPES for this
         # family's one load signature).
         segments = sum(g.segments for g in stats.groups)
-        held = memfd_holders().count(stats.registry_pid)
+        held = segment_holders.count(stats.registry_pid)
         if held != segments:
             self._inconsistent(f"{when}: the registry holds {held} segment memfds for {segments} segments")
         recipes = memfd_holders(RECIPE_MEMFD_NAME).count(stats.registry_pid)

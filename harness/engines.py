@@ -113,20 +113,23 @@ class ServeProcess:
         registry lease would then see a registry stopped right after as one to restart.
         """
         group = self.proc.pid  # start_new_session: the server leads its own group
-        deadline = time.monotonic() + timeout_s
         if self.proc.poll() is None:
             os.killpg(group, signal.SIGTERM)
-        while _group_alive(group) and time.monotonic() < deadline:
-            self.proc.poll()  # reaps the server, the group's leader, once it exits
-            time.sleep(0.1)
-        if _group_alive(group):
+        if not self._group_exited(timeout_s):
             os.killpg(group, signal.SIGKILL)
-            self.proc.wait()
-            deadline = time.monotonic() + 30  # the others are reaped by init
-            while _group_alive(group) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            self._group_exited(30)  # the server's children are reaped by init
         self.proc.wait()
         self._log.close()
+
+    def _group_exited(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the server's process group to have no process left."""
+        deadline = time.monotonic() + timeout_s
+        while _group_alive(self.proc.pid):
+            if time.monotonic() > deadline:
+                return False
+            self.proc.poll()  # reaps the server, the group's leader, once it exits
+            time.sleep(0.1)
+        return True
 
 
 def _group_alive(group: int) -> bool:

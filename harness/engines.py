@@ -17,7 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .procs import PeerProcess, descendants, free_port, pss_bytes, tree_pss_bytes
+from . import oracle as oracle_extension
+from .procs import ROOT, PeerProcess, descendants, free_port, pss_bytes, tree_pss_bytes
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 
@@ -57,7 +58,7 @@ class ServeProcess:
 
     def __init__(self, model, load_format: str, log: Path, extra_config: dict | None = None,
                  core: int | None = None, kv_cache_bytes: int = 32 << 20, env: dict | None = None,
-                 dtype: str = "bfloat16", compiled: bool = False):
+                 dtype: str = "bfloat16", compiled: bool = False, oracle: bool = True):
         self.model = str(model)
         self.port = free_port()
         self.log_path = Path(log)
@@ -70,6 +71,10 @@ class ServeProcess:
         if extra_config:
             cmd += ["--model-loader-extra-config", json.dumps(extra_config)]
         full_env = {**os.environ, **(env or {})}
+        if oracle:  # the final-tensor oracle (harness/oracle.py) over vLLM's dev-mode RPC route
+            cmd += ["--worker-extension-cls", oracle_extension.EXTENSION]
+            full_env.update(VLLM_SERVER_DEV_MODE="1", PYTHONPATH=os.pathsep.join(
+                p for p in (str(ROOT), full_env.get("PYTHONPATH")) if p))
         if core is not None:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
@@ -97,6 +102,10 @@ class ServeProcess:
     def complete(self, prompts: list[str] = PROMPTS, max_tokens: int = 16) -> list[str]:
         """Greedy completions through the OpenAI-compatible ``/v1/completions`` route."""
         return [openai_complete(self.port, self.model, p, max_tokens)["choices"][0]["text"] for p in prompts]
+
+    def final_tensors(self) -> list[dict[str, str]]:
+        """Per worker, the digest of every tensor of its model (`harness.oracle`)."""
+        return oracle_extension.serve_digests(self.port)
 
     def pss(self) -> int:
         """PSS of the server's process tree, in bytes."""

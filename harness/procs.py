@@ -22,8 +22,13 @@ from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Set by tests/conftest.py to a value of its own, and inherited by every process a test starts
+# (engines, registry daemons, Ray's workers): the process checks below look only at processes
+# that carry it, so that what other programs on the machine run never counts as a leak.
+SESSION_ENV = "VLLM_DEDUP_TEST_SESSION"
+
 __all__ = ["ROOT", "ChildExited", "PeerProcess", "descendants", "free_port", "memfd_holders", "processes_matching",
-           "pss_bytes", "read_reply", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
+           "pss_bytes", "read_reply", "SESSION_ENV", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
 
 
 class ChildExited(RuntimeError):
@@ -129,11 +134,31 @@ def tree_pss_parts(pid: int) -> dict[str, int]:
     return parts
 
 
-def processes_matching(*markers: bytes) -> list[int]:
-    """Pids of the other processes whose command line contains every one of ``markers``."""
-    pids = []
+def _ours() -> list[Path]:
+    """``/proc/PID`` of every process, or, under a test session (`SESSION_ENV` set), of those
+    that inherited the session's value."""
+    session = os.environ.get(SESSION_ENV)
+    marker = f"{SESSION_ENV}={session}".encode() if session else None
+    procs = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+        if not proc.name.isdigit():
+            continue
+        if marker is not None:
+            try:
+                if marker not in (proc / "environ").read_bytes().split(b"\0"):
+                    continue
+            except OSError:
+                continue
+        procs.append(proc)
+    return procs
+
+
+def processes_matching(*markers: bytes) -> list[int]:
+    """Pids of the other processes whose command line contains every one of ``markers``
+    (under a test session: of its processes only, `SESSION_ENV`)."""
+    pids = []
+    for proc in _ours():
+        if int(proc.name) == os.getpid():
             continue
         try:
             cmd = (proc / "cmdline").read_bytes()
@@ -163,14 +188,13 @@ def serve_replica_pids(app: str, deployment: str) -> list[int]:
 
 
 def memfd_holders(name: str = SEGMENT_MEMFD_NAME) -> list[int]:
-    """One pid per open descriptor of a memfd named exactly ``name``, machine-wide: by default a
-    weight segment's; `RECIPE_MEMFD_NAME` counts recipes, which a registry keeps after its engines
-    exit (at most `MAX_RECIPES` per share group and load signature)."""
+    """One pid per open descriptor of a memfd named exactly ``name``, machine-wide (under a test
+    session: in its processes, `SESSION_ENV`): by default a weight segment's; `RECIPE_MEMFD_NAME`
+    counts recipes, which a registry keeps after its engines exit (at most `MAX_RECIPES` per
+    share group and load signature)."""
     targets = (f"/memfd:{name}", f"/memfd:{name} (deleted)")
     pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in _ours():
         try:
             fds = list((proc / "fd").iterdir())
         except OSError:

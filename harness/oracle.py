@@ -1,0 +1,112 @@
+"""The final-tensor oracle: what an engine's model holds after loading, tensor by tensor, so
+that a dedup engine can be compared with a plain load of the same checkpoint with the same
+options.  Not shipped with vllm-dedup.
+
+`FinalTensors` is a vLLM worker extension (``worker_extension_cls="harness.oracle.FinalTensors"``,
+``--worker-extension-cls`` for ``vllm serve``): vLLM mixes it into its Worker class, and
+``collective_rpc("final_tensor_digests")`` runs it in every worker (``LLM.collective_rpc``, or
+``POST /collective_rpc`` of a ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1``).  Each worker
+answers with a digest per tensor:
+
+- ``param:<module>.<name>`` and ``buffer:<module>.<name>``: every parameter and buffer;
+- ``attr:<module>.<name>``: tensors a module (or a plain object it holds, such as an attention
+  layer's implementation) keeps in an attribute outside ``_parameters``/``_buffers``, and
+  tensors captured by a layer's ``cpu_linear`` closure (vLLM's CPU GEMM dispatch): a kernel
+  reads those too, and a model built on the meta device can leave a stale meta tensor there
+  (the KV cache, which serving fills, is left out);
+
+each as ``dtype|shape|stride|<XXH3-128 of the bytes>`` (``meta`` in place of the digest for a
+tensor that has no data).  `differences` names every tensor whose entry is not the reference's.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+__all__ = ["FinalTensors", "differences", "serve_digests", "tensor_digests"]
+
+EXTENSION = "harness.oracle.FinalTensors"
+RUNTIME_STATE = frozenset({"kv_cache"})  # attributes that serving writes: not weights
+
+
+def _digest(t) -> str:
+    import torch
+    import xxhash
+
+    head = f"{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|{list(t.stride())}"
+    if t.is_meta:
+        return head + "|meta"
+    data = t.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    data = data.contiguous().reshape(-1)
+    if not data.numel():
+        return head + "|empty"
+    return head + "|" + xxhash.xxh3_128_hexdigest(memoryview(data.view(torch.uint8).numpy()))
+
+
+def _attribute_tensors(prefix: str, obj, out: dict, depth: int = 0) -> None:
+    """Tensors in ``vars(obj)`` (and one level into plain objects it holds)."""
+    import torch
+    from torch import nn
+
+    for name, value in list(vars(obj).items()):
+        if name in ("_parameters", "_buffers", "_modules") or name in RUNTIME_STATE:
+            continue
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            out[f"attr:{prefix}.{name}"] = _digest(value)
+        elif name == "cpu_linear" and getattr(value, "__closure__", None):
+            for i, cell in enumerate(value.__closure__):
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(content, torch.Tensor):
+                    out[f"attr:{prefix}.cpu_linear[{i}]"] = _digest(content)
+        elif (depth == 0 and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
+              and type(value).__module__.startswith("vllm")):
+            _attribute_tensors(f"{prefix}.{name}", value, out, depth + 1)
+
+
+def tensor_digests(model) -> dict[str, str]:
+    """Every tensor the model holds, by name (module docstring), in a model of this process."""
+    out: dict[str, str] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = module_name or "<model>"
+        for name, t in module._parameters.items():
+            if t is not None:
+                out[f"param:{prefix}.{name}"] = _digest(t)
+        for name, t in module._buffers.items():
+            if t is not None:
+                out[f"buffer:{prefix}.{name}"] = _digest(t)
+        _attribute_tensors(prefix, module, out)
+    return out
+
+
+class FinalTensors:
+    """vLLM worker extension: ``collective_rpc("final_tensor_digests")`` (module docstring)."""
+
+    def final_tensor_digests(self) -> dict[str, str]:
+        return tensor_digests(self.model_runner.model)
+
+
+def serve_digests(port: int, timeout_s: float = 120) -> list[dict[str, str]]:
+    """Per worker, `tensor_digests` of a ``vllm serve`` on 127.0.0.1:``port`` started with
+    ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls harness.oracle.FinalTensors``."""
+    body = json.dumps({"method": "final_tensor_digests"}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/collective_rpc", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())["results"]
+
+
+def differences(engine: dict[str, str], reference: dict[str, str]) -> list[str]:
+    """Names whose digest differs from the reference's, or that only one side has, each with
+    both values (empty: the final tensors are equal)."""
+    out = []
+    for name in sorted(set(engine) | set(reference)):
+        a, b = engine.get(name), reference.get(name)
+        if a != b:
+            out.append(f"{name}: {a} != reference {b}")
+    return out

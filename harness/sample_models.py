@@ -23,7 +23,7 @@ import xxhash
 
 from vllm_dedup.scan.manifest import default_cache_dir
 
-__all__ = ["smollm2_gguf", "minilm_dir", "convert_gguf_to_hf", "models_dir", "smollm2_hf"]
+__all__ = ["convert_gguf_to_hf", "minilm_dir", "models_dir", "random_model", "smollm2_gguf", "smollm2_hf"]
 
 MODELS_ENV = "VLLM_DEDUP_TEST_MODELS"
 
@@ -117,4 +117,54 @@ def smollm2_hf(root: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").exists():
             convert_gguf_to_hf(gguf_path, out)
+    return out
+
+
+def random_model(name: str, config: dict, dtype: str = "bfloat16", auto_class: str = "AutoModelForCausalLM",
+                 max_shard_size: str | None = None, seed: int = 0, root: Path | None = None) -> Path:
+    """A random-weight checkpoint built from a transformers config, as an HF safetensors folder
+    that vLLM can serve; made once and cached (nothing is downloaded).
+
+    The weights are transformers' own initialization of ``auto_class`` for the config (seeded),
+    saved with ``save_pretrained`` (sharded past ``max_shard_size``, e.g. ``"500MB"``).  The
+    tokenizer is SmolLM2's (`smollm2_hf`), so ``config`` needs a ``vocab_size`` of at least its
+    49152 tokens.
+
+    Args:
+        name: the folder's name, before a tag that identifies everything it was made from.
+        config: ``model_type`` and the config's other keys (``AutoConfig.for_model``).
+        dtype: the weights' torch dtype name.
+        auto_class: the transformers ``Auto*`` class that builds the model.
+        max_shard_size: shard the safetensors files past this size (None: one file).
+        seed: torch's seed for the initialization.
+        root: where to keep it (default `models_dir` / ``random``).
+
+    Returns:
+        The folder.
+    """
+    import torch
+    import transformers
+
+    spec = json.dumps({"config": config, "dtype": dtype, "class": auto_class, "shard": max_shard_size, "seed": seed,
+                       "transformers": transformers.__version__}, sort_keys=True)
+    root = Path(root or models_dir() / "random")
+    out = root / f"{name}-{xxhash.xxh3_64_hexdigest(spec.encode())}"
+    if (out / "config.json").exists():
+        return out
+    tokenizer_dir = smollm2_hf()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").exists():
+            return out
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        torch.manual_seed(seed)
+        hf_config = transformers.AutoConfig.for_model(**config)
+        model = getattr(transformers, auto_class).from_config(hf_config, dtype=getattr(torch, dtype))
+        model.save_pretrained(tmp, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        for f in tokenizer_dir.iterdir():
+            if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.suffix in (".jinja",)):
+                shutil.copy2(f, tmp / f.name)
+        os.replace(tmp, out)
     return out

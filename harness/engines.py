@@ -165,8 +165,8 @@ class EngineProcess(PeerProcess):
         compiled: run as users do, under torch.compile (``enforce_eager=False``): 60 to 100 s
             more start-up on the CPU backend.
 
-    The child prints ``READY`` once loaded; `generate`, `complete` and `rpc` talk to it; its
-    stderr (vLLM's log) is kept for `log`.  `load_stats` says what loading the model cost,
+    The child prints ``READY`` once loaded; `generate`, `complete`, `final_tensors` (the oracle,
+    `harness.oracle`) and `rpc` talk to it; its stderr (vLLM's log) is kept for `log`.  `load_stats` says what loading the model cost,
     measured the same way for every load format.
     """
 
@@ -206,6 +206,11 @@ class EngineProcess(PeerProcess):
         the largest growth of the process's private memory (RssAnon) during it}``."""
         self.send({"load_stats": True})
         return self.read_json("LOADSTATS ", 60)
+
+    def final_tensors(self) -> list[dict[str, str]]:
+        """Per worker, the digest of every tensor of its model (`harness.oracle`)."""
+        self.send({"final_tensors": True})
+        return json.loads(self.read("TENSORS ", 300))
 
     def rpc(self, method: str) -> str:
         """``LLM.collective_rpc(method)``: ``"ok"`` or ``"error <message>"``."""
@@ -262,7 +267,8 @@ def _engine_main(argv: list[str]) -> None:
     eager = argv[5] != "compiled" if len(argv) > 5 else True
     load_stats = _meter_get_model()
     llm = LLM(model, load_format=fmt, dtype=dtype, max_model_len=256, enforce_eager=eager,
-              kv_cache_memory_bytes=kv_bytes, seed=0, **({"model_loader_extra_config": extra} if extra else {}))
+              kv_cache_memory_bytes=kv_bytes, seed=0, worker_extension_cls=oracle_extension.EXTENSION,
+              **({"model_loader_extra_config": extra} if extra else {}))
     print("READY", flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -275,6 +281,9 @@ def _engine_main(argv: list[str]) -> None:
             gc.collect()
             ctypes.CDLL("libc.so.6").malloc_trim(0)
             print("TRIMMED", flush=True)
+            continue
+        if req.get("final_tensors"):
+            print("TENSORS " + json.dumps(llm.collective_rpc("final_tensor_digests")), flush=True)
             continue
         if req.get("load_stats"):
             print("LOADSTATS " + json.dumps(load_stats), flush=True)

@@ -98,7 +98,8 @@ def child(sock: str, backend: str, segment_mb: int) -> None:
                 reply({"fingerprint": fingerprint, "size": seg.size, "read_only": getattr(seg, "read_only", True),
                        "context_ok": ctx_ok})
             elif op == "map":
-                (hit, fd), = client.acquire([KEY])  # the pack's first member only
+                (found,) = client.acquire([KEY])  # the pack's first member only
+                (hit,), fd = found.hits, found.fd
                 seg = None
 
                 def attach():

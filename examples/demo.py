@@ -40,6 +40,7 @@ from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa
 from vllm_dedup.scan.files import scan_model  # noqa: E402
 from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
 from vllm_dedup.scan.report import Report  # noqa: E402
+from vllm_dedup.segments.host import RECIPE_MEMFD_NAME  # noqa: E402
 
 PROMPT = "The capital of France is"
 MB = 1e6

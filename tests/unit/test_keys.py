@@ -86,7 +86,6 @@ def test_parallel_keys_equal_sequential_keys_in_order():
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-import torch  # noqa: E402
 
 from vllm_dedup.content.fingerprint import device_fingerprints, same_bytes  # noqa: E402
 

@@ -8,7 +8,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 
 from helpers import picture_size, run_cli
 from vllm_dedup.scan.files import scan_model

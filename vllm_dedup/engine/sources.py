@@ -1,8 +1,8 @@
 """Source keys: the content key of every checkpoint tensor an engine loads, and which module of
 the model each one went into.
 
-A *source key* is a checkpoint tensor's content key as stored (XXH3-128 of its bytes, with its
-dtype and shape): the same key ``vllm-dedup scan`` computes, kept in the same manifest cache
+A *source key* is a checkpoint tensor's key as stored (BLAKE3-256 of its bytes, with its dtype
+and shape: `content.keys.source_key`): the same key ``vllm-dedup scan`` computes, kept in the same manifest cache
 (`scan.manifest`), so an engine learns a checkpoint's keys without reading tensor bytes once
 any engine or scan has seen the file (docs/architecture.md, "Loading only what is not resident").
 
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ..content.keys import content_key
+from ..content.keys import source_key
 from ..content.views import dtype_name, tensor_bytes
 from ..errors import CheckpointError
 from ..scan.manifest import FileIdentity, Manifest, ManifestCache, file_manifest
@@ -197,7 +197,7 @@ class SourceRecorder:
             return
         while len(self._pending) >= _MAX_PENDING:
             self._pending.pop(0).result()
-        fut = self._pool.submit(lambda t=tensor: content_key(tensor_bytes(t), dtype_name(t.dtype), tuple(t.shape)))
+        fut = self._pool.submit(lambda t=tensor: source_key(tensor_bytes(t), dtype_name(t.dtype), tuple(t.shape)))
         self._futures[name] = fut
         self._pending.append(fut)
 

@@ -13,13 +13,26 @@ import socket
 import stat
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ProtocolError, RegistryUnavailable
 from . import protocol as p
 from .state import Hit, RegistryStats
 
-__all__ = ["BrokerClient", "registry_stats", "shutdown_registry"]
+__all__ = ["BrokerClient", "SegmentHits", "registry_stats", "shutdown_registry"]
+
+
+@dataclass
+class SegmentHits:
+    """One segment an acquire found keys in: its id, uid and size in bytes, a descriptor of it
+    (the caller's to close), and the hits in it."""
+
+    segment: int
+    uid: str
+    nbytes: int
+    fd: int
+    hits: list[Hit] = field(default_factory=list)
 
 
 class BrokerClient:
@@ -120,21 +133,23 @@ class BrokerClient:
         engine with its signature has reported; `Registry.expected_shared_bytes`)."""
         return self._call(p.Expect(), p.ExpectReply)[0].bytes
 
-    def acquire(self, keys: list[str]) -> list[tuple[Hit, int]]:
-        """Look up ``keys``; returns each hit with a descriptor of its segment (the caller owns
-        every descriptor; hits in one segment get duplicates)."""
-        out = []
+    def acquire(self, keys: list[str], uids: list[str] | None = None) -> list[SegmentHits]:
+        """Look up ``keys`` (with ``uids``, one per key: each only in the segment of that uid);
+        returns the hits grouped by segment, one descriptor each (the caller owns them).  The
+        registry holds every segment returned until `release`."""
+        out: dict[int, SegmentHits] = {}
         for start in range(0, len(keys), p.MAX_FDS):
-            reply, fds = self._call(p.Acquire(keys[start : start + p.MAX_FDS]), p.AcquireReply)
-            by_segment = dict(zip(reply.segments, fds))
-            about = {seg: (uid, size) for seg, uid, size in zip(reply.segments, reply.uids, reply.sizes)}
-            used = set()
+            chunk = slice(start, start + p.MAX_FDS)
+            reply, fds = self._call(p.Acquire(keys[chunk], list(uids[chunk]) if uids else []), p.AcquireReply)
+            for seg, fd, uid, size in zip(reply.segments, fds, reply.uids, reply.sizes):
+                if seg in out:  # held already through an earlier chunk
+                    os.close(fd)
+                else:
+                    out[seg] = SegmentHits(seg, uid, size, fd)
             for key, seg, offset, nbytes in reply.hits:
-                fd = by_segment[seg] if seg not in used else os.dup(by_segment[seg])
-                used.add(seg)
-                uid, size = about.get(seg, ("", 0))
-                out.append((Hit(key, seg, offset, nbytes, uid, size), fd))
-        return out
+                found = out[seg]
+                found.hits.append(Hit(key, seg, offset, nbytes, found.uid, found.nbytes))
+        return list(out.values())
 
     def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]], uid: str = "") -> int:
         """Publish a segment (its descriptor ``fd``, ``nbytes`` usable bytes) holding

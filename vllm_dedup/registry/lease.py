@@ -23,15 +23,14 @@ import logging
 import os
 import select
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ..errors import RegistryUnavailable, SegmentError
-from .client import BrokerClient
-from .state import Hit, RegistryStats
+from .client import BrokerClient, SegmentHits
+from .state import RegistryStats
 
 __all__ = ["Lease"]
 
@@ -80,18 +79,18 @@ class Lease:
         self._watcher: threading.Thread | None = None
 
     # what the engine side calls --------------------------------------------------------------
-    def acquire(self, keys: list[str]) -> list[tuple[Hit, int]]:
+    def acquire(self, keys: list[str], uids: list[str] | None = None) -> list[SegmentHits]:
         with self._lock:
-            hits = self._client.acquire(keys)
-            for hit, fd in hits:
-                if not hit.uid:
+            found = self._client.acquire(keys, uids)
+            for seg in found:
+                if not seg.uid:
                     continue  # a registry that names no segments: nothing to re-register
-                held = self._held.get(hit.uid)
+                held = self._held.get(seg.uid)
                 if held is None:
-                    held = self._held[hit.uid] = _Held(os.dup(fd), hit.segment_bytes)
-                held.keys[hit.key] = (hit.offset, hit.nbytes)
-                self._uid_of[hit.segment] = hit.uid
-            return hits
+                    held = self._held[seg.uid] = _Held(os.dup(seg.fd), seg.nbytes)
+                held.keys.update({hit.key: (hit.offset, hit.nbytes) for hit in seg.hits})
+                self._uid_of[seg.segment] = seg.uid
+            return found
 
     def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]]) -> int:
         """`BrokerClient.publish`, under a uid drawn here."""

@@ -363,13 +363,19 @@ class Hello(Message, op="hello"):
 
 
 class Acquire(Message, op="acquire"):
-    """Look up content keys; hold the segments of the hits."""
+    """Look up content keys; hold the segments of the hits.  With ``uids`` (one per key), a key
+    is a hit only in the segment of that uid (a recipe names the segments its maker used:
+    docs/architecture.md, "Trust"), never in another segment claiming the same key."""
 
     keys: list[str]
+    uids: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.keys) > MAX_FDS:  # one descriptor per segment hit
             raise ProtocolError(f"{self._what()}: at most {MAX_FDS} keys per request, not {len(self.keys)}")
+        if self.uids and len(self.uids) != len(self.keys):
+            raise ProtocolError(f"{self._what()}: {len(self.uids)} uids for {len(self.keys)} keys (one per key, "
+                                "or none)")
 
 
 class Publish(Message, op="publish", fds=1):

@@ -339,7 +339,7 @@ class BrokerServer:
         return p.HelloReply(self._connections[conn]), []
 
     def _acquire(self, conn, engine, req: p.Acquire, fds):
-        hits = self.registry.acquire(engine, req.keys[: p.MAX_FDS])
+        hits = self.registry.acquire(engine, req.keys[: p.MAX_FDS], req.uids[: p.MAX_FDS] or None)
         segments = list(dict.fromkeys(h.segment for h in hits))
         entries = [self.registry.segments[s] for s in segments]
         reply = p.AcquireReply([(h.key, h.segment, h.offset, h.nbytes) for h in hits], segments,

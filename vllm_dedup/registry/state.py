@@ -215,21 +215,31 @@ class Registry:
         self.unlock(engine_id, [n for n, lock in self.locks.items() if engine_id in lock.holders])
 
     # lookups and publishing ------------------------------------------------------------
-    def acquire(self, engine_id: int, keys: list[str]) -> list[Hit]:
+    def acquire(self, engine_id: int, keys: list[str], uids: list[str] | None = None) -> list[Hit]:
         """Find ``keys`` in the engine's (device, group) and hold the segments of the hits.
+        With ``uids`` (one per key), a key is found only in the segment of that uid.
 
         The engine must `release` a hit's segment if its exact compare fails.
         """
         engine = self.engines[engine_id]
         hits = []
-        for key in keys:
-            found = self.index.get((engine.device, engine.group, key))
+        for key, uid in zip(keys, uids or [None] * len(keys)):
+            found = (self.index.get((engine.device, engine.group, key)) if uid is None
+                     else self._in_segment(engine, key, uid))
             if found is None:
                 continue
             seg_id, offset, nbytes = found
             self._hold(seg_id, engine_id)
             hits.append(Hit(key, seg_id, offset, nbytes))
         return hits
+
+    def _in_segment(self, engine: EngineEntry, key: str, uid: str) -> tuple[int, int, int] | None:
+        """(segment, offset, bytes) of ``key`` in the segment named ``uid``, if it is resident in
+        the engine's (device, group) and holds that key."""
+        seg = self.segments.get(self._uids.get(uid, -1))
+        if seg is None or (seg.device, seg.group) != (engine.device, engine.group):
+            return None
+        return next(((seg.id, offset, size) for k, offset, size in seg.keys if k == key), None)
 
     def publish(self, engine_id: int, fd: int, nbytes: int, keys: list[tuple[str, int, int]], uid: str = "") -> int:
         """Record a segment (the registry now owns ``fd``) holding ``keys``; the publishing

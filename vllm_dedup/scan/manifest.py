@@ -1,8 +1,8 @@
-"""The manifest cache: content keys of a weight file, remembered across scans.
+"""The manifest cache: source keys of a weight file, remembered across scans and loads.
 
 Hashing a 100 GB checkpoint costs seconds even at memory speed, and a cold read costs far
 more; a scan of files already scanned should read no tensor bytes at all.  A manifest holds one
-file's tensor entries and content keys, stored under the user's cache directory and looked up
+file's tensor entries and source keys (BLAKE3-256, `content.keys.source_key`), stored under the user's cache directory and looked up
 by the file's identity:
 
     (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns, XXH3-128 of the file's header bytes)
@@ -33,14 +33,14 @@ from pathlib import Path
 
 import xxhash
 
-from ..content.keys import ContentKey, content_key, content_keys
+from ..content.keys import ContentKey, content_keys, source_key
 from .readers import TensorEntry, open_weight_file
 
 __all__ = ["FileIdentity", "Manifest", "ManifestCache", "default_cache_dir", "file_manifest"]
 
 logger = logging.getLogger(__name__)
 
-_VERSION = 2  # 2: identity carries st_ctime_ns
+_VERSION = 3  # 2: identity carries st_ctime_ns; 3: source keys are BLAKE3-256
 
 
 def default_cache_dir() -> Path:
@@ -192,7 +192,7 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
 
         def key_of(e: TensorEntry):
             def compute() -> ContentKey:
-                return content_key(wf.data(e.name), e.dtype, e.shape)
+                return source_key(wf.data(e.name), e.dtype, e.shape)
 
             return compute
 

@@ -11,9 +11,8 @@ answers with a digest per tensor:
 - ``param:<module>.<name>`` and ``buffer:<module>.<name>``: every parameter and buffer;
 - ``attr:<module>.<name>``: tensors a module (or a plain object it holds, such as an attention
   layer's implementation) keeps in an attribute outside ``_parameters``/``_buffers``, and
-  tensors captured by a layer's ``cpu_linear`` closure (vLLM's CPU GEMM dispatch): a kernel
-  reads those too, and a model built on the meta device can leave a stale meta tensor there
-  (the KV cache, which serving fills, is left out);
+  tensors captured by a layer's ``cpu_linear`` closure (`vllm_dedup.engine.slots.attribute_tensors`:
+  a kernel reads those too; the KV cache, which serving fills, is left out);
 
 each as ``dtype|shape|stride|<XXH3-128 of the bytes>`` (``meta`` in place of the digest for a
 tensor that has no data).  `differences` names every tensor whose entry is not the reference's.
@@ -24,10 +23,11 @@ from __future__ import annotations
 import json
 import urllib.request
 
+from vllm_dedup.engine.slots import attribute_tensors
+
 __all__ = ["FinalTensors", "differences", "serve_digests", "tensor_digests"]
 
 EXTENSION = "harness.oracle.FinalTensors"
-RUNTIME_STATE = frozenset({"kv_cache"})  # attributes that serving writes: not weights
 
 
 def _digest(t) -> str:
@@ -46,29 +46,6 @@ def _digest(t) -> str:
     return head + "|" + xxhash.xxh3_128_hexdigest(memoryview(data.view(torch.uint8).numpy()))
 
 
-def _attribute_tensors(prefix: str, obj, out: dict, depth: int = 0) -> None:
-    """Tensors in ``vars(obj)`` (and one level into plain objects it holds)."""
-    import torch
-    from torch import nn
-
-    for name, value in list(vars(obj).items()):
-        if name in ("_parameters", "_buffers", "_modules") or name in RUNTIME_STATE:
-            continue
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            out[f"attr:{prefix}.{name}"] = _digest(value)
-        elif name == "cpu_linear" and getattr(value, "__closure__", None):
-            for i, cell in enumerate(value.__closure__):
-                try:
-                    content = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if isinstance(content, torch.Tensor):
-                    out[f"attr:{prefix}.cpu_linear[{i}]"] = _digest(content)
-        elif (depth == 0 and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
-              and type(value).__module__.startswith("vllm")):
-            _attribute_tensors(f"{prefix}.{name}", value, out, depth + 1)
-
-
 def tensor_digests(model) -> dict[str, str]:
     """Every tensor the model holds, by name (module docstring), in a model of this process."""
     out: dict[str, str] = {}
@@ -80,7 +57,8 @@ def tensor_digests(model) -> dict[str, str]:
         for name, t in module._buffers.items():
             if t is not None:
                 out[f"buffer:{prefix}.{name}"] = _digest(t)
-        _attribute_tensors(prefix, module, out)
+    for where, t in attribute_tensors(model):
+        out[f"attr:{where}"] = _digest(t)
     return out
 
 

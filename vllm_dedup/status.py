@@ -28,7 +28,7 @@ def format_registry(where: str | None, stats: RegistryStats) -> str:
     the bytes per device and share group (resident: stored once; shared: in segments two or
     more engines map; saved: mapped from others instead of stored again), and per engine its pid, device,
     share group, segments held, bytes shared/published/private, the load path it took
-    (``load["path"]``, ``-`` when it reported none), how many times it re-registered with a
+    (``load["load_path"]``, ``-`` when it reported none), how many times it re-registered with a
     registry that came back (``load["reregistered"]``, ``-`` for never) and its model."""
     at = f" at {where}" if where is not None else ""
     out = [f"registry pid {stats.registry_pid}{at}   keep_warm_s {stats.keep_warm_s:g}   "
@@ -46,8 +46,8 @@ def format_registry(where: str | None, stats: RegistryStats) -> str:
         out.append(table(
             [[e.pid, e.device, e.share_group, e.segments, size_text(e.load.get("shared_bytes", 0)),
               size_text(e.load.get("published_bytes", 0)), size_text(e.load.get("private_bytes", 0)),
-              e.load.get("path") or "-", e.load.get("reregistered") or "-", e.model] for e in stats.engines],
-            ["pid", "device", "share group", "segments", "shared", "published", "private", "path",
+              e.load.get("load_path") or "-", e.load.get("reregistered") or "-", e.model] for e in stats.engines],
+            ["pid", "device", "share group", "segments", "shared", "published", "private", "load path",
              "re-registered", "model"],
             "rllrrrrlrl",
         ))

@@ -54,13 +54,13 @@ def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_
     first = EngineProcess(smollm2, core=0).wait_ready()
     try:
         l1 = registry.engine_loads()[first.pid]
-        assert l1["path"] == "none" and l1["checkpoint_bytes_read"] == tensor_bytes_total(smollm2)
+        assert l1["load_path"] == "none" and l1["checkpoint_bytes_read"] == tensor_bytes_total(smollm2)
         evict_from_page_cache(ckpt)
         with EngineProcess(smollm2, core=1) as second:  # LLM()
             second.wait_ready()
             l2 = registry.engine_loads()[second.pid]
             assert tensor_bytes_resident(ckpt) == 0
-            assert (l2["path"], l2["checkpoint_bytes_read"], l2["published_tensors"]) == ("full", 0, 0)
+            assert (l2["load_path"], l2["checkpoint_bytes_read"], l2["published_tensors"]) == ("full", 0, 0)
             assert l2["shared_bytes"] == l1["published_bytes"]
             assert l2["peak_bytes"] < 0.05 * l1["published_bytes"], l2
             assert second.generate() == plain_smollm2
@@ -68,7 +68,7 @@ def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_
         served = ServeProcess(smollm2, "dedup", tmp_path / "serve.log", core=1).wait_ready()  # vllm serve
         try:
             (l3,) = [e.load for e in registry.stats().engines if e.pid in served.pids()]
-            assert (l3["path"], l3["checkpoint_bytes_read"]) == ("full", 0)
+            assert (l3["load_path"], l3["checkpoint_bytes_read"]) == ("full", 0)
             assert tensor_bytes_resident(ckpt) == 0
             assert served.complete(PROMPTS) == plain_serve_texts
         finally:
@@ -87,7 +87,7 @@ def test_a_fine_tune_reads_only_its_changed_layers(smollm2, variants, registry, 
         with EngineProcess(last, core=1) as tuned:
             tuned.wait_ready()
             load = registry.engine_loads()[tuned.pid]
-            assert load["path"] == "modules"
+            assert load["load_path"] == "modules"
             assert load["checkpoint_bytes_read"] == layer_bytes(last)  # 14.2 MB of 269 MB
             # The pages holding them, and nothing else (each tensor's ends round out to a page).
             assert tensor_bytes_resident(last / "model.safetensors") <= layer_bytes(last) + 18 * 2 * 4096
@@ -122,7 +122,7 @@ def test_a_checkpoint_rewritten_in_place_is_never_served_stale(smollm2, registry
         with EngineProcess(model, core=1) as second:
             second.wait_ready()
             load = registry.engine_loads()[second.pid]
-            assert load["path"] == "modules", load
+            assert load["load_path"] == "modules", load
             assert "model.layers.29.mlp.down_proj: its checkpoint tensors changed" in second.log()
             assert second.generate() == rewritten
     finally:
@@ -144,7 +144,7 @@ def test_segments_freed_after_the_recipe_was_made_are_loaded_again(smollm2, vari
         with EngineProcess(smollm2, core=0) as again:
             again.wait_ready()
             load = registry.engine_loads()[again.pid]
-            assert load["path"] == "modules"
+            assert load["load_path"] == "modules"
             # The freed segments held those layers' matrices; their norms travel in the recipe.
             assert load["checkpoint_bytes_read"] == layer_bytes(smollm2, min_bytes=1 << 16)
             assert "is no longer resident" in again.log()
@@ -157,7 +157,7 @@ def test_segments_freed_after_the_recipe_was_made_are_loaded_again(smollm2, vari
         with EngineProcess(smollm2, core=0) as alone:
             alone.wait_ready()
             load = registry.engine_loads()[alone.pid]
-            assert load["path"] == "none" and load["checkpoint_bytes_read"] == tensor_bytes_total(smollm2)
+            assert load["load_path"] == "none" and load["checkpoint_bytes_read"] == tensor_bytes_total(smollm2)
             assert "nothing the recipe names is resident any more" in alone.log(), dedup_lines(alone)
             assert alone.generate() == plain_tokens(smollm2)
     finally:
@@ -173,7 +173,7 @@ def test_after_the_first_engine_is_sigkilled_a_warm_registry_still_gives_the_fas
     with EngineProcess(smollm2, core=1) as second:
         second.wait_ready()
         load = registry.engine_loads()[second.pid]
-        assert (load["path"], load["checkpoint_bytes_read"]) == ("full", 0)
+        assert (load["load_path"], load["checkpoint_bytes_read"]) == ("full", 0)
         assert second.generate() == plain_smollm2
 
 
@@ -192,11 +192,11 @@ def test_after_the_registry_dies_a_later_engine_maps_again(smollm2, registry, pl
         assert wait_for(lambda: _reregistered(registry, first.pid, old), 60), dedup_lines(first)
         status = json.loads(run_cli("status", "--json", check=True).stdout)
         (engine,) = status["engines"]
-        assert (engine["pid"], engine["load"]["reregistered"], engine["load"]["path"]) == (first.pid, 1, "none")
+        assert (engine["pid"], engine["load"]["reregistered"], engine["load"]["load_path"]) == (first.pid, 1, "none")
         with EngineProcess(smollm2, core=1) as second:
             second.wait_ready()
             load = registry.engine_loads()[second.pid]
-            assert (load["path"], load["checkpoint_bytes_read"]) == ("full", 0)
+            assert (load["load_path"], load["checkpoint_bytes_read"]) == ("full", 0)
             assert second.generate() == plain_smollm2
         assert first.generate() == plain_smollm2
     finally:
@@ -228,8 +228,8 @@ def test_a_quantized_model_is_shared_and_answers_as_plain(smollm2, registry, pla
             big = sum(e.nbytes for e in f.entries() if e.nbytes >= 1 << 16)  # the int8 matrices, the embedding
         assert big <= first["published_bytes"] <= big + (2 << 20)  # and the rotary cache vLLM computes
         assert second["shared_bytes"] == first["published_bytes"] and second["published_tensors"] == 0
-        assert second["path"] in ("none", "modules")
-        if second["path"] == "none":  # vLLM without patches/0003
+        assert second["load_path"] in ("none", "modules")
+        if second["load_path"] == "none":  # vLLM without patches/0003
             assert "failed in vLLM's pre-processed mode" in engines[1].log(), dedup_lines(engines[1])
         for e in engines:
             assert e.generate() == reference

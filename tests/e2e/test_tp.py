@@ -61,7 +61,7 @@ def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(sm
                 assert two[rank]["published_tensors"] == 0, two[rank]
                 assert two[rank]["shared_bytes"] == held, (rank, one[rank], two[rank])
                 # Each rank of the second engine maps its shards from its rank's recipe.
-                assert (one[rank]["path"], two[rank]["path"]) == ("none", "full"), (one[rank], two[rank])
+                assert (one[rank]["load_path"], two[rank]["load_path"]) == ("none", "full"), (one[rank], two[rank])
                 assert two[rank]["checkpoint_bytes_read"] == 0
             (group,) = registry.stats().groups
             assert group.engines == 2 * TP

@@ -49,7 +49,7 @@ def main() -> None:
         seg = HostSegment.attach(fd, hit.offset + hit.nbytes)
         seg.close_fd()
         view = seg.view()[hit.offset : hit.offset + hit.nbytes]
-    lease.report({"published_bytes": len(view) if mode == "publish" else 0, "path": mode})
+    lease.report({"published_bytes": len(view) if mode == "publish" else 0, "load_path": mode})
     lease.watch()
     print("OK " + json.dumps({"digest": xxhash.xxh3_128_hexdigest(view)}), flush=True)
     for _ in sys.stdin:

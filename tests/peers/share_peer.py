@@ -1,7 +1,7 @@
-"""An engine-like process that shares a small model through a broker with `share_model`
-(for tests/test_share.py).
+"""An engine-like process that shares a small model through a registry with `share_model`
+(for tests/integration/test_share.py).
 
-    python tests/share_peer.py SOCKET VARIANT PACK_GRANULARITY
+    python tests/peers/share_peer.py SOCKET VARIANT PACK_GRANULARITY
 
 Builds the test model (VARIANT ``base``, ``tuned``: mid1 differs, or ``retuned``: mid1 and
 small0 differ), shares it with
@@ -20,9 +20,12 @@ import torch
 import xxhash
 from torch import nn
 
+from vllm_dedup.config import DedupConfig
 from vllm_dedup.content.views import tensor_bytes
+from vllm_dedup.engine.context import LoadContext
 from vllm_dedup.engine.share import share_model
 from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.registry.lease import Lease
 
 # name -> bytes (bfloat16: 2 bytes per element)
 SIZES = {"big0": 1536 << 10, "big1": 1536 << 10, "mid0": 300 << 10, "mid1": 300 << 10, "mid2": 300 << 10,
@@ -45,16 +48,17 @@ def digests(model: nn.Module) -> dict[str, str]:
 
 def main() -> None:
     sock, variant, granularity = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    client = BrokerClient(sock)
-    client.hello(f"test-{variant}", "cpu", "default", variant)
+    lease = Lease(BrokerClient(sock), f"test-{variant}", "cpu", "default", variant)
     model = build(variant)
     expected = digests(model)
-    result = share_model(model, client, "cpu", min_tensor_bytes=1, pack_granularity=granularity)
+    ctx = LoadContext(DedupConfig(min_tensor_bytes=1), lease, torch.device("cpu"), "cpu")
+    result = share_model(model, ctx, pack_granularity=granularity)
+    result.placement = {}
     print("OK " + json.dumps({"result": dataclasses.asdict(result), "expected": expected,
                               "digests": digests(model)}), flush=True)
     for _ in sys.stdin:
         print("OK " + json.dumps({"digests": digests(model)}), flush=True)
-    client.close()
+    lease.close()
 
 
 if __name__ == "__main__":

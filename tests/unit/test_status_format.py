@@ -13,7 +13,7 @@ MB = 1_000_000
 def stats_with(loads: list[dict], group: str = "default") -> RegistryStats:
     """A registry where one engine publishes a 4 MB segment and the others map it; each engine
     then reports its load (``loads[i]``, which may hold fields the registry does not keep yet,
-    such as ``path``: they are added the way they come over the socket, in the stats' dict)."""
+    such as ``load_path``: they are added the way they come over the socket, in the stats' dict)."""
     registry = Registry(close=lambda fd: None)
     ids = [registry.add_engine(1000 + i, 0, f"model-{i}", "cpu", group) for i in range(len(loads))]
     registry.publish(ids[0], fd=-1, nbytes=4 * MB, keys=[("k", 0, 4 * MB)])
@@ -42,12 +42,12 @@ def rows(text: str, first: str) -> list[list[str]]:
 
 
 def test_engine_rows_show_the_load_path_and_bytes():
-    stats = stats_with([{"published_bytes": 4 * MB, "path": "full"},
-                        {"shared_bytes": 4 * MB, "private_bytes": 250_000, "path": "modules"},
-                        {"shared_bytes": 4 * MB, "path": "none", "reregistered": 2}])
+    stats = stats_with([{"published_bytes": 4 * MB, "load_path": "full"},
+                        {"shared_bytes": 4 * MB, "private_bytes": 250_000, "load_path": "modules"},
+                        {"shared_bytes": 4 * MB, "load_path": "none", "reregistered": 2}])
     text = format_status([("/run/r.sock", stats)])
     header, _rule, *engines = rows(text, "pid")
-    assert header == ["pid", "device", "share group", "segments", "shared", "published", "private", "path",
+    assert header == ["pid", "device", "share group", "segments", "shared", "published", "private", "load path",
                       "re-registered", "model"]
     assert engines == [
         ["1000", "cpu", "default", "1", "0 B", "4.0 MB", "0 B", "full", "-", "model-0"],

@@ -8,7 +8,7 @@ A load takes one of three paths (docs/architecture.md, "Loading only what is not
 
 - ``full``: a recipe of this load signature matches every module of the checkpoint (its source
   keys come from the manifest cache: no tensor byte is read) and every final tensor is
-  resident: the model is built on the meta device and everything is mapped (`mapped.py`);
+  resident: the model is built on the meta device and everything is mapped (`replay.py`);
 - ``modules``: some modules match: those are mapped, only the others' checkpoint tensors are
   read and loaded;
 - ``none``: vLLM's own ``BaseModelLoader.load_model`` template with the inner loader's steps
@@ -16,7 +16,9 @@ A load takes one of three paths (docs/architecture.md, "Loading only what is not
   source key and the module it went into (`sources.py`).
 
 Then `share.share_model` maps or publishes what is not shared yet, the engine gives the registry
-a recipe of its load (`recipe.py`), and reports its figures (`meter.py`).  The registry is
+a recipe of its load (`fast_path.leave_recipe`), and reports its figures (`context.LoadReport`,
+`meter.py`).  One `context.LoadContext` carries what the steps need; the state of a usual
+load lives in a per-load `_UsualLoad`, never in the loader.  The registry is
 reached before anything else, so ``on_registry_error="fail"`` stops a misconfigured engine at
 once.
 
@@ -47,7 +49,8 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..config import DedupConfig
-from ..errors import RegistryUnavailable, SegmentError
+from ..errors import CheckpointError, RegistryUnavailable, SegmentError
+from .context import LoadContext, LoadReport
 from .meter import LoadMeter
 from .session import EngineSession
 from .signature import load_signature
@@ -79,30 +82,13 @@ class DedupModelLoader(BaseModelLoader):
                 model_loader_extra_config=dict(self.config.inner_extra_config),
             )
         )
-        self.result = None
-        self._recorder = None  # a `sources.SourceRecorder` while a recorded load runs
-        self._attrs_before: dict = {}
+        self.report: LoadReport | None = None  # of the last load_model call
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.inner.download_model(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """The inner loader's ``load_weights``; during a recorded load (path ``none`` with a
-        registry), its weight iterator and the model's weight loaders go through a
-        `sources.SourceRecorder`."""
-        recorder = self._recorder
-        if recorder is None:
-            return self.inner.load_weights(model, model_config)
-        from .recipe import model_attrs
-
-        self._attrs_before = model_attrs(model)
-        recorder.wrap(model)
-        weights = self.inner.get_all_weights
-        self.inner.get_all_weights = lambda mc, m: recorder.iterate(weights(mc, m))
-        try:
-            return self.inner.load_weights(model, model_config)
-        finally:
-            del self.inner.get_all_weights  # back to the class's method
+        self.inner.load_weights(model, model_config)
 
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
         """The inner loader's external bytes plus, with ``accounting="external"`` on a GPU, the
@@ -142,52 +128,99 @@ class DedupModelLoader(BaseModelLoader):
             RuntimeError: the registry cannot be reached, or fails, or shared memory cannot be
                 made, and ``on_registry_error`` is ``fail``.
         """
-        device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
-        client, device_type, device_key, signature = self._client_for(vllm_config, model_config, device)
-        if client is None:
+        ctx = self._context(vllm_config, model_config, prefix)
+        if ctx is None:
             return self._load_as_usual(vllm_config, model_config, prefix)
-        from .fast_path import FastPath
+        report = self.report = LoadReport()
+        with LoadMeter(ctx.device_type) as meter:
+            model, mapped, replay, recorded, decision = self._load(ctx, report)
+            self._share(model, ctx, report, mapped)
+            from .fast_path import leave_recipe
 
-        fast = FastPath(self, vllm_config, model_config, client, device, device_key, signature)
-        with LoadMeter(device_type) as meter:
-            model = fast.build(prefix) if fast.usable else None
-            if model is None:
-                self._recorder = fast.recorder_for_usual_load()
-                try:
-                    model = self._load_as_usual(vllm_config, model_config, prefix)
-                finally:
-                    self._recorder = None
-                fast.after_usual_load(self._attrs_before)
-            self.result = self._share(model, client, device_type, device_key, fast.mapped)
-            fast.give_recipe(model, self.result)
-        result = self.result
-        result.path, result.checkpoint_bytes_read = fast.path, fast.bytes_read
-        result.load_seconds = meter.seconds
-        result.peak_bytes = meter.peak_bytes(result.published_bytes + result.padding_bytes)
+            leave_recipe(ctx, model, report, recorded, replay, decision)
+        report.load_seconds = meter.seconds
+        report.peak_bytes = meter.peak_bytes(report.published_bytes + report.padding_bytes)
         try:
-            client.report(result.report())
+            ctx.lease.report(report.figures())
         except RegistryUnavailable:
             pass
         session = EngineSession.current()
-        session.hold(client, result.segment_bytes, result.shared_bytes)
-        client.watch()  # re-registers what it holds with a registry that comes back
+        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes)
+        ctx.lease.watch()  # re-registers what it holds with a registry that comes back
         _describe_for_upstream_hooks(model, session)
-        logger.info("vllm-dedup: %s: %s", model_config.model, result.summary())
+        logger.info("vllm-dedup: %s: %s", ctx.model_name, report.summary())
         return model
 
-    def _load_as_usual(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
+    def _load(self, ctx: LoadContext, report: LoadReport):
+        """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
+        `replay.Replay` or None, the `fast_path.RecordedLoad` or None, the `fast_path.Decision`
+        or None)."""
+        from .fast_path import RecordedLoad, decide, fast_path_files
+        from .recipe import RecipeDeclined
+        from .replay import Replay
+
+        files, why = fast_path_files(ctx, self.inner)
+        decision = None
+        if files:
+            decision = decide(ctx, files)
+            report.checkpoint_bytes_read += decision.bytes_hashed
+            why = decision.why
+            if decision.match is not None:
+                replay = Replay(ctx, decision.match, decision.where)
+                try:
+                    model = replay.build()
+                except RecipeDeclined as e:
+                    why = f"the recipe could not be used ({e})"
+                else:
+                    report.checkpoint_bytes_read += replay.bytes_read
+                    self._log_replay(ctx, decision.match, replay)
+                    report.load_path = "modules" if decision.match.unmatched else "full"
+                    ctx.lease.keep_recipe(decision.recipe_bytes)  # given again to a registry that comes back
+                    return model, replay.placement, replay, None, decision
+        logger.info("vllm-dedup: %s: loading from the checkpoint: %s", ctx.model_name, why)
+        recorded = None
+        if files:
+            try:
+                recorded = RecordedLoad(files)
+            except (CheckpointError, OSError) as e:
+                logger.info("vllm-dedup: %s: this load leaves no recipe (%s)", ctx.model_name, e)
+        model = self._load_as_usual(ctx.vllm_config, ctx.model_config, ctx.prefix, recorded)
+        if recorded is not None:
+            try:
+                recorded.finish()
+                report.checkpoint_bytes_read += recorded.recorder.bytes_read
+            except Exception as e:  # recording never stops a load that succeeded
+                logger.warning("vllm-dedup: %s: this load leaves no recipe (%s: %s)", ctx.model_name,
+                               type(e).__name__, e)
+                recorded = None
+        return model, {}, None, recorded, decision
+
+    @staticmethod
+    def _log_replay(ctx: LoadContext, match, replay) -> None:
+        if match.unmatched:
+            first, reason = sorted(match.unmatched.items())[0]
+            logger.info("vllm-dedup: %s: a recipe maps %d of %d modules (%.1f MB); %d loaded from the checkpoint "
+                        "(%s: %s)", ctx.model_name, len(match.matched), len(match.recipe.modules),
+                        replay.mapped_bytes / 1e6, len(match.unmatched), first, reason)
+        else:
+            logger.info("vllm-dedup: %s: a recipe maps every module (%.1f MB); no checkpoint tensor read",
+                        ctx.model_name, replay.mapped_bytes / 1e6)
+
+    def _load_as_usual(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                       recorded=None) -> nn.Module:
+        """vLLM's own ``BaseModelLoader.load_model`` template with this loader's ``create_model``
+        and the inner loader's ``load_weights`` (recorded when ``recorded`` is given), or the
+        inner loader's own pipeline when it has one (the fast paths never record those:
+        `fast_path.fast_path_files`)."""
         if type(self.inner).load_model is BaseModelLoader.load_model:
-            return super().load_model(vllm_config, model_config, prefix)
-        # the inner loader has its own pipeline: use it unchanged
+            return _UsualLoad(self, recorded).load_model(vllm_config, model_config, prefix)
         return self.inner.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
-    def _share(self, model, client, device_type: str, device_key: str, mapped: dict[int, str]):
+    def _share(self, model, ctx: LoadContext, report: LoadReport, mapped: dict) -> None:
         from .share import share_model
 
         try:
-            return share_model(model, client, device_type, self.config.min_tensor_bytes, self.config.verify,
-                               fail=self.config.on_registry_error == "fail", device_key=device_key, mapped=mapped,
-                               report=False)
+            share_model(model, ctx, report, mapped)
         except RegistryUnavailable as e:
             raise RuntimeError(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
         except SegmentError as e:
@@ -195,25 +228,61 @@ class DedupModelLoader(BaseModelLoader):
                 f"vllm-dedup: shared memory for the weights could not be created or mapped ({e}); "
                 "set on_registry_error='fallback' to load such tensors privately instead") from None
 
-    def _client_for(self, vllm_config: VllmConfig, model_config: ModelConfig, device):
-        """(registry connection or None, device type, device key, load signature) for loading
-        onto ``device``."""
+    def _context(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> LoadContext | None:
+        """This load's `LoadContext`, or None when it cannot share (no segment backend or
+        driver for the device, or no registry: the load is private then, with a warning)."""
         from ..segments import segment_class
 
-        device_type = device.type
+        device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
         try:
-            if device_type == "cuda" and device.index is None:
+            if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            device_key = segment_class(device_type).device_key(device)
+            device_key = segment_class(device.type).device_key(device)
         except (NotImplementedError, RuntimeError, SegmentError) as e:  # no backend, driver or cuda-bindings
             if self.config.on_registry_error == "fail":
                 raise RuntimeError(f"vllm-dedup: cannot share weights on {device}: {e}") from None
             logger.warning("vllm-dedup: cannot share weights on %s (%s); loading privately", device, e)
-            return None, device_type, None, None
-        signature = load_signature(vllm_config, self.config.inner_load_format,
-                                   self.config.cpu_share_linear and device_type == "cpu")
-        client = EngineSession.current().connect(self.config, str(model_config.model), device_key, signature)
-        return client, device_type, device_key, signature
+            return None
+        signature = load_signature(vllm_config, model_config, self.config.inner_load_format,
+                                   self.config.cpu_share_linear and device.type == "cpu")
+        lease = EngineSession.current().connect(self.config, str(model_config.model), device_key, signature)
+        if lease is None:
+            return None
+        return LoadContext(self.config, lease, device, device_key, signature, vllm_config, model_config, prefix,
+                           create_model=lambda: self.create_model(vllm_config, model_config, prefix))
+
+
+class _UsualLoad(BaseModelLoader):
+    """One usual load through vLLM's ``BaseModelLoader.load_model`` template: the outer loader's
+    ``create_model``, the inner loader's ``load_weights``, and, for a `fast_path.RecordedLoad`,
+    its recorder around the weight iterator and the model's weight loaders (the state of one
+    load lives here, not in the long-lived loader)."""
+
+    def __init__(self, outer: DedupModelLoader, recorded=None):
+        super().__init__(outer.load_config)
+        self.outer, self.recorded = outer, recorded
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self.outer.download_model(model_config)
+
+    def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        return self.outer.create_model(vllm_config, model_config, prefix)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        inner, recorded = self.outer.inner, self.recorded
+        if recorded is None:
+            return inner.load_weights(model, model_config)
+        from .recipe import model_attrs
+
+        recorded.attrs_before = model_attrs(model)
+        recorder = recorded.recorder
+        recorder.wrap(model)
+        weights = inner.get_all_weights
+        inner.get_all_weights = lambda mc, m: recorder.iterate(weights(mc, m))
+        try:
+            return inner.load_weights(model, model_config)
+        finally:
+            del inner.get_all_weights  # back to the class's method
 
 
 def _describe_for_upstream_hooks(model, session: EngineSession) -> None:

@@ -4,22 +4,32 @@ the same load signature maps them instead of reading the checkpoint (docs/archit
 
 A recipe holds, for one load signature (`signature.py`):
 
-- ``sources``: every checkpoint tensor the load read, name -> source key (`sources.py`);
+- ``sources``: every checkpoint tensor the load read, name -> source key (BLAKE3-256,
+  `sources.py`);
 - ``modules``: for each module owning parameters or buffers, the names of the checkpoint
   tensors its weight loaders got, and its final parameters and buffers after
-  ``process_weights_after_loading``: each one a content key resident in a segment, its bytes
-  inline (tensors too small to share), or an alias of a tensor of another module (tied
-  weights);
+  ``process_weights_after_loading``: each one a content key resident in a named segment (the
+  segment the recipe's maker published or mapped, by uid), its bytes inline (tensors too small
+  to share), or an alias of a tensor of another module (tied weights);
 - ``attrs``: the model attributes loading set (numbers, strings, booleans);
 - ``final``: every content key it names, with its bytes (what the registry predicts from).
 
 Post-processing is deterministic per module: equal inputs under an equal signature give equal
-outputs.  So a module *matches* a checkpoint when the recipe's tensor names are the
-checkpoint's and none of the tensors that went into the module changed; its final tensors can
-then be mapped.  A module is *replayable* only when that reasoning holds for it: its sources were
-recorded, its quantization method supports vLLM's pre-processed mode, and its post-processing
-left all its state in tensors (on the CPU backend a linear layer repacked into oneDNN memory
-does not).
+outputs.  Two properties of a module decide what a recipe may do with it:
+
+- **replayable**: its final tensors are all of its state, and its post-processing can run in
+  vLLM's pre-processed mode.  Not so for a quantization method without pre-processed support,
+  or a CPU linear layer repacked into oneDNN memory.  A module that is not replayable is never
+  mapped;
+- **traced**: the checkpoint tensors that went into it are exactly its recorded sources: every
+  parameter it owns was filled by a weight loader that received the checkpoint tensor just
+  read, and nothing else wrote into it afterwards (`sources.SourceRecorder`).  Only a traced
+  module can be loaded on its own (from its sources), or mapped while some of the checkpoint
+  changed.  An untraced, replayable module is mapped only when the whole checkpoint is
+  unchanged, where every input is equal whatever it was.
+
+`choose` picks the recipe that maps the most, or says why none applies; anything a recipe
+cannot do exactly is declined (`RecipeDeclined`), and the engine loads as usual.
 """
 
 from __future__ import annotations
@@ -28,12 +38,17 @@ import base64
 import json
 from dataclasses import dataclass, field
 
-import xxhash
+import blake3
 
-__all__ = ["Match", "ModuleRecipe", "Recipe", "TensorRecipe", "build_recipe", "choose", "model_attrs",
-           "unreplayable_reason"]
+__all__ = ["Match", "ModuleRecipe", "Recipe", "RecipeDeclined", "TensorRecipe", "build_recipe", "choose",
+           "model_attrs", "unreplayable_reason"]
 
-VERSION = 1
+VERSION = 2  # 2: segments named by uid, traced modules, BLAKE3 source keys
+
+
+class RecipeDeclined(Exception):
+    """A recipe cannot serve this load exactly; the message says why.  The engine loads as
+    usual (and holds nothing the recipe made it acquire)."""
 
 
 @dataclass
@@ -45,7 +60,8 @@ class TensorRecipe:
         name: its attribute name in the module.
         param: a parameter (else a buffer).
         dtype, shape, stride: its layout (torch dtype name; elements).
-        key: the content key of its resident copy in a segment.
+        key: the content key of its resident copy, in the segment ``uid``.
+        uid: the segment the recipe's maker published the tensor in or mapped it from.
         inline: its bytes, for tensors too small to share.
         alias: ``"module.name"`` of the tensor it is (tied weights).
     """
@@ -56,6 +72,7 @@ class TensorRecipe:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     key: str | None = None
+    uid: str = ""
     inline: bytes | None = None
     alias: str | None = None
 
@@ -72,7 +89,7 @@ class TensorRecipe:
         out = {"name": self.name, "param": self.param, "dtype": self.dtype, "shape": list(self.shape),
                "stride": list(self.stride)}
         if self.key is not None:
-            out["key"] = self.key
+            out["key"], out["uid"] = self.key, self.uid
         if self.inline is not None:
             out["inline"] = base64.b64encode(self.inline).decode()
         if self.alias is not None:
@@ -81,27 +98,38 @@ class TensorRecipe:
 
     @classmethod
     def from_json(cls, d: dict) -> TensorRecipe:
-        return cls(d["name"], bool(d["param"]), d["dtype"], tuple(d["shape"]), tuple(d["stride"]), d.get("key"),
-                   base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"))
+        t = cls(str(d["name"]), bool(d["param"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
+                tuple(int(x) for x in d["stride"]), d.get("key"), str(d.get("uid", "")),
+                base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"))
+        if sum(x is not None for x in (t.key, t.inline, t.alias)) != 1:
+            raise ValueError(f"tensor {t.name!r} must have exactly one of key, inline and alias")
+        return t
 
 
 @dataclass
 class ModuleRecipe:
-    """One module: the checkpoint tensors that went into it and its final tensors."""
+    """One module: the checkpoint tensors that went into it and its final tensors (module
+    docstring: replayable, traced)."""
 
     sources: list[str]
     tensors: list[TensorRecipe]
     replayable: bool = True
     why: str = ""  # why not replayable
+    traced: bool = True
+    why_untraced: str = ""
 
     def to_json(self) -> dict:
         return {"sources": sorted(self.sources), "tensors": [t.to_json() for t in self.tensors],
-                "replayable": self.replayable, "why": self.why}
+                "replayable": self.replayable, "why": self.why, "traced": self.traced,
+                "why_untraced": self.why_untraced}
 
     @classmethod
     def from_json(cls, d: dict) -> ModuleRecipe:
-        return cls(list(d["sources"]), [TensorRecipe.from_json(t) for t in d["tensors"]], bool(d["replayable"]),
-                   d.get("why", ""))
+        return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t) for t in d["tensors"]],
+                   bool(d["replayable"]), str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")))
+
+    def mapped_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors if t.key is not None)
 
 
 @dataclass
@@ -121,8 +149,8 @@ class Recipe:
     @property
     def id(self) -> str:
         """Identity of the checkpoint content it was made from (a recipe with the same id
-        replaces this one in the registry)."""
-        return xxhash.xxh3_64_hexdigest(json.dumps(sorted(self.sources.items())).encode())
+        replaces this one in the registry): BLAKE3 of its source keys."""
+        return blake3.blake3(json.dumps(sorted(self.sources.items())).encode()).hexdigest()[:32]
 
     def final(self) -> dict[str, int]:
         """Every content key the recipe names -> its bytes."""
@@ -139,15 +167,18 @@ class Recipe:
     @classmethod
     def from_bytes(cls, data: bytes) -> Recipe:
         """Raises:
-            ValueError: not a recipe of this version."""
+            ValueError: not a recipe of this version, or a malformed one."""
         try:
             d = json.loads(data)
             if d.get("version") != VERSION:
                 raise ValueError(f"recipe version {d.get('version')!r}, expected {VERSION}")
-            return cls(d["signature"], dict(d["sources"]),
-                       {name: ModuleRecipe.from_json(m) for name, m in d["modules"].items()}, dict(d["attrs"]),
-                       list(d["unattributed"]), bool(d["replayable"]), d.get("why", ""))
-        except (KeyError, TypeError, AttributeError) as e:
+            attrs = dict(d["attrs"])
+            if not all(v is None or isinstance(v, (bool, int, float, str)) for v in attrs.values()):
+                raise ValueError("recipe attributes must be numbers, strings, booleans or null")
+            return cls(str(d["signature"]), {str(k): str(v) for k, v in d["sources"].items()},
+                       {str(name): ModuleRecipe.from_json(m) for name, m in d["modules"].items()}, attrs,
+                       [str(n) for n in d["unattributed"]], bool(d["replayable"]), str(d.get("why", "")))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a recipe ({type(e).__name__}: {e})") from None
 
 
@@ -173,9 +204,8 @@ def model_attrs(model) -> dict:
             if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
 
 
-def build_recipe(model, signature: str, sources: dict[str, str], module_sources: dict[str, set[str]],
-                 unrecorded: dict[str, str], placement: dict[int, str], inline_max: int, attrs_before: dict,
-                 inherited: dict[str, ModuleRecipe] | None = None) -> Recipe:
+def build_recipe(model, signature: str, sources: dict[str, str], recording, placement: dict, inline_max: int,
+                 attrs_before: dict, inherited: dict[str, ModuleRecipe] | None = None) -> Recipe:
     """The recipe of a loaded, post-processed and shared model.
 
     Args:
@@ -183,8 +213,9 @@ def build_recipe(model, signature: str, sources: dict[str, str], module_sources:
         signature: its load signature.
         sources: checkpoint tensor name -> source key, for every tensor the load read (or, for
             a partial load, every tensor of the checkpoint).
-        module_sources, unrecorded: from the `sources.SourceRecorder` of the load.
-        placement: ``id`` of a tensor bound in the model -> its content key in a segment.
+        recording: the `sources.SourceRecorder` of the load (its ``module_sources`` and
+            ``untraced``).
+        placement: ``id`` of a tensor bound in the model -> its `context.Placement`.
         inline_max: tensors of at most this many bytes (and private) are stored inline.
         attrs_before: `model_attrs` before ``load_weights`` (what loading set is the difference).
         inherited: modules mapped from an earlier recipe, taken over as they are.
@@ -202,18 +233,16 @@ def build_recipe(model, signature: str, sources: dict[str, str], module_sources:
         if module_name in inherited:
             modules[module_name] = inherited[module_name]
             continue
-        owns_params = any(is_param and owner[id(t)] == _qualified(module_name, n) for n, t, is_param in tensors)
-        why = unrecorded.get(module_name) or unreplayable_reason(module)
-        if not why and owns_params and not module_sources.get(module_name):
-            why = "its parameters were filled without a weight loader call"
-        recipe = ModuleRecipe(sorted(module_sources.get(module_name, ())), [], True, "")
+        why = unreplayable_reason(module)
+        untraced = recording.untraced.get(module_name, "")
+        recipe = ModuleRecipe(sorted(recording.module_sources.get(module_name, ())), [])
         for n, t, is_param in tensors:
             qualified = _qualified(module_name, n)
             entry = TensorRecipe(n, is_param, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
             if owner[id(t)] != qualified:
                 entry.alias = owner[id(t)]
             elif id(t) in placement:
-                entry.key = placement[id(t)]
+                entry.key, entry.uid = placement[id(t)].key, placement[id(t)].uid
             elif t.is_meta:
                 why = why or f"{n} was never materialized"
             elif t.is_contiguous() and t.numel() * t.element_size() <= inline_max:
@@ -223,8 +252,9 @@ def build_recipe(model, signature: str, sources: dict[str, str], module_sources:
                               "enough to keep in the recipe")
             recipe.tensors.append(entry)
         recipe.replayable, recipe.why = not why, why or ""
+        recipe.traced, recipe.why_untraced = not untraced, untraced
         modules[module_name] = recipe
-    attributed = set().union(*module_sources.values(), *(m.sources for m in inherited.values()))
+    attributed = set().union(*recording.module_sources.values(), *(m.sources for m in inherited.values()))
     after = model_attrs(model)
     attrs = {k: v for k, v in after.items() if attrs_before.get(k, object()) != v}
     whole_why = ("the model has its own process_weights_after_loading (it may combine modules)"
@@ -248,6 +278,10 @@ def _host_bytes(t) -> memoryview:
 class Match:
     """What a recipe gives a checkpoint: the modules to map and those to load.
 
+    Invariant (`settle`): every module loaded is traced, and no module mapped shares a
+    checkpoint tensor with a module loaded (feeding that tensor to the model's ``load_weights``
+    would write into the mapped, read-only one, or leave it stale).
+
     Attributes:
         recipe: the recipe chosen.
         matched: names of the modules whose final tensors are mapped (or restored inline).
@@ -258,18 +292,73 @@ class Match:
     recipe: Recipe
     matched: set[str]
     unmatched: dict[str, str]
-    mapped_bytes: int
+    mapped_bytes: int = 0
 
     def read(self) -> set[str]:
         """Checkpoint tensor names the unmatched modules need."""
         return set().union(*(self.recipe.modules[m].sources for m in self.unmatched)) if self.unmatched else set()
 
     def demote(self, module: str, why: str) -> None:
-        """Load ``module`` from the checkpoint after all (e.g. a tensor of it is not resident)."""
+        """Load ``module`` from the checkpoint after all (e.g. a tensor of it is not resident).
+
+        Raises:
+            RecipeDeclined: the module, or one it takes with it, cannot be loaded on its own.
+        """
         if module in self.matched:
             self.matched.discard(module)
             self.unmatched[module] = why
-            self.mapped_bytes -= sum(t.nbytes for t in self.recipe.modules[module].tensors if t.key)
+            self.settle()
+
+    def settle(self) -> None:
+        """Restore the invariant (class docstring): demote every mapped module that shares a
+        checkpoint tensor with a loaded one, until none does; recount the mapped bytes.
+
+        Raises:
+            RecipeDeclined: a module to load is not traced.
+        """
+        modules = self.recipe.modules
+        while True:
+            read = self.read()
+            taken = {m for m in self.matched if read & set(modules[m].sources)}
+            if not taken:
+                break
+            for m in taken:
+                self.matched.discard(m)
+                self.unmatched[m] = "it shares a checkpoint tensor with a module loaded from the checkpoint"
+        for name, why in sorted(self.unmatched.items()):
+            if not modules[name].traced:
+                raise RecipeDeclined(f"module {name} must be loaded ({why}) but cannot be loaded on its own: "
+                                     f"{modules[name].why_untraced}")
+        self.mapped_bytes = sum(modules[m].mapped_bytes() for m in self.matched)
+
+
+def match(recipe: Recipe, checkpoint: dict[str, str]) -> Match:
+    """What ``recipe`` gives the checkpoint with these source keys (name -> key).
+
+    Raises:
+        RecipeDeclined: it gives nothing exact (the message says why).
+    """
+    if not recipe.replayable:
+        raise RecipeDeclined(f"the recipe cannot be replayed: {recipe.why}")
+    if set(recipe.sources) != set(checkpoint):
+        raise RecipeDeclined("the checkpoint's tensor names differ from the recipe's")
+    changed = {n for n, k in checkpoint.items() if recipe.sources[n] != k}
+    if changed & set(recipe.unattributed):
+        raise RecipeDeclined("a changed checkpoint tensor went into no recorded module")
+    found = Match(recipe, set(), {})
+    for name, module in recipe.modules.items():
+        if not module.replayable:
+            found.unmatched[name] = module.why
+        elif changed & set(module.sources):
+            found.unmatched[name] = "its checkpoint tensors changed"
+        elif changed and not module.traced:
+            found.unmatched[name] = f"the checkpoint changed and its inputs are not known ({module.why_untraced})"
+        else:
+            found.matched.add(name)
+    found.settle()
+    if not found.matched:
+        raise RecipeDeclined("it maps no module of this checkpoint")
+    return found
 
 
 def choose(recipes: list[Recipe], checkpoint: dict[str, str]) -> tuple[Match | None, str]:
@@ -281,25 +370,14 @@ def choose(recipes: list[Recipe], checkpoint: dict[str, str]) -> tuple[Match | N
     """
     best, why = None, "no recipe for this load signature yet"
     for recipe in recipes:
-        if not recipe.replayable:
-            why = f"the recipe cannot be replayed: {recipe.why}"
+        try:
+            found = match(recipe, checkpoint)
+        except RecipeDeclined as e:
+            why = str(e)
             continue
-        if set(recipe.sources) != set(checkpoint):
-            why = "the checkpoint's tensor names differ from the recipe's"
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a malformed recipe
+            why = f"a recipe is malformed ({type(e).__name__}: {e})"
             continue
-        changed = {n for n, k in checkpoint.items() if recipe.sources[n] != k}
-        if changed & set(recipe.unattributed):
-            why = "a changed checkpoint tensor went into no recorded module"
-            continue
-        matched, unmatched = set(), {}
-        for name, module in recipe.modules.items():
-            if not module.replayable:
-                unmatched[name] = module.why
-            elif changed & set(module.sources):
-                unmatched[name] = "its checkpoint tensors changed"
-            else:
-                matched.add(name)
-        mapped = sum(t.nbytes for m in matched for t in recipe.modules[m].tensors if t.key)
-        if matched and (best is None or mapped > best.mapped_bytes):
-            best = Match(recipe, matched, unmatched, mapped)
+        if best is None or found.mapped_bytes > best.mapped_bytes:
+            best = found
     return best, "" if best else why

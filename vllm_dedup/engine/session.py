@@ -165,7 +165,7 @@ class EngineSession:
                 raise RuntimeError(f"vllm-dedup: cannot name this GPU ({e})") from None
             logger.warning("vllm-dedup: cannot name this GPU (%s); starting without the start-up lock", e)
             return 0
-        signature = load_signature(vllm_config, config.inner_load_format)
+        signature = load_signature(vllm_config, None, config.inner_load_format)
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
         if client is None:
             return 0

@@ -1,15 +1,16 @@
 """Swapping a loaded model's tensors for shared, segment-backed ones.
 
 This runs once per engine, after vLLM's ``process_weights_after_loading``, so the tensors shared
-are exactly those the kernels use.  The steps, in order (one method each of `_Sharing`):
+are exactly those the kernels use.  The steps, in order (one method each of `SharingPass`):
 
-1. **collect** the model's storages of at least ``min_tensor_bytes`` (`slots.collect_slots`);
+1. **collect** the model's storages of at least ``min_tensor_bytes`` (`slots.collect_slots`),
+   leaving out what a recipe mapped already;
 2. **key** them (`content`): XXH3-128 in parallel threads on the host, a device-side
    fingerprint on a GPU (no weight is copied to the host);
-3. **acquire** the keys from the registry (one round trip per 250 keys), then for every hit
-   map the segment read-only, **compare** the bytes exactly, and **adopt** the shared tensor
-   (swap it in, drop the private copy); a failed compare (a hash collision) keeps the tensor
-   private: different bytes are never swapped in;
+3. **acquire** the keys and map the segments found (`resident.map_resident`), **compare** the
+   bytes exactly, and **adopt** the shared tensor (swap it in, drop the private copy); a failed
+   compare (a hash collision, crafted or not) keeps the tensor private: different bytes are
+   never swapped in;
 4. **plan** the misses: where segments come in a coarse granularity (CUDA: 2 MiB) several small
    tensors are packed into one segment (`segments.packing`), and tensors whose pack would be
    mostly padding stay private;
@@ -18,10 +19,11 @@ are exactly those the kernels use.  The steps, in order (one method each of `_Sh
 Steps 3 to 5 hold the registry's publish lock of the device and share group, so engines that
 finish loading together map each other's tensors instead of each publishing a copy.
 
-Failures never stop the engine (unless ``fail``): the registry failing mid-way leaves the
-remaining tensors private; a segment that cannot be created or mapped (`errors.SegmentError`:
-out of memory, a descriptor that is not a sealed segment, a driver refusing) leaves the tensors
-it would have held private.  Either is said in one warning, with the first error.
+Failures never stop the engine (unless ``on_registry_error="fail"``): the registry failing
+mid-way leaves the remaining tensors private; a segment that cannot be created, mapped or read
+(`errors.SegmentError`, a CUDA driver error, torch running out of memory while wrapping or
+comparing) leaves the tensors it would have held private.  Either is said in one warning, with
+the first error.
 
 Freed private copies go back to the operating system (``malloc_trim``): glibc otherwise keeps
 large freed blocks in its heap and the process's memory would not shrink.  On a GPU they go back
@@ -38,18 +40,17 @@ import logging
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from ..content.fingerprint import device_fingerprints, fingerprint_key, same_bytes
 from ..content.keys import ContentKey, content_keys, tensor_key
 from ..errors import RegistryUnavailable, SegmentError
-from ..registry.client import BrokerClient
-from ..registry.lease import Lease
 from ..segments import segment_class
 from ..segments.packing import plan_packs
+from .context import LoadContext, LoadReport, Placement
+from .resident import map_resident
 from .slots import Slot, collect_slots, swap
 
-__all__ = ["FORCE_COLLISIONS_ENV", "ShareResult", "share_model"]
+__all__ = ["FORCE_COLLISIONS_ENV", "SharingPass", "share_model"]
 
 logger = logging.getLogger("vllm.dedup.share")  # under "vllm": vLLM's handlers and format apply
 
@@ -57,119 +58,67 @@ logger = logging.getLogger("vllm.dedup.share")  # under "vllm": vLLM's handlers 
 # and shape collides with every other.  The exact compare must then keep them all apart.
 FORCE_COLLISIONS_ENV = "VLLM_DEDUP_TEST_FORCE_COLLISIONS"
 
+PUBLISH_LOCK_TIMEOUT_S = 600.0  # another engine of the device and share group is sharing
 _RETURN_EVERY = 1 << 30  # bytes of dropped private copies between two empty_cache calls
 
 
-@dataclass
-class ShareResult:
-    """What one engine's load did, in tensors and bytes (what it reports to the registry).
-
-    The loader fills the load's own figures: ``path`` (``full``: every module mapped from a
-    recipe; ``modules``: some mapped, the others loaded; ``none``: loaded, then shared),
-    ``checkpoint_bytes_read``, ``load_seconds`` (wall time of ``load_model``) and
-    ``peak_bytes`` (`meter.LoadMeter.peak_bytes`).  ``placement`` (``id`` of a tensor bound in
-    the model -> its content key) is for the recipe, not reported.
-    """
-
-    shared_tensors: int = 0  # mapped from another engine's segment
-    shared_bytes: int = 0
-    published_tensors: int = 0  # moved into a new segment of this engine's
-    published_bytes: int = 0
-    private_tensors: int = 0
-    private_bytes: int = 0
-    collisions: int = 0  # equal keys, different bytes: caught by the exact compare
-    padding_bytes: int = 0  # bytes of the segments this engine created that hold no tensor
-    seconds: float = 0.0  # of the sharing pass
-    path: str = "none"
-    checkpoint_bytes_read: int = 0
-    load_seconds: float = 0.0
-    peak_bytes: int = 0
-    errors: list[str] = field(default_factory=list)
-    placement: dict[int, str] = field(default_factory=dict, repr=False)
-
-    @property
-    def segment_bytes(self) -> int:
-        """Bytes of this engine's tensors that live in segments (read-only, seen by others)."""
-        return self.shared_bytes + self.published_bytes
-
-    def report(self) -> dict:
-        """The figures the registry keeps (numbers and the load path)."""
-        return {k: v for k, v in vars(self).items() if isinstance(v, (int, float, str))}
-
-    def summary(self) -> str:
-        mb = 1e6
-        return (
-            f"path={self.path}, {self.checkpoint_bytes_read / mb:.1f} MB of checkpoint read, "
-            f"load {self.load_seconds:.2f} s, peak +{self.peak_bytes / mb:.1f} MB; "
-            f"{self.shared_tensors} tensors / {self.shared_bytes / mb:.1f} MB shared, "
-            f"{self.published_tensors} / {self.published_bytes / mb:.1f} MB published, "
-            f"{self.private_tensors} / {self.private_bytes / mb:.1f} MB private, "
-            f"{self.collisions} collisions, {self.padding_bytes / mb:.1f} MB padding, sharing {self.seconds:.2f} s"
-        )
+def _backend_errors() -> tuple[type[BaseException], ...]:
+    """What a segment backend or torch raises when wrapping, reading or comparing shared memory
+    fails: a segment or driver error, torch's runtime errors (out of memory included)."""
+    return (SegmentError, RuntimeError, MemoryError)
 
 
-def share_model(model, client: BrokerClient | Lease, device_type: str = "cpu", min_tensor_bytes: int = 1 << 16,
-                verify: bool = True, fail: bool = False, lock_timeout_s: float = 600.0,
-                device_key: str = "cpu", pack_granularity: int | None = None,
-                mapped: dict[int, str] | None = None, report: bool = True) -> ShareResult:
-    """Share ``model``'s tensors through the registry behind ``client`` (see the module docstring).
+def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
+                mapped: dict[int, Placement] | None = None, pack_granularity: int | None = None) -> LoadReport:
+    """Share ``model``'s tensors through the registry behind ``ctx.lease`` (module docstring).
 
     Args:
         model: the loaded ``nn.Module`` (after ``process_weights_after_loading``).
-        client: a connection that has said hello; it must stay open while the model lives.
-        device_type: torch device type of the tensors to share (``"cpu"``, ``"cuda"``).
-        min_tensor_bytes: smaller tensors stay private.
-        verify: compare bytes before swapping a shared tensor in.
-        fail: on a registry error, raise instead of leaving the rest private.
-        lock_timeout_s: how long to wait for the publish lock of the device and share group
-            (another engine is sharing); after that the tensors stay private.
-        device_key: the registry's name of the device (`Segment.device_key`), as said in the
-            client's ``hello``.
+        ctx: the load (its lease must stay open while the model lives; ``config`` gives
+            ``min_tensor_bytes``, ``verify`` and ``on_registry_error``).
+        report: the load's report, filled in here (a new one by default).
+        mapped: tensors a recipe bound from segments already (``id`` -> `Placement`): counted
+            as shared, left alone.
         pack_granularity: pack new segments to this granularity (bytes, a power of two);
             default: the backend's (`Segment.granularity`; none on the host).
-        mapped: tensors already bound from segments (``id`` -> content key; a recipe mapped
-            them): counted as shared, left alone.
-        report: send the result to the registry (the loader reports itself, with its figures).
 
     Raises:
-        RegistryUnavailable: the registry failed mid-way and ``fail`` is set.
-        SegmentError: a segment could not be created or mapped and ``fail`` is set.
+        RegistryUnavailable: the registry failed mid-way and ``on_registry_error`` is ``fail``.
+        SegmentError: a segment could not be created or mapped and ``on_registry_error`` is ``fail``.
     """
     start = time.perf_counter()
-    result = _Sharing(model, client, device_type, min_tensor_bytes, verify, device_key,
-                      pack_granularity, fail, mapped or {}).run(lock_timeout_s)
+    report = report if report is not None else LoadReport()
+    SharingPass(model, ctx, report, mapped or {}, pack_granularity).run()
     # The private copies replaced are freed by reference counting as they go (nothing here
     # makes a cycle with them): only the allocator's caches need giving back.
     _malloc_trim()
-    _return_cached(device_type)
-    result.seconds = time.perf_counter() - start
-    if report:
-        try:
-            client.report(result.report())
-        except RegistryUnavailable:
-            pass
-    return result
+    _return_cached(ctx.device_type)
+    report.seconds = time.perf_counter() - start
+    return report
 
 
-class _Sharing:
+class SharingPass:
     """One model's sharing pass: the steps of the module docstring, one method each."""
 
-    def __init__(self, model, client: BrokerClient | Lease, device_type: str, min_tensor_bytes: int, verify: bool,
-                 device_key: str, pack_granularity: int | None, fail: bool, mapped: dict[int, str]):
-        self.client, self.device_type, self.verify, self.device_key = client, device_type, verify, device_key
-        self.fail = fail
+    def __init__(self, model, ctx: LoadContext, report: LoadReport, mapped: dict[int, Placement],
+                 pack_granularity: int | None):
+        self.ctx, self.lease, self.report = ctx, ctx.lease, report
+        self.verify = ctx.config.verify
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
-        self.seg_cls = segment_class(device_type)
+        self.seg_cls = segment_class(ctx.device_type)
         # 1. collect (what a recipe mapped is already shared)
-        slots, private_n, private_b = collect_slots(model, device_type, min_tensor_bytes, exclude=set(mapped))
-        self.result = ShareResult(private_tensors=private_n, private_bytes=private_b, placement=dict(mapped))
+        slots, private_n, private_b = collect_slots(model, ctx.device_type, ctx.config.min_tensor_bytes,
+                                                    exclude=set(mapped))
+        report.private_tensors += private_n
+        report.private_bytes += private_b
+        report.placement.update(mapped)
         bound = {id(t): t for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()]
                  if t is not None and id(t) in mapped}
-        self.result.shared_tensors += len(bound)
-        self.result.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
+        report.shared_tensors += len(bound)
+        report.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
         # 2. key: content key -> the slots with that key (tied or equal tensors of this model)
         self.pending: dict[str, list[Slot]] = defaultdict(list)
-        for slot, key in zip(slots, _keys([s.tensor for s in slots], device_type)):
+        for slot, key in zip(slots, _keys([s.tensor for s in slots], ctx.device_type)):
             self.pending[key].append(slot)
         self.granularity, self.no_segments = pack_granularity, None
         if slots and not pack_granularity:
@@ -179,108 +128,107 @@ class _Sharing:
                 self.no_segments = e
         self.freed = 0  # private bytes dropped since the allocator's cache was last emptied
 
-    def run(self, lock_timeout_s: float) -> ShareResult:
+    def run(self) -> None:
         if self.no_segments is not None:
             self.segment_failed(list(self.pending.values()), self.no_segments)
             self.pending.clear()
             return self._finish()
         try:
-            with self.client.locked(f"publish:{self.device_key}:{self.client.group}", timeout_s=lock_timeout_s):
+            with self.lease.locked(f"publish:{self.ctx.device_key}:{self.lease.group}",
+                                   timeout_s=PUBLISH_LOCK_TIMEOUT_S):
                 self.acquire_and_adopt()
                 self.plan_and_publish()
         except (RegistryUnavailable, TimeoutError) as e:
-            if self.fail:
+            if self.ctx.fail:
                 raise RegistryUnavailable(str(e)) from None
-            self.result.errors.append(str(e))
+            self.report.errors.append(str(e))
             logger.warning("vllm-dedup: registry failed mid-load (%s); the remaining tensors stay private", e)
             for group in self.pending.values():
                 self.keep_private(group)
             self.pending.clear()
-        return self._finish()
+        self._finish()
 
-    def _finish(self) -> ShareResult:
+    def _finish(self) -> None:
         if self.segment_failures:
             tensors = sum(n for n, _, _ in self.segment_failures)
             nbytes = sum(b for _, b, _ in self.segment_failures)
             first = self.segment_failures[0][2]
-            self.result.errors.append(first)
-            logger.warning("vllm-dedup: %d tensor(s) (%.1f MB) stay private: %d segment(s) could not be created or "
-                           "mapped (first: %s)", tensors, nbytes / 1e6, len(self.segment_failures), first)
-        return self.result
+            self.report.errors.append(first)
+            logger.warning("vllm-dedup: %d tensor(s) (%.1f MB) stay private: %d segment(s) could not be created, "
+                           "mapped or read (first: %s)", tensors, nbytes / 1e6, len(self.segment_failures), first)
 
-    def segment_failed(self, groups: list[list[Slot]], error: SegmentError) -> None:
-        """A segment for ``groups`` could not be created or mapped: they stay private."""
-        if self.fail:
-            raise error
+    def segment_failed(self, groups: list[list[Slot]], error: BaseException) -> None:
+        """A segment for ``groups`` could not be created, mapped or read: they stay private."""
+        if self.ctx.fail:
+            raise error if isinstance(error, SegmentError) else SegmentError(str(error))
         for group in groups:
             self.keep_private(group)
         self.segment_failures.append((sum(len(g) for g in groups), sum(s.nbytes for g in groups for s in g),
-                                      str(error)))
+                                      f"{type(error).__name__}: {error}"))
 
     # 3. acquire, compare, adopt -------------------------------------------------------------
     def acquire_and_adopt(self) -> None:
         """Map every resident key; hits in one segment (a pack) share one mapping.  A segment
         none of whose tensors was taken (refused, or every compare failed) is released, the
         others are held."""
-        hits: dict[int, list] = defaultdict(list)
-        fds: dict[int, list[int]] = defaultdict(list)
-        for hit, fd in self.client.acquire(list(self.pending)):
-            hits[hit.segment].append(hit)
-            fds[hit.segment].append(fd)
-        for seg_id, seg_hits in hits.items():
-            for fd in fds[seg_id][1:]:
-                os.close(fd)
-            groups = [self.pending.pop(hit.key) for hit in seg_hits]
-            try:
-                seg = self.seg_cls.attach(fds[seg_id][0], max(h.offset + h.nbytes for h in seg_hits), self.device_key)
-            except SegmentError as e:  # not a sealed segment, or it cannot be mapped: never use it
-                self.client.release([seg_id])
-                self.segment_failed(groups, SegmentError(f"resident segment {seg_id} refused: {e}"))
+        for got in map_resident(self.lease, self.seg_cls, self.ctx.device_key, list(self.pending)):
+            hits = got.found.hits
+            groups = [self.pending.pop(hit.key) for hit in hits]
+            if got.error is not None:
+                self.segment_failed(groups, got.error)
                 continue
             taken = 0
-            for hit, group in zip(seg_hits, groups):
-                differ = self.adopt(group, seg, hit.offset, hit.key, published=False)
-                taken += len(group) - len(differ)
+            for hit, group in zip(hits, groups):
+                took, differ = self.adopt(group, got.segment, hit.offset, Placement(hit.key, got.found.uid),
+                                          published=False)
+                taken += took
                 if differ:
-                    self.result.collisions += len(differ)
+                    self.report.collisions += len(differ)
                     logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
                                    "(hash collision); they stay private", len(differ), hit.key)
                     self.keep_private(differ)
-            seg.close_fd()
             if not taken:
-                self.client.release([seg_id])
+                self.lease.release([got.found.segment])
 
-    def adopt(self, group: list[Slot], seg, offset: int, key: str, published: bool) -> list[Slot]:
-        """Swap each slot whose bytes equal the segment's at ``offset`` (content ``key``);
-        return the ones that differ.  With ``published``, the segment was copied from the
-        group's first slot."""
-        differ = []
+    def adopt(self, group: list[Slot], seg, offset: int, where: Placement, published: bool
+              ) -> tuple[int, list[Slot]]:
+        """Swap each slot whose bytes equal the segment's at ``offset``; with ``published``, the
+        segment was copied from the group's first slot.  Returns (slots swapped, slots whose
+        bytes differ).  When the shared memory cannot be wrapped or read, the slots not swapped
+        yet stay private (counted here, not returned)."""
+        differ, taken = [], 0
         for i, slot in enumerate(group):
             t = slot.tensor
-            shared = seg.tensor(offset, t.dtype, tuple(t.shape), tuple(t.stride()))
             source = published and i == 0
-            if self.verify and not source and not same_bytes(shared, t):
+            try:
+                shared = seg.tensor(offset, t.dtype, tuple(t.shape), tuple(t.stride()))
+                equal = source or not self.verify or same_bytes(shared, t)
+            except _backend_errors() as e:
+                self.segment_failed([group[i:]], e)
+                break
+            if not equal:
                 differ.append(slot)
                 continue
             swap(slot, shared)  # the slot held the last reference to the private copy
             for module, name, is_param in slot.refs:
                 bound = module._parameters[name] if is_param else module._buffers[name]
-                self.result.placement[id(bound)] = key
+                self.report.placement[id(bound)] = where
             self.freed += slot.nbytes
+            taken += 1
             if source:
-                self.result.published_tensors += 1
-                self.result.published_bytes += slot.nbytes
+                self.report.published_tensors += 1
+                self.report.published_bytes += slot.nbytes
             else:
-                self.result.shared_tensors += 1
-                self.result.shared_bytes += slot.nbytes
+                self.report.shared_tensors += 1
+                self.report.shared_bytes += slot.nbytes
         if self.freed >= _RETURN_EVERY:
-            _return_cached(self.device_type)
+            _return_cached(self.ctx.device_type)
             self.freed = 0
-        return differ
+        return taken, differ
 
     def keep_private(self, group: list[Slot]) -> None:
-        self.result.private_tensors += len(group)
-        self.result.private_bytes += sum(s.nbytes for s in group)
+        self.report.private_tensors += len(group)
+        self.report.private_bytes += sum(s.nbytes for s in group)
 
     # 4. plan, 5. publish -------------------------------------------------------------------
     def plan_and_publish(self) -> None:
@@ -300,20 +248,21 @@ class _Sharing:
         """One new segment holding the first tensor of each key's group at its offset."""
         parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
         try:
-            seg = self.seg_cls.create_packed(parts, nbytes, self.device_key)
-        except SegmentError as e:
+            seg = self.seg_cls.create_packed(parts, nbytes, self.ctx.device_key)
+        except _backend_errors() as e:
             self.segment_failed([self.pending.pop(k) for k in keys], e)
             return
         try:
-            self.client.publish(seg.fileno(), seg.size,
-                                [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)])
+            seg_id = self.lease.publish(seg.fileno(), seg.size,
+                                        [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)])
         finally:
             seg.close_fd()
-        self.result.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
+        uid = self.lease.uid_of(seg_id)
+        self.report.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
         for key, offset in zip(keys, offsets):
             group = self.pending.pop(key)
-            differ = self.adopt(group, seg, offset, key, published=True)  # same key in this model, other bytes
-            self.result.collisions += len(differ)
+            _, differ = self.adopt(group, seg, offset, Placement(key, uid), published=True)
+            self.report.collisions += len(differ)  # same key in this model, other bytes
             self.keep_private(differ)
 
 

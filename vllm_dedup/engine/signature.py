@@ -2,32 +2,43 @@
 tensors after ``process_weights_after_loading``.
 
 Two engines with the same signature whose modules were fed the same checkpoint tensors end
-with the same final tensors in those modules (docs/architecture.md, "Loading only what is not resident").  So the
-signature covers: vLLM's version, the architecture, the dtype, quantization and its config, the
-TP and PP size and this worker's rank in each (each rank holds other shards), the inner load
-format, the options of this loader that change post-processing (``cpu_share_linear`` on the CPU
-backend), the device type, and a digest of the model's config without the keys that cannot
-change any tensor's layout or value (names, token ids, the vocabulary size, whose effect is in
-the embedding's own shape).  The model's path is not in it: a copy of a checkpoint, or a
-fine-tune with the same config, has the same signature and is matched tensor by tensor.
+with the same final tensors in those modules (docs/architecture.md, "Loading only what is not
+resident").  So the signature covers:
+
+- the code: vLLM's version, vllm-dedup's version and recipe format, the model's code (the
+  source file of the class vLLM builds, which covers out-of-tree and remote-code models, and
+  the folder's own ``*.py``), ``model_impl``, whether zentorch is in play;
+- the model: the architecture, the dtype, quantization and its config, the KV-cache dtype
+  (FP8 k/v scale buffers depend on it), a digest of the model's config without the keys that
+  cannot change any tensor (names, token ids), and of the processor configs some models fold
+  into their modules (image mean and std);
+- the engine: TP and PP size and this worker's rank in each (each rank holds other shards),
+  the inner load format, this loader's options that change post-processing
+  (``cpu_share_linear`` on the CPU backend), the device type.
+
+The model's path is not in it: a copy of a checkpoint, or a fine-tune with the same config,
+has the same signature and is matched tensor by tensor.  For a drafter (EAGLE, MTP) the loader
+is called with the drafter's own model config, which is what the signature describes.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+from pathlib import Path
 
-import xxhash
+import blake3
 
 __all__ = ["CONFIG_KEYS_WITHOUT_EFFECT", "load_signature"]
 
-# Keys of an HF config that change no tensor of a model built from it.  ``vocab_size`` changes
-# the embedding's and the head's shapes, and so their checkpoint tensors' keys: those modules
-# never match across vocabularies anyway.
+# Keys of an HF config that change no tensor of a model built from it.  ``vocab_size`` is not
+# one: besides the embedding's shape, buffers with no checkpoint source can depend on it.
 CONFIG_KEYS_WITHOUT_EFFECT = frozenset({
     "_name_or_path", "_commit_hash", "transformers_version", "architectures", "torch_dtype", "dtype",
-    "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     "use_cache", "output_attentions", "output_hidden_states", "return_dict",
 })
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def _ranks() -> tuple[int, int]:
@@ -39,31 +50,75 @@ def _ranks() -> tuple[int, int]:
         return 0, 0
 
 
+def _digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()[:16]
+
+
 def _config_digest(hf_config) -> str:
     items = {k: v for k, v in hf_config.to_dict().items() if k not in CONFIG_KEYS_WITHOUT_EFFECT}
-    return xxhash.xxh3_64_hexdigest(json.dumps(items, sort_keys=True, default=str).encode())
+    return _digest(json.dumps(items, sort_keys=True, default=str).encode())
 
 
-def load_signature(vllm_config, inner_load_format: str = "auto", cpu_share_linear: bool = False) -> str:
+def _code_digest(model_config) -> str:
+    """The model's code: the source of the class vLLM resolves for it, and any ``*.py`` and
+    processor config in its folder (remote code, folded processor constants)."""
+    parts: list[bytes] = []
+    try:
+        from vllm.model_executor.model_loader.utils import get_model_architecture
+
+        cls, _ = get_model_architecture(model_config)
+        parts.append(Path(inspect.getfile(cls)).read_bytes())
+    except Exception as e:  # noqa: BLE001  (any failure to resolve: say so in the digest itself)
+        parts.append(f"unresolved:{type(e).__name__}".encode())
+    folder = Path(str(model_config.model))
+    if folder.is_dir():
+        for f in sorted([*folder.glob("*.py"), *(folder / name for name in PROCESSOR_FILES)]):
+            if f.is_file():
+                parts.append(f.name.encode() + b"\0" + f.read_bytes())
+    return _digest(b"\0\0".join(parts))
+
+
+def _zentorch() -> bool:
+    try:
+        import torch
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_zen_cpu() and hasattr(torch.ops, "zentorch"))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def load_signature(vllm_config, model_config=None, inner_load_format: str = "auto",
+                   cpu_share_linear: bool = False) -> str:
     """This worker's load signature (see the module docstring), readable and stable across
-    processes: ``arch|dtype|quant|tpN.r|ppN.r|format|...|cfg:<digest>``.
+    processes: ``arch|dtype|quant|kv:...|tpN.r|ppN.r|format|device|...|cfg:<digest>|code:<digest>``.
 
     Args:
         vllm_config: vLLM's ``VllmConfig`` of the engine.
+        model_config: the model config ``load_model`` was called with (a drafter's own); by
+            default the engine's.
         inner_load_format: the vLLM load format that reads the checkpoint.
         cpu_share_linear: whether linear layers keep plain weights (only meaningful, and only
             part of the signature, on the CPU backend).
     """
     import vllm
 
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    from .. import __version__ as dedup_version
+    from .recipe import VERSION as RECIPE_VERSION
+
+    mc = model_config or vllm_config.model_config
+    pc = vllm_config.parallel_config
     tp_rank, pp_rank = _ranks()
     device = vllm_config.device_config.device_type
     quant = mc.quantization or ""
     quant_config = getattr(mc.hf_config, "quantization_config", None)
     if quant_config:
-        quant += ":" + xxhash.xxh3_64_hexdigest(json.dumps(quant_config, sort_keys=True, default=str).encode())
+        quant += ":" + _digest(json.dumps(quant_config, sort_keys=True, default=str).encode())
     arch = ",".join(getattr(mc.hf_config, "architectures", None) or [type(mc.hf_config).__name__])
+    kv = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     linear = f"|cpu_share_linear={int(cpu_share_linear)}" if "cpu" in device else ""
-    return (f"{arch}|{mc.dtype}|{quant}|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}"
-            f"|{inner_load_format}|{device}{linear}|vllm{vllm.__version__}|cfg:{_config_digest(mc.hf_config)}")
+    zen = "|zentorch" if "cpu" in device and _zentorch() else ""
+    return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}"
+            f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}"
+            f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
+            f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}")

@@ -12,7 +12,11 @@ parameter's (and buffer's) ``weight_loader``: a call attributes the tensor just 
 module owning that parameter.  An attribution is only made when the tensor the weight loader
 receives shares storage with the tensor just yielded (the loader passed it on, possibly as a
 view); anything else (a transformed copy, tensors buffered and loaded later) marks the module
-as unrecorded, and such a module is never mapped from a recipe.
+as *untraced* (`recipe.py`: loaded only with everything, mapped only from an unchanged
+checkpoint).  So does a tensor written outside its weight loaders, which a fingerprint taken
+before the load, after each of its weight loader calls and after the load reveals (BERT's MLM
+head copies the word embeddings; some loaders ``copy_`` checkpoint tensors into parameters by
+hand), and a parameter no weight loader filled.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import xxhash
+
 from ..content.keys import source_key
 from ..content.views import dtype_name, tensor_bytes
 from ..errors import CheckpointError
 from ..scan.manifest import FileIdentity, Manifest, ManifestCache, file_manifest
 from ..scan.readers import SafetensorsFile
 
-__all__ = ["SourceRecorder", "checkpoint_files", "checkpoint_keys", "read_tensors", "write_manifests"]
+__all__ = ["SourceRecorder", "checkpoint_files", "checkpoint_keys", "fingerprint", "read_tensors", "write_manifests"]
 
 logger = logging.getLogger("vllm.dedup.sources")  # under "vllm": vLLM's handlers and format apply
 
@@ -112,13 +118,17 @@ def read_tensors(names: Iterable[str], where: dict[str, Path]) -> Iterator[tuple
 
 
 class SourceRecorder:
-    """Hashes the tensors a load reads and records which module each went into (module
-    docstring).  Use `wrap` before ``load_weights``, `iterate` around the weight iterator, and
-    `finish` after.
+    """Hashes the tensors a load reads and records which module each went into, and whether
+    each module is traced (module docstring).  Use `wrap` before ``load_weights``, `iterate`
+    around the weight iterator, and `finish` after.
 
     Attributes:
         module_sources: module name -> names of the checkpoint tensors its weight loaders got.
-        unrecorded: module name -> why its sources are unknown.
+        untraced: module name -> why its inputs are not exactly its recorded sources: a weight
+            loader got a tensor other than the one just read, a parameter or buffer was written
+            outside a weight loader (e.g. copied from another module's tensor, or from a
+            checkpoint tensor by hand), or a parameter was never filled from the checkpoint.
+        loaded: ``id`` of every wrapped tensor some recorded weight loader call went to.
         consumed: names of every tensor the iterator yielded, in order.
         bytes_read: bytes of those tensors.
     """
@@ -126,7 +136,8 @@ class SourceRecorder:
     def __init__(self, hash_keys: bool = True, threads: int | None = None):
         self.hash_keys = hash_keys
         self.module_sources: dict[str, set[str]] = defaultdict(set)
-        self.unrecorded: dict[str, str] = {}
+        self.untraced: dict[str, str] = {}
+        self.loaded: set[int] = set()
         self.consumed: list[str] = []
         self.attributed: set[str] = set()  # names some weight loader got
         self.bytes_read = 0
@@ -136,19 +147,22 @@ class SourceRecorder:
                                         thread_name_prefix="vllm-dedup-source") if hash_keys else None
         self._futures: dict[str, Future] = {}
         self._pending: list[Future] = []
-        self._restore: list[tuple[object, object]] = []  # (tensor, weight_loader before; None: had none)
+        # (tensor, its module, its name, weight_loader before (None: had none), param?)
+        self._wrapped: list[tuple[object, str, str, object, bool]] = []
+        self._seen: dict[int, bytes] = {}  # id(tensor) -> fingerprint when it last legitimately changed
 
     # weight loaders ------------------------------------------------------------------------
     def wrap(self, model, modules: Iterable[str] | None = None) -> None:
         """Wrap the ``weight_loader`` of every parameter and buffer of ``model`` (of the named
-        ``modules`` only, when given).  A tensor owned by several modules (tied weights) is
-        attributed to the first name `named_modules` gives it."""
+        ``modules`` only, when given), and fingerprint each (`fingerprint`).  A tensor owned by
+        several modules (tied weights) is attributed to the first name `named_modules` gives it."""
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         only = set(modules) if modules is not None else None
         seen: set[int] = set()
         for module_name, module in model.named_modules(remove_duplicate=False):
-            for t in [*module._parameters.values(), *module._buffers.values()]:
+            tables = [(module._parameters, True), (module._buffers, False)]
+            for name, t, is_param in [(n, t, p) for table, p in tables for n, t in table.items()]:
                 if t is None or id(t) in seen:
                     continue
                 seen.add(id(t))
@@ -158,14 +172,18 @@ class SourceRecorder:
                     original = getattr(t, "weight_loader", None)
                 except Exception:  # vLLM parameters raise when their loader was deleted
                     original = None
-                self._restore.append((t, original))
-                t.weight_loader = self._recording(module_name, original or default_weight_loader)
+                self._wrapped.append((t, module_name, name, original, is_param))
+                self._seen[id(t)] = fingerprint(t)
+                t.weight_loader = self._recording(module_name, t, original or default_weight_loader)
 
-    def _recording(self, module_name: str, original):
+    def _recording(self, module_name: str, target, original):
         def weight_loader(*args, **kwargs):
             loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
             self._attribute(module_name, loaded)
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            self.loaded.add(id(target))
+            self._seen[id(target)] = fingerprint(target)
+            return out
 
         return weight_loader
 
@@ -175,8 +193,8 @@ class SourceRecorder:
             self.module_sources[module_name].add(current[0])
             self.attributed.add(current[0])
         else:
-            self.unrecorded.setdefault(module_name, "a weight loader got a tensor other than the checkpoint "
-                                                    "tensor just read (transformed, or read earlier)")
+            self.untraced.setdefault(module_name, "a weight loader got a tensor other than the checkpoint tensor "
+                                                  "just read (transformed, or read earlier)")
 
     # the weight iterator -------------------------------------------------------------------
     def iterate(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
@@ -202,17 +220,41 @@ class SourceRecorder:
         self._pending.append(fut)
 
     def finish(self) -> dict[str, str]:
-        """Restore the weight loaders; return the source keys hashed (name -> key string)."""
-        for t, original in self._restore:
+        """Restore the weight loaders, mark what was written outside them (`untraced`); return
+        the source keys hashed (name -> key string)."""
+        for t, module_name, name, original, is_param in self._wrapped:
             if original is None:
                 del t.weight_loader
             else:
                 t.weight_loader = original
-        self._restore.clear()
+            if fingerprint(t) != self._seen[id(t)]:
+                self.untraced.setdefault(module_name, f"{name} was written outside a weight loader (copied from "
+                                                      "another tensor, or from the checkpoint by hand)")
+            elif is_param and id(t) not in self.loaded:
+                self.untraced.setdefault(module_name, f"{name} is not filled from the checkpoint")
+        self._wrapped.clear()
         keys = {name: str(fut.result()) for name, fut in self._futures.items()}
         if self._pool is not None:
             self._pool.shutdown()
         return keys
+
+
+def fingerprint(t, samples: int = 8192) -> bytes:
+    """A cheap fingerprint of a tensor's current values, to see whether something wrote into
+    it: XXH3-64 of all its bytes up to 64 KiB, else of ``samples`` elements spread evenly over
+    it (and its size).  A write that changes no sampled element goes unseen; the writes this
+    looks for (a tensor copied over another, a parameter filled by hand) change them all.
+    Meta and empty tensors have an empty fingerprint."""
+    import torch
+
+    if t.is_meta or t.numel() == 0:
+        return b""
+    flat = t.detach().reshape(-1)
+    if flat.numel() * flat.element_size() > 65536:
+        idx = torch.arange(samples, device=flat.device, dtype=torch.int64) * (flat.numel() - 1) // (samples - 1)
+        flat = flat[idx]
+    data = flat.cpu().contiguous().view(torch.uint8)
+    return xxhash.xxh3_64_digest(memoryview(data.numpy())) + t.numel().to_bytes(8, "little")
 
 
 def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], keys: dict[str, str],

@@ -101,6 +101,11 @@ class Lease:
             self._uid_of[seg_id] = uid
             return seg_id
 
+    def uid_of(self, segment: int) -> str:
+        """The uid of a segment this engine holds (by its id in the current registry), or ""."""
+        with self._lock:
+            return self._uid_of.get(segment, "")
+
     def release(self, segments: list[int]) -> None:
         with self._lock:
             for seg_id in segments:

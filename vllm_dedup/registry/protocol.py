@@ -27,7 +27,7 @@ Requests (one dataclass each, below; ``op`` names it on the wire) and their repl
 ``acquire``           keys -> hits ``[key, segment, offset, bytes]``; one fd per hit segment
 ``publish``           bytes, keys ``[[key, offset, bytes]]`` + 1 fd -> segment id
 ``release``           segments -> {}
-``report``            load (the engine's `engine.share.ShareResult` numbers) -> {}
+``report``            load (the engine's `engine.context.LoadReport` numbers) -> {}
 ``lock``              names, owner -> granted (bool; all or none), holder_pid (when not granted)
 ``unlock``            names -> {}
 ``expect``            -> bytes (`Registry.expected_shared_bytes` for this engine)
@@ -407,7 +407,7 @@ class Report(Message, op="report"):
 
     load: dict
 
-    MAX_ENTRIES: ClassVar[int] = 64  # a `engine.share.ShareResult` has about ten
+    MAX_ENTRIES: ClassVar[int] = 64  # a `engine.context.LoadReport` has about ten
 
     def __post_init__(self):
         if len(self.load) > self.MAX_ENTRIES:

@@ -75,7 +75,7 @@ class EngineEntry:
     group: str
     signature: str = ""  # what determines its tensors' bytes (model, dtype, TP rank, ...)
     segments: set[int] = field(default_factory=set)
-    load: dict = field(default_factory=dict)  # its `engine.share.ShareResult`, as reported
+    load: dict = field(default_factory=dict)  # its `engine.context.LoadReport`, as reported
 
 
 @dataclass
@@ -137,7 +137,7 @@ class GroupStats:
 @dataclass
 class EngineStats:
     """One connected engine: who it is and what its load did (``load``: the numbers of its
-    `engine.share.ShareResult`, empty until it reported)."""
+    `engine.context.LoadReport`, empty until it reported)."""
 
     id: int
     pid: int
@@ -270,7 +270,7 @@ class Registry:
             self._unhold(seg_id, engine_id)
 
     def report(self, engine_id: int, load: dict) -> None:
-        """Record an engine's load outcome (its `engine.share.ShareResult` numbers and load
+        """Record an engine's load outcome (its `engine.context.LoadReport` numbers and load
         path; values other than numbers and strings are dropped) and the hash collisions its
         exact compares caught, which `stats` totals."""
         engine = self.engines[engine_id]

@@ -1,86 +1,86 @@
-"""Building a model from a recipe: the matched modules' final tensors are mapped from resident
-segments, only the unmatched modules are loaded from the checkpoint (docs/architecture.md,
-"Loading only what is not resident").
+"""Replaying a recipe: building a model whose matched modules' final tensors are mapped from
+resident segments, and whose unmatched modules alone are loaded from the checkpoint
+(docs/architecture.md, "Loading only what is not resident").
 
-The steps of `MappedBuild.build`, in order:
+The steps of `Replay.build`, in order:
 
 1. create the model on the meta device (nothing is allocated);
-2. acquire the matched modules' final content keys from the registry, which holds their
-   segments from this lookup until the engine lets go: none can be freed before it is mapped.
-   A module with a key that is not resident is loaded from the checkpoint instead;
+2. acquire the matched modules' final content keys, each in the segment the recipe names
+   (`resident.map_resident`; with ``verify: false``, in any segment holding the key).  The
+   registry holds those segments from this lookup until the engine lets go: none can be freed
+   before it is mapped.  A module with a key not resident is loaded from the checkpoint
+   instead (`recipe.Match.demote`, which takes along every module sharing a checkpoint tensor
+   with it, or declines);
 3. bind the matched modules' tensors: mapped read-only from their segments, small ones restored
    from the recipe, tied ones aliased; each keeps the class and attributes (``weight_loader``,
-   ...) of the meta parameter it replaces (vLLM's ``materialize_meta_tensor`` does the same);
+   ...) of the meta parameter it replaces (vLLM's ``materialize_meta_tensor`` does the same),
+   and every other reference to the meta tensor it replaces (a parameter or buffer of another
+   module, a module attribute, an attention implementation's attribute) is pointed at it;
 4. materialize the unmatched modules' parameters (vLLM's ``materialize_meta_tensor``) and load
    them through the model's own ``load_weights``, fed only the checkpoint tensors they need,
-   read by `sources.read_tensors` (no other tensor's bytes are touched);
+   read by `sources.read_tensors` (no other tensor's bytes are touched); every parameter of
+   theirs must have been filled by a weight loader;
 5. post-process: vLLM's ``process_weights_after_loading``, in its pre-processed mode
    (``weights_already_processed``, the mechanism vLLM's ``ipc_cache`` loader uses) for the
    mapped modules and normally for the loaded ones;
-6. check that no meta tensor is left.
+6. check that no meta tensor is left anywhere a kernel may read one (`slots.attribute_tensors`).
 
-Any failure raises `FallBack` after giving back every segment it acquired; the loader then
-loads the whole model as usual.  Nothing here compares bytes: the trust is the source keys and
-the load signature, within a share group (docs/architecture.md, "Loading only what is not resident").
+Any failure raises `recipe.RecipeDeclined` after giving back every segment acquired; the loader
+then loads the whole model as usual.  No byte is compared here: the trust is the BLAKE3 source
+keys, the load signature and the segments the recipe names (docs/architecture.md, "Trust").
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from collections import defaultdict
 
 import torch
 from torch import nn
 
-from ..errors import SegmentError
-from .recipe import Match, TensorRecipe
+from ..segments import segment_class
+from .context import LoadContext, Placement
+from .recipe import Match, RecipeDeclined, TensorRecipe
+from .resident import map_resident
+from .slots import attribute_tensors
 from .sources import SourceRecorder, read_tensors
 
-__all__ = ["FallBack", "MappedBuild"]
+__all__ = ["Replay"]
 
-logger = logging.getLogger("vllm.dedup.mapped")
-
-
-class FallBack(Exception):
-    """The recipe cannot build this model; the message says why.  Nothing is held any more."""
+logger = logging.getLogger("vllm.dedup.replay")
 
 
-class MappedBuild:
+class Replay:
     """One build of a model from a `recipe.Match` (module docstring).
 
     Args:
-        loader: the `DedupModelLoader` (its ``create_model`` builds the model).
-        vllm_config, model_config, prefix: as vLLM passes them to ``load_model``.
-        client: the engine's registry connection.
-        seg_cls: the segment backend; device_key: the device's key.
-        target_device: where the model's tensors live.
+        ctx: the load (its ``create_model`` builds the model; its lease acquires).
         match: which modules to map and which to load.
         where: checkpoint tensor name -> its file.
 
     Attributes:
-        placement: ``id`` of each tensor bound from a segment -> its content key.
+        placement: ``id`` of each tensor bound from a segment -> its `context.Placement`.
         mapped_bytes: bytes of those tensors.
         recorder: records the loaded modules' sources (`sources.SourceRecorder`).
-        bytes_read: checkpoint bytes read for the unmatched modules.
     """
 
-    def __init__(self, loader, vllm_config, model_config, prefix: str, client, seg_cls, device_key: str,
-                 target_device: torch.device, match: Match, where: dict):
-        self.loader, self.vllm_config, self.model_config, self.prefix = loader, vllm_config, model_config, prefix
-        self.client, self.seg_cls, self.device_key, self.device = client, seg_cls, device_key, target_device
-        self.match, self.where = match, where
-        self.placement: dict[int, str] = {}
+    def __init__(self, ctx: LoadContext, match: Match, where: dict):
+        self.ctx, self.match, self.where = ctx, match, where
+        self.placement: dict[int, Placement] = {}
         self.mapped_bytes = 0
         self.recorder = SourceRecorder(hash_keys=False)
         self.held: list[int] = []
+
+    @property
+    def bytes_read(self) -> int:
+        """Checkpoint bytes read for the unmatched modules."""
+        return self.recorder.bytes_read
 
     def build(self) -> nn.Module:
         """The model, post-processed, its matched modules mapped.
 
         Raises:
-            FallBack: anything went wrong; every segment acquired has been given back.
+            RecipeDeclined: anything went wrong; every segment acquired has been given back.
         """
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -88,16 +88,16 @@ class MappedBuild:
         rope_cache = _rope_cache()
         rope_before = dict(rope_cache)
         try:
-            with set_default_torch_dtype(self.model_config.dtype):
+            with set_default_torch_dtype(self.ctx.model_config.dtype):
                 with torch.device("meta"):
-                    model = self.loader.create_model(self.vllm_config, self.model_config, self.prefix)
+                    model = self.ctx.create_model()
                 modules = dict(model.named_modules())
                 unknown = (set(self.match.matched) | set(self.match.unmatched)) - set(modules)
                 if unknown:
-                    raise FallBack(f"the recipe names modules this model does not have ({sorted(unknown)[:3]})")
+                    raise RecipeDeclined(f"the recipe names modules this model does not have ({sorted(unknown)[:3]})")
                 resident = self._acquire()
                 if not self.match.mapped_bytes:
-                    raise FallBack("nothing the recipe names is resident any more")
+                    raise RecipeDeclined("nothing the recipe names is resident any more")
                 # id(meta tensor) -> (it, its replacement).  The meta tensor is kept alive with
                 # its replacement: a freed object's id is reused by the next one made, and a
                 # stale id would rebind some unrelated tensor (see `_retie`).
@@ -118,51 +118,51 @@ class MappedBuild:
             logger.debug("vllm-dedup: building the model from a recipe failed", exc_info=True)
             self.release()
             if model is not None:
-                _forget_layers(self.vllm_config, model)
+                _forget_layers(self.ctx.vllm_config, model)
             rope_cache.clear()  # rotary modules made on the meta device must not be reused
             rope_cache.update(rope_before)
-            if isinstance(e, FallBack):
+            if isinstance(e, RecipeDeclined):
                 raise
-            raise FallBack(f"{type(e).__name__}: {e}") from e
+            raise RecipeDeclined(f"{type(e).__name__}: {e}") from e
 
     def release(self) -> None:
         """Give back every segment acquired (the tensors mapped from them are not used)."""
         held, self.held = self.held, []
         if held:
             with contextlib.suppress(Exception):
-                self.client.release(held)
+                self.ctx.lease.release(held)
 
     # 2. acquire ----------------------------------------------------------------------------
-    def _acquire(self) -> dict[str, torch.Tensor]:
-        """Content key -> a tensor over its resident copy, for every key of the matched modules
-        (a module with a key not resident, or whose segment cannot be mapped, is demoted)."""
-        recipe = self.match.recipe
-        wanted: dict[str, TensorRecipe] = {}
+    def _acquire(self) -> dict[tuple[str, str], tuple[torch.Tensor, str]]:
+        """(content key, uid asked) -> (a tensor over its resident copy, the uid of its segment),
+        for every key of the matched modules (a module with a key not resident, or whose
+        segment cannot be mapped, is demoted).  Without ``verify``, a key may be found in any
+        segment: the uid asked is then ""."""
+        recipe, strict = self.match.recipe, self.ctx.config.verify
+        wanted: dict[tuple[str, str], TensorRecipe] = {}
         for name in self.match.matched:
             for t in recipe.modules[name].tensors:
                 if t.key is not None:
-                    wanted[t.key] = t
-        hits = defaultdict(list)
-        for hit, fd in self.client.acquire(list(wanted)):
-            hits[hit.segment].append((hit, fd))
-        resident: dict[str, torch.Tensor] = {}
-        for seg_id, seg_hits in hits.items():
-            self.held.append(seg_id)
-            for _, fd in seg_hits[1:]:
-                os.close(fd)
-            try:
-                seg = self.seg_cls.attach(seg_hits[0][1], max(h.offset + h.nbytes for h, _ in seg_hits), self.device_key)
-            except SegmentError as e:
-                logger.warning("vllm-dedup: resident segment %d cannot be mapped (%s); its modules are loaded", seg_id, e)
+                    wanted[(t.key, t.uid if strict else "")] = t
+        keys = [k for k, _ in wanted]
+        found = map_resident(self.ctx.lease, segment_class(self.ctx.device_type), self.ctx.device_key, keys,
+                             [u for _, u in wanted] if strict else None)
+        resident: dict[tuple[str, str], tuple[torch.Tensor, str]] = {}
+        for got in found:
+            if got.error is not None:  # released already
+                logger.warning("vllm-dedup: %s; its modules are loaded", got.error)
                 continue
-            for hit, _ in seg_hits:
-                t = wanted[hit.key]
+            self.held.append(got.found.segment)
+            for hit in got.found.hits:
+                asked = (hit.key, got.found.uid if strict else "")
+                t = wanted[asked]
                 if hit.nbytes != t.nbytes:
                     continue  # another layout under the same key cannot happen; never trust it
-                resident[hit.key] = seg.tensor(hit.offset, getattr(torch, t.dtype), t.shape, t.stride)
-            seg.close_fd()
+                tensor = got.segment.tensor(hit.offset, getattr(torch, t.dtype), t.shape, t.stride)
+                resident[asked] = (tensor, got.found.uid)
         for name in list(self.match.matched):
-            missing = [t.name for t in recipe.modules[name].tensors if t.key is not None and t.key not in resident]
+            missing = [t.name for t in recipe.modules[name].tensors
+                       if t.key is not None and (t.key, t.uid if strict else "") not in resident]
             if missing:
                 self.match.demote(name, f"{missing[0]} is no longer resident")
         return resident
@@ -170,7 +170,7 @@ class MappedBuild:
     # 3. bind -------------------------------------------------------------------------------
     def _bind(self, module: nn.Module, name: str, resident: dict, replaced: dict) -> None:
         """Make the module's tensors exactly the recipe's (aliases are bound later)."""
-        recipe = self.match.recipe.modules[name]
+        recipe, strict = self.match.recipe.modules[name], self.ctx.config.verify
         keep = {t.name for t in recipe.tensors}
         for table in (module._parameters, module._buffers):
             for n in [n for n, t in table.items() if t is not None and n not in keep]:
@@ -179,10 +179,10 @@ class MappedBuild:
             if t.alias is not None:
                 continue
             if t.key is not None:
-                tensor = resident[t.key]
+                tensor, uid = resident[(t.key, t.uid if strict else "")]
                 self.mapped_bytes += t.nbytes
             else:
-                tensor = _restore_inline(t, self.device)
+                tensor = _restore_inline(t, self.ctx.device)
             old = module._parameters.get(t.name) if t.param else module._buffers.get(t.name)
             new = _like(old, tensor) if t.param else tensor
             if t.param:
@@ -194,7 +194,7 @@ class MappedBuild:
             if old is not None:
                 replaced[id(old)] = (old, new)
             if t.key is not None:
-                self.placement[id(new)] = t.key
+                self.placement[id(new)] = Placement(t.key, uid)
 
     def _alias(self, model: nn.Module) -> None:
         for name in self.match.matched:
@@ -210,12 +210,12 @@ class MappedBuild:
     def _materialize(self, modules: dict[str, nn.Module], replaced: dict) -> None:
         from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
 
-        with self.device:
+        with self.ctx.device:
             for name in self.match.unmatched:
                 module = modules[name]
                 if any(b is not None and b.is_meta for b in module._buffers.values()):
-                    raise FallBack(f"module {name} has buffers made at construction, which a model built on the "
-                                   "meta device does not have")
+                    raise RecipeDeclined(f"module {name} has buffers made at construction, which a model built on "
+                                         "the meta device does not have")
                 for n, p in list(module._parameters.items()):
                     if p is not None and p.is_meta and id(p) not in replaced:
                         module._parameters[n] = materialize_meta_tensor(p)
@@ -228,16 +228,13 @@ class MappedBuild:
             model.load_weights(self.recorder.iterate(read_tensors(sorted(names), self.where)))
         finally:
             self.recorder.finish()
-        for name in self.match.unmatched:
-            has_params = any(p is not None for p in modules[name]._parameters.values())
-            if has_params and self.match.recipe.modules[name].sources and not self.recorder.module_sources.get(name):
-                raise FallBack(f"module {name} got none of its checkpoint tensors")
-            if name in self.recorder.unrecorded:
-                raise FallBack(f"module {name}: {self.recorder.unrecorded[name]}")
-
-    @property
-    def bytes_read(self) -> int:
-        return self.recorder.bytes_read
+        for name in sorted(self.match.unmatched):
+            if name in self.recorder.untraced:
+                raise RecipeDeclined(f"module {name}: {self.recorder.untraced[name]}")
+            unfilled = [n for n, p in modules[name]._parameters.items()
+                        if p is not None and id(p) not in self.recorder.loaded]
+            if unfilled:
+                raise RecipeDeclined(f"module {name}: {unfilled[0]} got none of its checkpoint tensors")
 
     # 5. post-processing --------------------------------------------------------------------
     def _post_process(self, model: nn.Module, mapped: dict[str, nn.Module]) -> None:
@@ -247,7 +244,7 @@ class MappedBuild:
         with _pre_processed(mapped), contextlib.ExitStack() as stack:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
-            process_weights_after_loading(model, self.model_config, self.device)
+            process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)
 
 
 @contextlib.contextmanager
@@ -256,7 +253,7 @@ def _pre_processed(modules: dict[str, nn.Module]):
     one ``process_weights_after_loading`` call: their quantization methods' (and a deferred
     attention layer's own) ``process_weights_after_loading`` are wrapped, for the duration, to
     enter ``weights_already_processed`` when called for one of them.  A failure there is a
-    `FallBack` naming the module and the method (some of vLLM's methods declare
+    `RecipeDeclined` naming the module and the method (some of vLLM's methods declare
     ``supports_pre_processed_weights`` and then ignore the mode: ``patches/`` has their fixes)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.utils import weights_already_processed
@@ -273,7 +270,7 @@ def _pre_processed(modules: dict[str, nn.Module]):
                 with weights_already_processed():
                     return bound(*args, **kwargs)
             except Exception as e:
-                raise FallBack(f"{type(owner).__name__}.process_weights_after_loading of {name} failed in vLLM's "
+                raise RecipeDeclined(f"{type(owner).__name__}.process_weights_after_loading of {name} failed in vLLM's "
                                f"pre-processed mode ({type(e).__name__}: {e})") from e
 
         patched.append((owner, "process_weights_after_loading" in vars(owner),
@@ -317,16 +314,6 @@ def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride).to(device)
 
 
-def _retie(model: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Replace every remaining reference to a replaced meta tensor (ties made at construction).
-    ``replaced`` keeps each meta tensor alive, so an ``id`` here names that tensor and no other."""
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for n, t in list(table.items()):
-                if t is not None and id(t) in replaced and replaced[id(t)][0] is t:
-                    table[n] = replaced[id(t)][1]
-
-
 def _rope_cache() -> dict:
     """vLLM's process-wide cache of rotary embedding modules (``get_rope`` hands the same module
     to every model built with the same parameters, whatever the device it was built on)."""
@@ -346,8 +333,42 @@ def _forget_layers(vllm_config, model: nn.Module) -> None:
         del context[name]
 
 
+
+
+def _retie(model: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Point every remaining reference to a replaced meta tensor at its replacement: parameters
+    and buffers of other modules (ties made at construction), module attributes, and attributes
+    of the plain objects modules hold (an attention implementation keeps ``sinks``).
+    ``replaced`` keeps each meta tensor alive, so an ``id`` here names that tensor and no other."""
+    from .slots import RUNTIME_STATE
+
+    def fresh(value):
+        return (isinstance(value, torch.Tensor) and id(value) in replaced and replaced[id(value)][0] is value)
+
+    def retie_attributes(obj, depth: int) -> None:
+        for n, value in list(vars(obj).items()):
+            if n in ("_parameters", "_buffers", "_modules") or n in RUNTIME_STATE:
+                continue
+            if fresh(value):
+                setattr(obj, n, replaced[id(value)][1])
+            elif (depth == 0 and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type, torch.Tensor))
+                  and type(value).__module__.startswith("vllm")):
+                retie_attributes(value, depth + 1)
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for n, t in list(table.items()):
+                if fresh(t):
+                    table[n] = replaced[id(t)][1]
+        retie_attributes(module, 0)
+
+
 def _check_no_meta(model: nn.Module) -> None:
+    """Raises `RecipeDeclined` naming the first meta tensor a kernel could read."""
     for name, module in model.named_modules():
         for n, t in [*module._parameters.items(), *module._buffers.items()]:
             if t is not None and t.is_meta:
-                raise FallBack(f"{name}.{n} is still on the meta device after post-processing")
+                raise RecipeDeclined(f"{name}.{n} is still on the meta device after post-processing")
+    for where, t in attribute_tensors(model):
+        if t.is_meta:
+            raise RecipeDeclined(f"{where} is still on the meta device after post-processing")

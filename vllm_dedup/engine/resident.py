@@ -1,0 +1,61 @@
+"""Mapping what is resident: acquire content keys from the registry and attach each segment
+found, once.  The one acquire-and-map path of the engine side, used by sharing a loaded model
+(`share.py`) and by building a model from a recipe (`replay.py`).
+
+The registry holds every segment an acquire returns until the engine releases it; a segment
+that cannot be mapped is released here at once.  Each segment comes with one descriptor,
+closed here once the segment is mapped (the mapping keeps the memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import SegmentError
+from ..registry.client import SegmentHits
+
+__all__ = ["Mapped", "map_resident"]
+
+
+@dataclass
+class Mapped:
+    """A segment acquired: its hits and its mapping, or why it could not be mapped.
+
+    Attributes:
+        found: the registry's answer for it (id, uid, size, hits).
+        segment: the mapped segment (`segments.Segment`), or None.
+        error: why it could not be mapped (then it was released already).
+    """
+
+    found: SegmentHits
+    segment: object | None = None
+    error: SegmentError | None = None
+
+
+def map_resident(lease, seg_cls, device_key: str, keys: list[str], uids: list[str] | None = None
+                 ) -> Iterator[Mapped]:
+    """Acquire ``keys`` (with ``uids``: each only in the segment of that uid) and map each
+    segment found, read-only, far enough to cover its hits.
+
+    Args:
+        lease: the engine's registry connection.
+        seg_cls: the segment backend (`segments.segment_class`).
+        device_key: the device the segments must be on.
+        keys, uids: what to look up.
+
+    Yields:
+        One `Mapped` per segment with hits, in the registry's order.
+
+    Raises:
+        RegistryUnavailable: the registry failed (nothing is held for the caller then).
+    """
+    for found in lease.acquire(keys, uids):
+        try:
+            segment = seg_cls.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), device_key)
+        except SegmentError as e:  # not a sealed segment, or it cannot be mapped: never use it
+            lease.release([found.segment])
+            yield Mapped(found, error=SegmentError(f"resident segment {found.segment} refused: {e}"))
+            continue
+        segment.close_fd()
+        yield Mapped(found, segment)

@@ -12,6 +12,10 @@ the base:
 ``last-layers``
     The last two decoder layers retrained (here: perturbed with seeded noise of 1% of each
     tensor's standard deviation).  Shared: everything except those layers' tensors.
+``retrained``
+    Every floating-point tensor retrained (perturbed as ``last-layers`` perturbs its layers): a
+    full fine-tune, which shares nothing bit for bit with its base but has its names, dtypes and
+    shapes.  The trust tests craft collisions with it.
 ``vocab-extended``
     A few tokens added to the vocabulary: the embedding matrix (and an untied head) grows by
     that many rows, the tokenizer and ``vocab_size`` follow.  Shared: everything except the
@@ -26,7 +30,8 @@ the base:
     activations quantized per token at run time; embeddings and norms as they were.  vLLM's CPU
     backend serves it (oneDNN int8 kernels).
 
-The last two are not in `VARIANT_KINDS`, which the session fixtures build.
+``fp32``, ``w8a8-int8`` and ``retrained`` are not in `VARIANT_KINDS`, which the session fixtures
+build.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = ["VARIANT_KINDS", "build_variant", "cached_variant", "load_state_dict"
 
 VARIANT_KINDS = ("renamed-resharded", "last-layers", "vocab-extended", "fp16")
 _DTYPES = {"fp16": "float16", "fp32": "float32"}
+_OTHER_KINDS = ("w8a8-int8", "retrained")
 _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 _ADDED_TOKENS = [f"<|variant_token_{i}|>" for i in range(8)]
@@ -91,9 +97,9 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
     """
     import torch
 
-    if kind not in VARIANT_KINDS and kind not in _DTYPES and kind != "w8a8-int8":
+    if kind not in VARIANT_KINDS and kind not in _DTYPES and kind not in _OTHER_KINDS:
         raise ValueError(f"unknown variant kind {kind!r}; choose one of "
-                         f"{', '.join([*VARIANT_KINDS, 'fp32', 'w8a8-int8'])}")
+                         f"{', '.join([*VARIANT_KINDS, 'fp32', *_OTHER_KINDS])}")
     base, out_dir = Path(base), Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -108,9 +114,9 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
     if kind == "renamed-resharded":
         tensors = {re.sub(r"^model\.", "", k): v for k, v in tensors.items()}
         shard = "64MB"
-    elif kind == "last-layers":
+    elif kind in ("last-layers", "retrained"):
         n = _layer_count(config)
-        changed = re.compile(rf"\.layers\.({n - 2}|{n - 1})\.")
+        changed = re.compile(rf"\.layers\.({n - 2}|{n - 1})\." if kind == "last-layers" else "")
         gen = torch.Generator().manual_seed(seed)
         for name, t in tensors.items():
             if changed.search(name) and t.is_floating_point():

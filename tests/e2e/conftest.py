@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engines import PROMPTS, EngineProcess, ServeProcess
+from harness.oracle import differences
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +49,36 @@ def plain_serve_texts(smollm2, tmp_path_factory) -> list[str]:
         return plain.complete(PROMPTS)
     finally:
         plain.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_tensors():
+    """``(model folder, dtype="bfloat16") -> digests`` of the final tensors of a plain load of
+    that checkpoint with the dedup loader's options: a dedup engine alone in a share group of
+    its own that loads as usual (`harness.oracle`), made on first use."""
+    made: dict = {}
+
+    def reference(model, dtype: str = "bfloat16") -> dict[str, str]:
+        key = (str(model), dtype)
+        if key not in made:
+            alone = {"share_group": f"reference-{len(made)}", "fast_path": False}
+            with EngineProcess(model, "dedup", extra=alone, dtype=dtype) as engine:
+                (made[key],) = engine.wait_ready().final_tensors()
+        return made[key]
+
+    return reference
+
+
+@pytest.fixture(scope="session")
+def same_tensors(reference_tensors):
+    """``(engine, model folder, dtype="bfloat16")``: assert that every worker of a running
+    `EngineProcess` or `ServeProcess` holds exactly the reference's final tensors; a failure
+    names the tensors that differ."""
+
+    def check(engine, model, dtype: str = "bfloat16") -> None:
+        reference = reference_tensors(model, dtype)
+        for rank, tensors in enumerate(engine.final_tensors()):
+            differ = differences(tensors, reference)
+            assert not differ, f"worker {rank}: {len(differ)} tensors differ from a plain load's: {differ[:5]}"
+
+    return check

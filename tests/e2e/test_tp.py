@@ -5,9 +5,11 @@ per rank, the real registry daemon."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from harness.oracle import differences
 from harness.procs import PeerProcess, descendants
 from helpers import wait_for
 
@@ -18,13 +20,21 @@ TP = 3
 class TPEngine(PeerProcess):
     """``tests/peers/tp_engine.py``: a TP engine that answers its greedy tokens once loaded."""
 
-    def __init__(self, model: Path, load_format: str):
+    def __init__(self, model: Path, load_format: str, extra: dict | None = None):
         env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(TP)),
                "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
-        super().__init__([SCRIPT, model, load_format, TP], f"TP engine {load_format}", env)
+        super().__init__([SCRIPT, model, load_format, TP, json.dumps(extra or {})], f"TP engine {load_format}", env)
+        self._tokens = None
 
     def tokens(self, timeout_s: float = 400) -> list[int]:
-        return self.read_json("RESULT ", timeout_s)
+        if self._tokens is None:
+            self._tokens = self.read_json("RESULT ", timeout_s)
+        return self._tokens
+
+    def final_tensors(self) -> list[dict[str, str]]:
+        """Per TP rank, the oracle's digests of its final tensors (`harness.oracle`)."""
+        self.tokens()
+        return json.loads(self.read("TENSORS ", 120))
 
     def stop(self) -> None:
         self.end(timeout_s=120)
@@ -45,6 +55,9 @@ def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(sm
     plain = TPEngine(smollm2, "auto")
     reference = plain.tokens()
     plain.stop()
+    alone = TPEngine(smollm2, "dedup", {"share_group": "reference", "fast_path": False})
+    shards = alone.final_tensors()  # each rank's final tensors, as a plain load makes them
+    alone.stop()
 
     first = TPEngine(smollm2, "dedup")
     try:
@@ -63,6 +76,9 @@ def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(sm
                 # Each rank of the second engine maps its shards from its rank's recipe.
                 assert (one[rank]["load_path"], two[rank]["load_path"]) == ("none", "full"), (one[rank], two[rank])
                 assert two[rank]["checkpoint_bytes_read"] == 0
+            for engine in (first, second):
+                for rank, tensors in enumerate(engine.final_tensors()):
+                    assert not differences(tensors, shards[rank]), (rank, differences(tensors, shards[rank])[:5])
             (group,) = registry.stats().groups
             assert group.engines == 2 * TP
             # Shards of different ranks differ: the resident bytes are one model, not one per rank.

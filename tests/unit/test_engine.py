@@ -1,0 +1,228 @@
+"""The engine side on a tiny ``nn.Module``, no vLLM engine: tied weights through collect and
+swap, source attribution and what makes a module untraced, recipes built from a load and
+matched against changed checkpoints (what is mapped, what is loaded, what is declined), and
+the load signature's inputs.  Real engines run these paths in tests/e2e/test_fast_path.py and
+tests/e2e/test_zoo.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_dedup.engine.context import Placement
+from vllm_dedup.engine.recipe import Recipe, RecipeDeclined, build_recipe, choose, match
+from vllm_dedup.engine.slots import attribute_tensors, collect_slots, swap
+from vllm_dedup.engine.sources import SourceRecorder, fingerprint
+
+
+def default_loader(param, loaded):
+    param.data.copy_(loaded)
+
+
+def stacked_loader(param, loaded, shard: int):
+    param.data[shard * 2:(shard + 1) * 2].copy_(loaded)
+
+
+class Tiny(nn.Module):
+    """embed (tied to head), a stacked ``qkv`` fed by q and k, an MLM-like ``decoder`` whose
+    weight loading copies from the embedding, and a norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv, self.head, self.decoder, self.norm = (nn.Module() for _ in range(5))
+        self.embed.weight = nn.Parameter(torch.empty(8, 4), requires_grad=False)
+        self.head.weight = self.embed.weight
+        self.qkv.weight = nn.Parameter(torch.empty(4, 4), requires_grad=False)
+        self.decoder.weight = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.decoder.bias = nn.Parameter(torch.empty(8), requires_grad=False)
+        self.norm.weight = nn.Parameter(torch.empty(4), requires_grad=False)
+        for p in (self.embed.weight, self.decoder.bias, self.norm.weight, self.decoder.weight):
+            p.weight_loader = default_loader
+        self.qkv.weight.weight_loader = stacked_loader
+
+    def load_weights(self, weights, copy_decoder: bool = True, transform: str = ""):
+        for name, t in weights:
+            if name in ("q", "k"):
+                self.qkv.weight.weight_loader(self.qkv.weight, t, ["q", "k"].index(name))
+            else:
+                param = {"embed": self.embed.weight, "bias": self.decoder.bias, "norm": self.norm.weight,
+                         "dec": self.decoder.weight}[name]
+                param.weight_loader(param, t.clone() if name == transform else t)
+        if copy_decoder:  # as BertForMaskedLM ties its decoder by hand
+            self.decoder.weight.data.copy_(self.embed.weight)
+
+
+def checkpoint(seed: int = 0, untied: bool = False, **changed) -> dict[str, torch.Tensor]:
+    """The tiny model's checkpoint; ``untied``: the decoder has a weight of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {"embed": torch.randn(8, 4, generator=gen), "q": torch.randn(2, 4, generator=gen),
+               "k": torch.randn(2, 4, generator=gen), "bias": torch.randn(8, generator=gen),
+               "norm": torch.randn(4, generator=gen)}
+    if untied:
+        tensors["dec"] = torch.randn(8, 4, generator=gen)
+    tensors.update(changed)
+    return tensors
+
+
+def recorded_load(model: Tiny, tensors: dict, **kwargs) -> SourceRecorder:
+    recorder = SourceRecorder(hash_keys=True, threads=1)
+    recorder.wrap(model)
+    model.load_weights(recorder.iterate(tensors.items()), **kwargs)
+    recorder.keys = recorder.finish()
+    return recorder
+
+
+def test_sources_are_attributed_to_the_modules_their_weight_loaders_fill():
+    model = Tiny()
+    recorder = recorded_load(model, checkpoint())
+    assert dict(recorder.module_sources) == {"embed": {"embed"}, "qkv": {"q", "k"}, "decoder": {"bias"},
+                                             "norm": {"norm"}}
+    assert set(recorder.keys) == {"embed", "q", "k", "bias", "norm"}
+    assert all(len(bytes.fromhex(k.rsplit(":", 1)[1])) == 32 for k in recorder.keys.values())  # BLAKE3-256
+    assert torch.equal(model.qkv.weight[2:], checkpoint()["k"])
+
+
+def test_a_tensor_written_outside_its_weight_loaders_makes_its_module_untraced():
+    recorder = recorded_load(Tiny(), checkpoint())
+    assert set(recorder.untraced) == {"decoder"}
+    assert "weight was written outside a weight loader" in recorder.untraced["decoder"]
+
+
+def test_a_parameter_no_weight_loader_filled_and_a_transformed_tensor_are_untraced():
+    recorder = recorded_load(Tiny(), {k: v for k, v in checkpoint().items() if k != "norm"}, copy_decoder=False,
+                             transform="bias")
+    assert recorder.untraced["norm"] == "weight is not filled from the checkpoint"
+    assert "other than the checkpoint tensor just read" in recorder.untraced["decoder"]
+
+
+def test_fingerprints_see_a_copy_over_a_large_tensor():
+    big = torch.randn(1 << 16)
+    before = fingerprint(big)
+    big.copy_(torch.randn(1 << 16))
+    assert fingerprint(big) != before and fingerprint(torch.empty(0)) == b""
+
+
+def test_tied_weights_are_one_slot_and_a_swap_keeps_the_parameter_objects():
+    model = Tiny()
+    recorded_load(model, checkpoint())
+    slots, _, _ = collect_slots(model, "cpu", min_bytes=1)
+    (tied,) = [s for s in slots if len(s.refs) == 2]
+    assert {(type(m), n) for m, n, _ in tied.refs} == {(nn.Module, "weight")}
+    param = model.embed.weight
+    swap(tied, tied.tensor.clone())
+    assert model.embed.weight is param and model.head.weight is param
+    assert param.weight_loader is default_loader
+
+
+def recipe_of(model: Tiny, recorder: SourceRecorder) -> Recipe:
+    """A recipe as an engine leaves it: every tensor of 64 bytes or more in a segment."""
+    placement = {id(p): Placement(f"key-{name}", f"uid-{name}") for name, p in model.named_parameters()
+                 if p.numel() * p.element_size() >= 64}
+    return build_recipe(model, "sig", dict(recorder.keys), recorder, placement, 32, {})
+
+
+def source_keys(tensors: dict) -> dict[str, str]:
+    recorder = recorded_load(Tiny(), tensors, copy_decoder="dec" not in tensors)
+    return dict(recorder.keys)
+
+
+def test_a_recipe_records_keys_with_their_segments_aliases_and_what_is_traced():
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, checkpoint()))
+    embed = recipe.modules["embed"].tensors[0]
+    assert (embed.key, embed.uid) == ("key-embed.weight", "uid-embed.weight")
+    assert recipe.modules["head"].tensors[0].alias == "embed.weight"
+    assert recipe.modules["norm"].tensors[0].inline is not None  # 16 bytes: kept inline
+    assert not recipe.modules["decoder"].traced and recipe.modules["qkv"].traced
+    again = Recipe.from_bytes(recipe.to_bytes())
+    assert again.modules["decoder"].why_untraced == recipe.modules["decoder"].why_untraced and again.id == recipe.id
+
+
+def test_the_same_checkpoint_maps_every_module_even_untraced_ones():
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, checkpoint()))
+    found, why = choose([recipe], source_keys(checkpoint()))
+    assert why == "" and found.unmatched == {} and "decoder" in found.matched
+
+
+def test_a_changed_tensor_loads_its_module_and_every_module_sharing_its_inputs():
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, checkpoint(untied=True), copy_decoder=False))
+    assert all(m.traced for m in recipe.modules.values())
+    changed = source_keys(checkpoint(untied=True, k=torch.zeros(2, 4)))
+    found = match(recipe, changed)
+    assert set(found.unmatched) == {"qkv"} and found.read() == {"q", "k"}
+    # A module that shares a checkpoint tensor with one loaded is loaded too.
+    recipe.modules["norm"].sources = ["norm", "q"]
+    found = match(recipe, changed)
+    assert set(found.unmatched) == {"qkv", "norm"} and "shares a checkpoint tensor" in found.unmatched["norm"]
+
+
+def test_a_change_an_untraced_module_may_depend_on_declines_the_recipe():
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, checkpoint()))
+    with pytest.raises(RecipeDeclined, match="decoder .* cannot be loaded on its own"):
+        match(recipe, source_keys(checkpoint(embed=torch.zeros(8, 4))))
+    found, why = choose([recipe], source_keys(checkpoint(embed=torch.zeros(8, 4))))
+    assert found is None and "decoder" in why
+
+
+def test_malformed_recipes_are_declined_never_raised():
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, checkpoint()))
+    with pytest.raises(ValueError, match="not a recipe"):
+        Recipe.from_bytes(recipe.to_bytes().replace(b'"traced":true', b'"traced":[]', 1)[:-3])
+    recipe.modules["qkv"].sources = None  # not a list: what a damaged recipe could hold
+    found, why = choose([recipe], source_keys(checkpoint()))
+    assert found is None and "malformed" in why
+
+
+class Impl:
+    """Stands for a vLLM attention implementation (which keeps ``sinks``)."""
+
+
+Impl.__module__ = "vllm.v1.attention.backends.cpu_attn"  # objects of vLLM's are looked into
+
+
+def test_attribute_tensors_reach_module_attributes_and_plain_objects_they_hold():
+    model = Tiny()
+    model.qkv.impl = Impl()
+    model.qkv.impl.sinks = torch.empty(4, device="meta")
+    model.qkv.other = types.SimpleNamespace(hidden=torch.ones(2))  # not vLLM's: not looked into
+    model.norm.cached = torch.ones(3)
+    model.norm.kv_cache = torch.ones(3)  # runtime state, not a weight
+    found = dict(attribute_tensors(model))
+    assert found["qkv.impl.sinks"].is_meta and "norm.cached" in found
+    assert "norm.kv_cache" not in found and "qkv.other.hidden" not in found
+
+
+def vllm_config(tmp_path, **changes):
+    """The parts of a VllmConfig the load signature reads, for a model folder ``tmp_path``."""
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(vocab_size=changes.pop("vocab_size", 100), hidden_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, architectures=["LlamaForCausalLM"], _name_or_path=changes.pop("name", "a"))
+    model = types.SimpleNamespace(model=str(tmp_path), hf_config=hf, dtype="bfloat16", quantization=None,
+                                  model_impl="auto", convert_type="none", runner_type="generate",
+                                  trust_remote_code=False)
+    return types.SimpleNamespace(
+        model_config=model, parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        device_config=types.SimpleNamespace(device_type="cpu"),
+        cache_config=types.SimpleNamespace(cache_dtype=changes.pop("kv", "auto")))
+
+
+def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_path):
+    from vllm_dedup.engine.signature import load_signature
+
+    base = load_signature(vllm_config(tmp_path))
+    assert load_signature(vllm_config(tmp_path, name="other")) == base  # a name changes no tensor
+    assert load_signature(vllm_config(tmp_path, kv="fp8")) != base  # FP8 k/v scales
+    assert load_signature(vllm_config(tmp_path, vocab_size=101)) != base  # vocabulary-sized buffers
+    assert load_signature(vllm_config(tmp_path), cpu_share_linear=True) != base
+    (tmp_path / "preprocessor_config.json").write_text('{"image_mean": [0.5]}')
+    assert load_signature(vllm_config(tmp_path)) != base  # folded into some models' modules
+    drafter = vllm_config(tmp_path, vocab_size=7).model_config
+    assert load_signature(vllm_config(tmp_path), drafter) == load_signature(vllm_config(tmp_path, vocab_size=7))

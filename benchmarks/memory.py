@@ -42,7 +42,7 @@ from harness.variants import cached_variant  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 from vllm_dedup.scan.files import scan_model  # noqa: E402
-from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
+from vllm_dedup.checkpoint.manifest import ManifestCache, default_cache_dir  # noqa: E402
 from vllm_dedup.scan.report import Report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

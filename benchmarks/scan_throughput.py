@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from vllm_dedup.scan.files import scan_model  # noqa: E402
-from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
+from vllm_dedup.checkpoint.manifest import ManifestCache, default_cache_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -38,7 +38,7 @@ from harness.variants import smollm2_family  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 from vllm_dedup.scan.files import scan_model  # noqa: E402
-from vllm_dedup.scan.manifest import ManifestCache, default_cache_dir  # noqa: E402
+from vllm_dedup.checkpoint.manifest import ManifestCache, default_cache_dir  # noqa: E402
 from vllm_dedup.scan.report import Report  # noqa: E402
 from vllm_dedup.segments.host import RECIPE_MEMFD_NAME  # noqa: E402
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import xxhash
 
-from vllm_dedup.scan.manifest import default_cache_dir
+from vllm_dedup.checkpoint.manifest import default_cache_dir
 
 __all__ = ["convert_gguf_to_hf", "minilm_dir", "models_dir", "random_model", "smollm2_gguf", "smollm2_hf"]
 

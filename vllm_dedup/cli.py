@@ -21,9 +21,9 @@ import json
 import os
 import sys
 
+from .checkpoint.manifest import ManifestCache, default_cache_dir
 from .errors import CheckpointError, RegistryUnavailable
 from .scan.files import scan_model
-from .scan.manifest import ManifestCache, default_cache_dir
 from .scan.plot import require_matplotlib, write_plot
 from .scan.report import Report
 from .status import format_status, watch

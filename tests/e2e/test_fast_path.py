@@ -15,7 +15,7 @@ from harness.engines import PROMPTS, EngineProcess, ServeProcess
 from harness.procs import evict_from_page_cache, resident_bytes
 from helpers import scan_json, wait_for
 from vllm_dedup.registry.client import BrokerClient
-from vllm_dedup.scan.readers import SafetensorsFile
+from vllm_dedup.checkpoint.readers import SafetensorsFile
 
 # vLLM itself reads a checkpoint's header at start-up, with the kernel's readahead (128 to 256 kB
 # past it); no tensor byte beyond that window may be in the page cache.

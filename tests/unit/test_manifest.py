@@ -74,7 +74,7 @@ def _scan(*models, cache, no_cache: bool = False) -> dict:
     """What ``vllm-dedup scan --json`` reports, computed in this process (same code, no
     interpreter start-up per scan)."""
     from vllm_dedup.scan.files import scan_model
-    from vllm_dedup.scan.manifest import ManifestCache
+    from vllm_dedup.checkpoint.manifest import ManifestCache
     from vllm_dedup.scan.report import Report
 
     store = ManifestCache(None if no_cache else cache)

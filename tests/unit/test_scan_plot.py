@@ -11,7 +11,7 @@ from pathlib import Path
 
 from helpers import picture_size, run_cli
 from vllm_dedup.scan.files import scan_model
-from vllm_dedup.scan.manifest import ManifestCache
+from vllm_dedup.checkpoint.manifest import ManifestCache
 from vllm_dedup.scan.plot import plot_data, short_labels
 from vllm_dedup.scan.report import Report
 

@@ -117,7 +117,7 @@ def test_human_report_names_models_and_totals(smollm2, variants, tmp_path):
 
 def test_shared_with_earlier_counts_each_model_against_those_before_it(smollm2, variants, tmp_path):
     from vllm_dedup.scan.files import scan_model
-    from vllm_dedup.scan.manifest import ManifestCache
+    from vllm_dedup.checkpoint.manifest import ManifestCache
     from vllm_dedup.scan.report import Report
 
     models = [smollm2, variants["last-layers"], variants["vocab-extended"], variants["fp16"]]

@@ -4,6 +4,7 @@ and every module in it imports with only the declared dependencies (plus vLLM)."
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -19,8 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+    # Built from a copy of what the wheel is made of: setuptools builds in the tree's build/,
+    # which keeps files of modules since removed.
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    shutil.copytree(ROOT / "vllm_dedup", src / "vllm_dedup", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
                     "-w", str(out)], check=True, capture_output=True, timeout=300)
     (path,) = out.glob("vllm_dedup-*.whl")
     return path

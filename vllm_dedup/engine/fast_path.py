@@ -19,12 +19,13 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.loading import checkpoint_files, checkpoint_keys, write_manifests
+from ..checkpoint.manifest import FileIdentity, ManifestCache, default_cache_dir
+from ..checkpoint.readers import SafetensorsFile
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
-from ..scan.manifest import FileIdentity, ManifestCache, default_cache_dir
-from ..scan.readers import SafetensorsFile
 from .context import LoadContext, LoadReport
 from .recipe import Match, Recipe, build_recipe, choose, model_attrs
-from .sources import SourceRecorder, checkpoint_files, checkpoint_keys, write_manifests
+from .sources import SourceRecorder
 
 __all__ = ["Decision", "RecordedLoad", "decide", "fast_path_files", "leave_recipe"]
 

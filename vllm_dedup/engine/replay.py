@@ -38,12 +38,13 @@ import logging
 import torch
 from torch import nn
 
+from ..checkpoint.loading import read_tensors
 from ..segments import segment_class
 from .context import LoadContext, Placement
 from .recipe import Match, RecipeDeclined, TensorRecipe
 from .resident import map_resident
 from .slots import attribute_tensors
-from .sources import SourceRecorder, read_tensors
+from .sources import SourceRecorder
 
 __all__ = ["Replay"]
 

@@ -3,7 +3,7 @@ the model each one went into.
 
 A *source key* is a checkpoint tensor's key as stored (BLAKE3-256 of its bytes, with its dtype
 and shape: `content.keys.source_key`): the same key ``vllm-dedup scan`` computes, kept in the same manifest cache
-(`scan.manifest`), so an engine learns a checkpoint's keys without reading tensor bytes once
+(`checkpoint.manifest`), so an engine learns a checkpoint's keys without reading tensor bytes once
 any engine or scan has seen the file (docs/architecture.md, "Loading only what is not resident").
 
 `SourceRecorder` runs during a load.  It wraps the inner loader's weight iterator: every tensor
@@ -21,100 +21,19 @@ hand), and a parameter no weight loader filled.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import xxhash
 
 from ..content.keys import source_key
 from ..content.views import dtype_name, tensor_bytes
-from ..errors import CheckpointError
-from ..scan.manifest import FileIdentity, Manifest, ManifestCache, file_manifest
-from ..scan.readers import SafetensorsFile
 
-__all__ = ["SourceRecorder", "checkpoint_files", "checkpoint_keys", "fingerprint", "read_tensors", "write_manifests"]
-
-logger = logging.getLogger("vllm.dedup.sources")  # under "vllm": vLLM's handlers and format apply
+__all__ = ["SourceRecorder", "fingerprint"]
 
 _MAX_PENDING = 32  # tensors yielded but not hashed yet, at most (bounds the memory they keep alive)
-
-
-def checkpoint_files(model_dir: str | os.PathLike) -> list[Path] | None:
-    """The safetensors files vLLM's default loader reads for a local HF model folder: the
-    folder's ``*.safetensors`` (not its subfolders), only those a ``model.safetensors.index.json``
-    names when there is one.  None when the folder holds no safetensors (the fast paths then do
-    not apply)."""
-    folder = Path(model_dir)
-    if not folder.is_dir():
-        return None
-    files = sorted(folder.glob("*.safetensors"))
-    index = folder / "model.safetensors.index.json"
-    if files and index.is_file():
-        try:
-            named = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        files = [f for f in files if f.name in named]
-    return files or None
-
-
-def checkpoint_keys(files: list[Path], cache: ManifestCache) -> tuple[dict[str, str], dict[str, Path], int]:
-    """Source keys of every tensor of ``files``, from the manifest cache where it knows them,
-    else by hashing the files (read through a read-only mapping: nothing is allocated).
-
-    Returns:
-        (tensor name -> source key as a string, tensor name -> its file, tensor bytes hashed).
-
-    Raises:
-        CheckpointError: a file cannot be read, or two files hold a tensor of the same name.
-    """
-    keys: dict[str, str] = {}
-    where: dict[str, Path] = {}
-    hashed = 0
-    for path in files:
-        manifest, n = file_manifest(path, cache)
-        hashed += n
-        for entry, key in zip(manifest.entries, manifest.keys):
-            if entry.name in keys:
-                raise CheckpointError(path, f"tensor {entry.name!r} is also in {where[entry.name]}")
-            keys[entry.name] = str(key)
-            where[entry.name] = path
-    return keys, where, hashed
-
-
-def read_tensors(names: Iterable[str], where: dict[str, Path]) -> Iterator[tuple[str, object]]:
-    """``(name, tensor)`` for exactly ``names``, in checkpoint order, read from safetensors files
-    through private copy-on-write mappings: no other tensor's bytes are touched, and the tensor
-    handed to vLLM's weight loader is the file's pages themselves (it copies them once, into the
-    parameter).  A loader writing into a tensor it was given gets a private copy of that page."""
-    import mmap
-
-    import torch
-
-    wanted = set(names)
-    page = mmap.PAGESIZE
-    for path in sorted({where[n] for n in wanted}):
-        with SafetensorsFile(path) as layout, open(path, "rb") as f:
-            whole = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            # No readahead around what is read (its neighbours are mapped already, or not
-            # wanted); the wanted ranges are asked for ahead instead.
-            whole.madvise(mmap.MADV_RANDOM)
-            entries = [e for e in layout.entries() if e.name in wanted]
-            for entry in entries:
-                start, end = layout.byte_range(entry.name)
-                if end > start:
-                    first = start - start % page
-                    whole.madvise(mmap.MADV_WILLNEED, first, end - first)
-            for entry in entries:
-                start, end = layout.byte_range(entry.name)
-                raw = (torch.frombuffer(whole, dtype=torch.uint8, count=end - start, offset=start) if end > start
-                       else torch.empty(0, dtype=torch.uint8))
-                yield entry.name, raw.view(getattr(torch, entry.dtype)).reshape(entry.shape)
 
 
 class SourceRecorder:
@@ -255,29 +174,6 @@ def fingerprint(t, samples: int = 8192) -> bytes:
         flat = flat[idx]
     data = flat.cpu().contiguous().view(torch.uint8)
     return xxhash.xxh3_64_digest(memoryview(data.numpy())) + t.numel().to_bytes(8, "little")
-
-
-def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], keys: dict[str, str],
-                    cache: ManifestCache) -> int:
-    """Store a manifest for each of ``files`` whose every tensor was hashed during the load and
-    whose identity is still the one taken before the load (a file changed meanwhile is left
-    out: its keys might describe neither version).  Returns the number written."""
-    from ..content.keys import ContentKey
-
-    written = 0
-    for path in files:
-        try:
-            with SafetensorsFile(path) as wf:
-                now = FileIdentity.of(path, wf.header())
-                entries = wf.entries()
-        except (CheckpointError, OSError) as e:
-            logger.debug("vllm-dedup: no manifest for %s (%s)", path, e)
-            continue
-        if now != identities.get(path) or any(e.name not in keys for e in entries):
-            continue
-        cache.put(Manifest(now, tuple(entries), tuple(ContentKey.parse(keys[e.name]) for e in entries)))
-        written += 1
-    return written
 
 
 def _storage_address(t) -> int | None:

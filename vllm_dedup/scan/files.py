@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.manifest import ManifestCache, file_manifest
+from ..checkpoint.readers import WEIGHT_SUFFIXES, TensorEntry
 from ..content.keys import ContentKey
 from ..errors import CheckpointError
-from .manifest import ManifestCache, file_manifest
-from .readers import WEIGHT_SUFFIXES, TensorEntry
 
 __all__ = ["ModelScan", "ScannedTensor", "model_files", "scan_model"]
 

@@ -237,31 +237,37 @@ class _Sharing:
                 self.client.release([seg_id])
                 self.segment_failed(groups, SegmentError(f"resident segment {seg_id} refused: {e}"))
                 continue
-            taken = 0
+            before = self.result.shared_tensors
             for hit, group in zip(seg_hits, groups):
                 differ = self.adopt(group, seg, hit.offset, hit.key, published=False)
-                taken += len(group) - len(differ)
                 if differ:
                     self.result.collisions += len(differ)
                     logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
                                    "(hash collision); they stay private", len(differ), hit.key)
                     self.keep_private(differ)
             seg.close_fd()
-            if not taken:
+            if self.result.shared_tensors == before:  # nothing taken from it
                 self.client.release([seg_id])
 
     def adopt(self, group: list[Slot], seg, offset: int, key: str, published: bool) -> list[Slot]:
         """Swap each slot whose bytes equal the segment's at ``offset`` (content ``key``);
         return the ones that differ.  With ``published``, the segment was copied from the
-        group's first slot."""
+        group's first slot.  A failure of the backend while wrapping or comparing (a driver
+        error, torch running out of memory, a segment smaller than its entry says) leaves the
+        group's remaining slots private (`segment_failed`: one warning; raised with ``fail``)."""
         differ = []
         for i, slot in enumerate(group):
             t = slot.tensor
-            shared = seg.tensor(offset, t.dtype, tuple(t.shape), tuple(t.stride()))
             source = published and i == 0
-            if self.verify and not source and not same_bytes(shared, t):
-                differ.append(slot)
-                continue
+            try:
+                shared = seg.tensor(offset, t.dtype, tuple(t.shape), tuple(t.stride()))
+                if self.verify and not source and not same_bytes(shared, t):
+                    differ.append(slot)
+                    continue
+            except Exception as e:  # any backend failure: never stop the engine for it
+                self.segment_failed([group[i:]], SegmentError(
+                    f"cannot use segment bytes for key {key} ({type(e).__name__}: {e})"))
+                break
             swap(slot, shared)  # the slot held the last reference to the private copy
             for module, name, is_param in slot.refs:
                 bound = module._parameters[name] if is_param else module._buffers[name]
@@ -305,16 +311,19 @@ class _Sharing:
             self.segment_failed([self.pending.pop(k) for k in keys], e)
             return
         try:
-            self.client.publish(seg.fileno(), seg.size,
-                                [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)])
+            seg_id = self.client.publish(seg.fileno(), seg.size,
+                                         [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)])
         finally:
             seg.close_fd()
         self.result.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
+        before = self.result.published_tensors
         for key, offset in zip(keys, offsets):
             group = self.pending.pop(key)
             differ = self.adopt(group, seg, offset, key, published=True)  # same key in this model, other bytes
             self.result.collisions += len(differ)
             self.keep_private(differ)
+        if self.result.published_tensors == before:  # the backend failed for every member
+            self.client.release([seg_id])
 
 
 def _keys(tensors, device_type: str) -> list[str]:

@@ -16,7 +16,12 @@ answer carries the model's counters (``stats``) and this thread's current device
 - ``read``, ``write {key}`` (must fault), ``close``: every mapping held;
 - ``allocate {ordinal, nbytes}``: `vmm.allocate` counting ``release_cached`` calls;
 - ``fail {name, code, count}``: the model's next ``count`` calls of ``name`` return ``code``;
-- ``defer``: a mapping dropped during a (pretend) graph capture and while the driver lock is held.
+- ``defer``: a mapping dropped during a (pretend) graph capture and while the driver lock is held;
+  ``defer_elsewhere``: a mapping dropped on another thread while this one (pretends to) capture;
+- ``uuids``: the device keys, and each device's UUID as the driver resolves ``cuDeviceGetUuid`` for a caller built
+  for CUDA 9.2 (v1) and 11.4 (v2), through ``cuGetProcAddress_v2``;
+- ``memory {ordinal}``: `cudadrv.memory_info`; ``keep {ordinal, nbytes}``: a private allocation
+  that is never exported (an engine's KV cache), held until the peer ends.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ import sys
 import threading
 from collections import defaultdict
 
+# Another cuda-bindings release (e.g. 12.x, installed with pip --target) ahead of the venv's.
+if os.environ.get("VMM_PEER_BINDINGS"):
+    sys.path.insert(0, os.environ["VMM_PEER_BINDINGS"])
+
 import xxhash
 
 from vllm_dedup.errors import SegmentError
@@ -37,7 +46,7 @@ from vllm_dedup.segments import cudadrv, vmm
 from vllm_dedup.segments.cuda import CudaSegment
 
 STATS = ("retained_contexts", "allocations", "mappings", "reservations", "synchronizes", "creates",
-         "current_device", "context_depth")
+         "current_device", "context_depth", "create_calls")
 
 
 def pattern(key: str, nbytes: int) -> bytes:
@@ -151,6 +160,37 @@ class Peer:
             return {"error": str(e), "closed": closed}
         return {"error": None}
 
+    def op_uuids(self):
+        lib = model()
+        get = lib.cuGetProcAddress_v2
+        get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_ulonglong,
+                        ctypes.POINTER(ctypes.c_int)]
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
+        out = {}
+        for version in (9020, 11040):
+            fn, status = ctypes.c_void_p(), ctypes.c_int()
+            assert get(b"cuDeviceGetUuid", ctypes.byref(fn), version, 0, ctypes.byref(status)) == 0
+            uuids = []
+            for dev in range(cudadrv.device_count()):
+                buf = ctypes.create_string_buffer(16)
+                assert proto(fn.value)(buf, dev) == 0
+                uuids.append(buf.raw.hex())
+            out[str(version)] = uuids
+        from cuda.bindings import __version__
+
+        return {"uuids": out, "keys": [cudadrv.device_key(i) for i in range(cudadrv.device_count())],
+                "bindings": __version__}
+
+    def op_memory(self, ordinal):
+        free, total = cudadrv.memory_info(ordinal)
+        return {"free": free, "total": total}
+
+    def op_keep(self, ordinal, nbytes):
+        mapping, fd = vmm.allocate(ordinal, nbytes)
+        os.close(fd)  # never shared: only this process holds it
+        self.keep.append(mapping)
+        return {"size": mapping.size}
+
     def op_fail(self, name, code, count):
         model().cudamodel_fail(name.encode(), code, count)
         return {}
@@ -178,6 +218,23 @@ class Peer:
         worker.join(10)
         return {"during": during, "released": released, "after": after, "deadlocked": worker.is_alive(),
                 "under_lock": stats()}
+
+    def op_defer_elsewhere(self, ordinal):
+        """This thread "captures" (a process-wide capture count, as `segments.cuda` keeps it);
+        the last reference to a mapping goes on another thread, whose own stream is not
+        capturing: its finalizer must defer the unmap too."""
+        captures = [1]
+        mapping, fd = vmm.allocate(ordinal, 1, capturing=lambda: captures[0] > 0)
+        os.close(fd)
+        holder = [mapping]
+        del mapping
+        other = threading.Thread(target=holder.clear)
+        other.start()
+        other.join(10)
+        during = stats()
+        captures[0] = 0
+        released = vmm.release_deferred()
+        return {"during": during, "released": released, "after": stats()}
 
 
 def main() -> None:

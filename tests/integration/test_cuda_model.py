@@ -33,12 +33,6 @@ MB = 1 << 20
 OUT_OF_MEMORY, NOT_SUPPORTED = 2, 801  # CUresult values
 
 
-@pytest.fixture(scope="session")
-def model_lib(tmp_path_factory) -> Path:
-    """The driver model, compiled once per session."""
-    return cuda_model.build(tmp_path_factory.mktemp("cuda-model"))
-
-
 class Model:
     """Children of one test on the driver model; their allocations carry the test's tag."""
 

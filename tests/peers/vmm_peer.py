@@ -10,7 +10,11 @@ answer carries the model's counters (``stats``) and this thread's current device
 
 - ``key {ordinal}``: the device key; ``push {ordinal}``: retain device ``ordinal``'s primary
   context and push it, as torch does when it makes a device current;
-- ``hello {ordinal}``: open a lease with the broker on that device;
+- ``hello {ordinal, signature}``: open a lease with the broker on that device;
+- ``expect``: the registry's prediction of the bytes this engine will map;
+- ``load {ordinal, tensors: {key: bytes}}``: what an engine's load does with its weights: map
+  the resident ones, create and publish the others (one allocation each); ``recipe
+  {signature, final: {key: bytes}}``: leave a recipe naming those final keys;
 - ``create {ordinal, nbytes, members: [[key, offset, bytes], ...]}``: allocate, fill each member
   with `pattern`, protect, publish; ``map {ordinal, keys}``: acquire and map only what they need;
 - ``read``, ``write {key}`` (must fault), ``close``: every mapping held;
@@ -83,8 +87,35 @@ class Peer:
         assert drv.cuCtxPushCurrent(ctx)[0] == drv.CUresult.CUDA_SUCCESS
         return {}
 
-    def op_hello(self, ordinal):
-        self.client.hello("vmm-peer", cudadrv.device_key(ordinal), "default")
+    def op_hello(self, ordinal, signature=""):
+        self.client.hello("vmm-peer", cudadrv.device_key(ordinal), "default", signature)
+        return {}
+
+    def op_expect(self):
+        return {"bytes": self.client.expected_shared_bytes()}
+
+    def op_load(self, ordinal, tensors):
+        hits = {hit.key: (hit, fd) for hit, fd in self.client.acquire(list(tensors))}
+        shared = published = 0
+        for key, nbytes in tensors.items():
+            if key in hits:
+                hit, fd = hits[key]
+                seg = CudaSegment.attach(fd, hit.offset + hit.nbytes, cudadrv.device_key(ordinal))
+                seg.close_fd()
+                self.held[key] = (seg._mapping, hit.offset, hit.nbytes)
+                shared += nbytes
+            else:
+                mapping, fd = vmm.allocate(ordinal, nbytes)
+                ctypes.memmove(mapping.va, pattern(key, nbytes), nbytes)
+                mapping.protect()
+                self.client.publish(fd, mapping.size, [(key, 0, nbytes)])
+                os.close(fd)
+                self.held[key] = (mapping, 0, nbytes)
+                published += mapping.size
+        return {"shared": shared, "published": published, "digests": self.read()}
+
+    def op_recipe(self, signature, final):
+        self.client.put_recipe(json.dumps({"signature": signature, "id": signature, "final": final}).encode())
         return {}
 
     def op_create(self, ordinal, nbytes, members):

@@ -201,6 +201,13 @@ class DedupModelLoader(BaseModelLoader):
         from ..segments import segment_class
 
         device_type = device.type
+        from .worker_hooks import private_reason
+
+        reason = private_reason(vllm_config)
+        if reason is not None:
+            logger.warning("vllm-dedup: this engine's weights stay private: %s, which shared read-only weights "
+                           "cannot allow", reason)
+            return None, device_type, None, None
         try:
             if device_type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())

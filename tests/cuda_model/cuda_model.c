@@ -73,7 +73,7 @@ enum { PROT_NONE_ = 0, PROT_READ_ = 1, PROT_READWRITE_ = 3 };
 #define HANDLE_TAG 0x5eed000000000000ULL
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static int initialized, ndev, physical[MAXDEV], no_vmm, no_posix_fd, no_create, no_read_only, mig;
+static int initialized, ndev, nphys, physical[MAXDEV], no_vmm, no_posix_fd, no_create, no_read_only, mig;
 static size_t memory_per_device = (size_t)81920 << 20;
 static char tag[32] = "untagged";
 struct ctx { int refs; };
@@ -154,21 +154,37 @@ static int listed(const char *list, const char *word) {
 }
 
 /* ---- device memory: live allocations, wherever they are held ------------------------- */
-#define MAXSEEN 4096
-/* Bytes of physical device `phys`'s live allocations of this tag, each counted once: found as
- * descriptors (sized by fstat) and mappings (sized by their length: a mapping of part of an
- * allocation held by nothing else counts only that part) in every /proc/PID we can read. */
-static size_t device_used(int phys) {
-  static unsigned long long inode[MAXSEEN];
-  static size_t bytes[MAXSEEN];
-  int seen = 0;
+#define MAXSEEN 8192
+static struct { int pid; unsigned long long inode; size_t bytes; } seen[MAXSEEN];
+static int nseen;
+
+static void saw(int pid, unsigned long long inode, size_t bytes) {
+  for (int k = 0; k < nseen; k++)
+    if (seen[k].pid == pid && seen[k].inode == inode) {
+      if (seen[k].bytes < bytes) seen[k].bytes = bytes;
+      return;
+    }
+  if (nseen < MAXSEEN) seen[nseen].pid = pid, seen[nseen].inode = inode, seen[nseen++].bytes = bytes;
+}
+
+static int names_allocation(const char *name, const char *want, size_t wantlen) {
+  return !strncmp(name, want, wantlen) && (name[wantlen] == 0 || name[wantlen] == ' ');
+}
+
+/* Fill `seen` with every (process, allocation) pair of physical device `phys` and this tag:
+ * descriptors (sized by fstat) and mappings (sized by their length) in every /proc/PID we can
+ * read.  Returns the bytes in use on the device: each allocation once, at the largest size
+ * seen (a mapping of part of an allocation that nothing else holds counts only that part). */
+static size_t scan_device(int phys) {
   char want[96];
   snprintf(want, sizeof want, "/memfd:cudamodel-dev%d-%s", phys, tag);
   size_t wantlen = strlen(want);
+  nseen = 0;
   DIR *proc = opendir("/proc");
   struct dirent *pe;
   while (proc && (pe = readdir(proc))) {
     if (pe->d_name[0] < '0' || pe->d_name[0] > '9') continue;
+    int pid = atoi(pe->d_name);
     char path[600], link[320];
     snprintf(path, sizeof path, "/proc/%s/fd", pe->d_name);
     DIR *fds = opendir(path);
@@ -180,12 +196,7 @@ static size_t device_used(int phys) {
       struct stat st;
       if (n <= 0) continue;
       link[n] = 0;
-      if (strncmp(link, want, wantlen) || (link[wantlen] != 0 && link[wantlen] != ' ')) continue;
-      if (stat(path, &st)) continue;
-      int k = 0;
-      while (k < seen && inode[k] != (unsigned long long)st.st_ino) k++;
-      if (k == seen && seen < MAXSEEN) inode[seen] = st.st_ino, bytes[seen++] = 0;
-      if (k < seen && bytes[k] < (size_t)st.st_size) bytes[k] = (size_t)st.st_size;
+      if (names_allocation(link, want, wantlen) && !stat(path, &st)) saw(pid, st.st_ino, (size_t)st.st_size);
     }
     if (fds) closedir(fds);
     snprintf(path, sizeof path, "/proc/%s/maps", pe->d_name);
@@ -194,30 +205,53 @@ static size_t device_used(int phys) {
     while (maps && fgets(line, sizeof line, maps)) {
       unsigned long long lo, hi, ino;
       char name[320] = "";
-      if (sscanf(line, "%llx-%llx %*s %*s %*s %llu %319[^\n]", &lo, &hi, &ino, name) != 4) continue;
-      if (strncmp(name, want, wantlen) || (name[wantlen] != 0 && name[wantlen] != ' ')) continue;
-      int k = 0;
-      while (k < seen && inode[k] != ino) k++;
-      if (k == seen && seen < MAXSEEN) inode[seen] = ino, bytes[seen++] = 0;
-      if (k < seen && bytes[k] < hi - lo) bytes[k] = hi - lo;
+      if (sscanf(line, "%llx-%llx %*s %*s %*s %llu %319[^\n]", &lo, &hi, &ino, name) == 4 &&
+          names_allocation(name, want, wantlen))
+        saw(pid, ino, hi - lo);
     }
     if (maps) fclose(maps);
   }
   if (proc) closedir(proc);
   size_t total = 0;
-  for (int k = 0; k < seen; k++) total += bytes[k];
+  for (int k = 0; k < nseen; k++) {
+    int first = 1;
+    size_t most = seen[k].bytes;
+    for (int j = 0; j < nseen; j++)
+      if (seen[j].inode == seen[k].inode) {
+        if (j < k) first = 0;
+        if (seen[j].bytes > most) most = seen[j].bytes;
+      }
+    if (first) total += most;
+  }
   return total;
 }
 
+static size_t device_used(int phys) { return scan_device(phys); }
+
 /* ---- initialisation, devices ------------------------------------------------------- */
+/* The environment, read once (by cuInit or nvmlInit, whichever comes first). */
+static void read_env(void) {
+  static int done;
+  if (done) return;
+  const char *n = getenv("CUDAMODEL_DEVICES"), *uns = getenv("CUDAMODEL_UNSUPPORTED");
+  nphys = n ? atoi(n) : 2;
+  if (nphys > MAXDEV) nphys = MAXDEV;
+  if (nphys < 0) nphys = 0;
+  no_vmm = listed(uns, "vmm"), no_posix_fd = listed(uns, "posix_fd");
+  no_create = listed(uns, "create"), no_read_only = listed(uns, "read_only");
+  mig = getenv("CUDAMODEL_MIG") && !strcmp(getenv("CUDAMODEL_MIG"), "1");
+  if (getenv("CUDAMODEL_MEMORY_MB")) memory_per_device = (size_t)atoll(getenv("CUDAMODEL_MEMORY_MB")) << 20;
+  if (getenv("CUDAMODEL_TAG")) snprintf(tag, sizeof tag, "%s", getenv("CUDAMODEL_TAG"));
+  done = 1;
+}
+
 CUresult cuInit(unsigned int flags) {
   ENTER("cuInit");
   if (flags) RETURN(INVALID_VALUE);
   if (!initialized) {
-    const char *n = getenv("CUDAMODEL_DEVICES"), *vis = getenv("CUDA_VISIBLE_DEVICES");
-    const char *uns = getenv("CUDAMODEL_UNSUPPORTED");
-    int total = n ? atoi(n) : 2;
-    if (total > MAXDEV) total = MAXDEV;
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    read_env();
+    int total = nphys;
     ndev = 0;
     if (vis) {   /* indices up to the first invalid entry are visible (CUDA's documented rule) */
       char buf[256], *save = NULL;
@@ -230,11 +264,6 @@ CUresult cuInit(unsigned int flags) {
       }
     } else
       for (; ndev < total; ndev++) physical[ndev] = ndev;
-    no_vmm = listed(uns, "vmm"), no_posix_fd = listed(uns, "posix_fd");
-    no_create = listed(uns, "create"), no_read_only = listed(uns, "read_only");
-    mig = getenv("CUDAMODEL_MIG") && !strcmp(getenv("CUDAMODEL_MIG"), "1");
-    if (getenv("CUDAMODEL_MEMORY_MB")) memory_per_device = (size_t)atoll(getenv("CUDAMODEL_MEMORY_MB")) << 20;
-    if (getenv("CUDAMODEL_TAG")) snprintf(tag, sizeof tag, "%s", getenv("CUDAMODEL_TAG"));
     initialized = 1;
   }
   RETURN(ndev ? OK : NO_DEVICE);
@@ -263,13 +292,15 @@ CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
 
 /* v2 (CUDA 11.4 on) names a MIG instance by its own UUID; v1 by its parent GPU's (CUDA Driver
  * API, cuDeviceGetUuid_v2: "returns the MIG UUID for MIG devices"). */
+static void uuid_of(int phys, int v2, unsigned char out[16]) {   /* stable per physical device */
+  memcpy(out, mig && v2 ? "cudamodelMIG\0\0\0" : "cudamodel\0\0\0\0\0\0", 16);
+  out[15] = (unsigned char)(mig && !v2 ? 0x7f : phys);   /* 0x7f: the MIG instances' parent GPU */
+}
 static CUresult device_uuid(CUuuid *uuid, CUdevice dev, int v2) {
   ENTER(v2 ? "cuDeviceGetUuid_v2" : "cuDeviceGetUuid"); NEED_INIT();
   if (!uuid) RETURN(INVALID_VALUE);
   if (!device_ok(dev)) RETURN(INVALID_DEVICE);
-  int instance = mig && v2;
-  memcpy(uuid->bytes, instance ? "cudamodelMIG\0\0\0" : "cudamodel\0\0\0\0\0\0", 16);   /* stable per device */
-  uuid->bytes[15] = (char)(mig && !v2 ? 0x7f : physical[dev]);   /* 0x7f: the MIG instances' parent GPU */
+  uuid_of(physical[dev], v2, (unsigned char *)uuid->bytes);
   RETURN(OK);
 }
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { return device_uuid(uuid, dev, 0); }
@@ -604,4 +635,125 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, unsigne
 
 CUresult cuGetProcAddress(const char *symbol, void **fn, int version, unsigned long long flags) {
   return cuGetProcAddress_v2(symbol, fn, version, flags, NULL);
+}
+
+/* ---- NVML: the subset benchmarks/gpu_check.py reads ------------------------------------
+ * THIS IS A MODEL TOO.  The same library, also named libnvidia-ml.so.1 (tests/cuda_model
+ * builds a link), so NVML and the driver model share one state.  Sources: NVML API reference
+ * (nvmlInitWithFlags, nvmlDeviceGetHandleByUUID, nvmlDeviceGetMemoryInfo,
+ * nvmlDeviceGetComputeRunningProcesses_v3, nvmlErrorString) and nvidia-ml-py's structures.
+ * NVML ignores CUDA_VISIBLE_DEVICES: it lists every physical device, named by its UUID (GPU-,
+ * or MIG- for a MIG instance).  Used memory is the driver model's (live allocations of the
+ * tag).  Per process, the documented figure is "used GPU memory"; what the real NVML counts for
+ * an allocation another process created and this one imported is exactly what the GPU check
+ * measures, so the model chooses the simplest rule and says so: every allocation a process
+ * holds (a descriptor or a mapping) counts in full for it, and only processes holding one are
+ * listed (contexts cost nothing here). */
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; }
+  nvmlProcessInfo_t;
+typedef struct { int phys; } *nvmlDevice_t;
+enum { NVML_SUCCESS = 0, NVML_ERROR_UNINITIALIZED = 1, NVML_ERROR_INVALID_ARGUMENT = 2, NVML_ERROR_NOT_FOUND = 6,
+       NVML_ERROR_INSUFFICIENT_SIZE = 7 };
+static struct { int phys; } nvml_devices[MAXDEV];
+static int nvml_refs;
+
+int nvmlInitWithFlags(unsigned int flags) {
+  (void)flags;
+  pthread_mutex_lock(&mu);
+  read_env();
+  for (int i = 0; i < nphys; i++) nvml_devices[i].phys = i;
+  nvml_refs++;
+  pthread_mutex_unlock(&mu);
+  return NVML_SUCCESS;
+}
+int nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+
+int nvmlShutdown(void) {
+  pthread_mutex_lock(&mu);
+  int rc = nvml_refs ? (nvml_refs--, NVML_SUCCESS) : NVML_ERROR_UNINITIALIZED;
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+const char *nvmlErrorString(int result) {
+  switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    default: return "Unknown Error";
+  }
+}
+
+int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+  pthread_mutex_lock(&mu);
+  int rc = NVML_ERROR_NOT_FOUND;
+  if (!nvml_refs) rc = NVML_ERROR_UNINITIALIZED;
+  else if (!uuid || !device) rc = NVML_ERROR_INVALID_ARGUMENT;
+  else
+    for (int i = 0; i < nphys && rc; i++) {
+      unsigned char b[16];
+      char name[64];
+      uuid_of(i, 1, b);
+      snprintf(name, sizeof name, "%s-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+               mig ? "MIG" : "GPU", b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+               b[13], b[14], b[15]);
+      if (!strcmp(name, uuid)) *device = (nvmlDevice_t)&nvml_devices[i], rc = NVML_SUCCESS;
+    }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+static int nvml_device(nvmlDevice_t device) {
+  for (int i = 0; i < nphys; i++) if ((void *)device == (void *)&nvml_devices[i]) return i;
+  return -1;
+}
+
+int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+  pthread_mutex_lock(&mu);
+  int phys = nvml_device(device), rc = NVML_SUCCESS;
+  if (!nvml_refs) rc = NVML_ERROR_UNINITIALIZED;
+  else if (phys < 0 || !memory) rc = NVML_ERROR_INVALID_ARGUMENT;
+  else {
+    size_t used = scan_device(phys);
+    memory->total = memory_per_device;
+    memory->used = used < memory_per_device ? used : memory_per_device;
+    memory->free = memory->total - memory->used;
+  }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+int nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos) {
+  pthread_mutex_lock(&mu);
+  int phys = nvml_device(device), rc = NVML_SUCCESS;
+  if (!nvml_refs) rc = NVML_ERROR_UNINITIALIZED;
+  else if (phys < 0 || !count) rc = NVML_ERROR_INVALID_ARGUMENT;
+  else {
+    scan_device(phys);
+    unsigned int n = 0;
+    for (int k = 0; k < nseen; k++) {   /* one entry per process, in order of first sight */
+      int first = 1;
+      for (int j = 0; j < k; j++) if (seen[j].pid == seen[k].pid) first = 0;
+      if (!first) continue;
+      if (infos && n < *count) {
+        unsigned long long bytes = 0;
+        for (int j = k; j < nseen; j++) {
+          if (seen[j].pid != seen[k].pid) continue;
+          size_t most = seen[j].bytes;   /* the allocation's full size, as any holder sees it */
+          for (int i = 0; i < nseen; i++) if (seen[i].inode == seen[j].inode && seen[i].bytes > most) most = seen[i].bytes;
+          bytes += most;
+        }
+        infos[n].pid = (unsigned int)seen[k].pid, infos[n].usedGpuMemory = bytes;
+        infos[n].gpuInstanceId = infos[n].computeInstanceId = 0xffffffffu;   /* NVML_VALUE_NOT_AVAILABLE */
+      }
+      n++;
+    }
+    if (n > *count || (n && !infos)) rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    *count = n;
+  }
+  pthread_mutex_unlock(&mu);
+  return rc;
 }

@@ -194,7 +194,8 @@ class EngineSession:
         """Take the start-up lock(s) and predict the external weight bytes (GPU workers only).
 
         Returns:
-            Bytes to report as external weight memory: the prediction in ``external`` mode, else 0.
+            Bytes to report as external weight memory (`plan_startup`); 0 where the engine's
+            weights stay private or the registry or the device cannot say.
 
         Raises:
             RuntimeError: the registry cannot be reached, or the lock could not be had within
@@ -240,10 +241,13 @@ class EngineSession:
             return 0
         try:
             free, total = cudadrv_memory_info(torch.cuda.current_device())
-        except SegmentError as e:
-            logger.warning("vllm-dedup: cannot read the GPU's free memory (%s); nothing reported as external", e)
+            predicted = client.expected_shared_bytes()
+        except (SegmentError, RegistryUnavailable) as e:
+            if config.on_registry_error == "fail":
+                raise RuntimeError(f"vllm-dedup: cannot predict the weights to map ({e})") from None
+            logger.warning("vllm-dedup: cannot predict the weights to map (%s); nothing reported as external", e)
             return 0
-        report = self.plan_startup(config.accounting, client.expected_shared_bytes(), free, total,
+        report = self.plan_startup(config.accounting, predicted, free, total,
                                    vllm_config.cache_config.gpu_memory_utilization)
         if report:
             logger.info("vllm-dedup: %.1f MB of weights expected to be mapped from other engines (reported to "

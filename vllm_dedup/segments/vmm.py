@@ -8,10 +8,12 @@ the mapping and the exported descriptors are what keep the memory (docs/architec
 "Segments").  Every call runs under `cudadrv.on_device` and leaves the caller's context current.
 
 Unmapping: ``cuMemUnmap`` is not stream-ordered, so `Mapping.close` synchronizes the device
-first.  A mapping's finalizer runs whenever its last reference goes, which can be in the middle
-of a CUDA-graph capture, where ``cuCtxSynchronize`` is not allowed (it fails and invalidates
-the capture: CUDA programming guide, "Stream capture"); there the unmap is deferred to the
-next `allocate`, `import_mapping` or `release_deferred` outside a capture.
+first.  A mapping's finalizer runs whenever its last reference goes, on whichever thread drops
+it, which can be in the middle of a CUDA-graph capture on any thread, where ``cuCtxSynchronize``
+is not allowed (it fails and invalidates the capture: CUDA programming guide, "Stream
+capture"); there the unmap is deferred to the next `allocate`, `import_mapping` or
+`release_deferred` outside a capture.  The caller says what "capturing" means (``capturing``):
+`segments.cuda` answers for every thread of the process.
 """
 
 from __future__ import annotations

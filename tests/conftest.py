@@ -124,6 +124,15 @@ def registry(tmp_path, monkeypatch) -> RegistryEnv:
     assert not env.daemon_pids(), "the registry daemon did not exit"
 
 
+@pytest.fixture(scope="session")
+def model_lib(tmp_path_factory) -> Path:
+    """The CUDA driver model (tests/cuda_model: NVIDIA's documented contract over host memory,
+    not a GPU) as a ``libcuda.so.1``, compiled once per session."""
+    import cuda_model
+
+    return cuda_model.build(tmp_path_factory.mktemp("cuda-model"))
+
+
 @pytest.fixture
 def broker(tmp_path):
     """A real broker serving a fresh `Registry` on a socket of this test's own, in this process."""

@@ -1,7 +1,7 @@
 """The CUDA driver model for tests: build it, point child processes at it, see what they hold.
 
 ``cuda_model.c`` is a strict model of NVIDIA's documented driver contract over host memory,
-NOT a GPU (its README lists what it enforces).  cuda-bindings loads it in place of
+NOT a GPU (its README lists what it enforces), with the small NVML subset the GPU check reads.  cuda-bindings loads it in place of
 ``libcuda.so.1`` through the library path, and caches the driver per process, so every test
 that uses it runs its CUDA code in a child process whose environment comes from `child_env`.
 """
@@ -20,7 +20,8 @@ SOURCE = Path(__file__).with_name("cuda_model.c")
 
 def build(dest: Path) -> Path:
     """Compile the model into ``dest/libcuda.so.1`` with the machine's C compiler (``$CC``,
-    default ``cc``); returns ``dest``.
+    default ``cc``), and link ``dest/libnvidia-ml.so.1`` to it (the model's NVML subset: one
+    library, one state); returns ``dest``.
 
     Raises:
         RuntimeError: no C compiler, or the build failed (its output in the message).
@@ -33,6 +34,9 @@ def build(dest: Path) -> Path:
                            "-o", str(dest / "libcuda.so.1"), str(SOURCE)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"building the CUDA driver model failed:\n{proc.stdout}{proc.stderr}")
+    nvml = dest / "libnvidia-ml.so.1"
+    nvml.unlink(missing_ok=True)
+    nvml.symlink_to("libcuda.so.1")
     return dest
 
 

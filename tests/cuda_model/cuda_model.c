@@ -24,11 +24,23 @@
  * cannot be freed while a mapping is inside it.  tests/cuda_model/README.md lists them all.
  *
  * Environment (read at cuInit): CUDAMODEL_DEVICES (default 2), CUDA_VISIBLE_DEVICES (indices
- * only), CUDAMODEL_UNSUPPORTED=vmm|posix_fd (the device attribute reads 0 and cuMemCreate
- * refuses), CUDAMODEL_TAG (in allocations' memfd names: cudamodel-dev<N>-<tag>).  Test hooks:
+ * only), CUDAMODEL_UNSUPPORTED (comma-separated: vmm | posix_fd: the device attribute reads 0 and
+ * cuMemCreate refuses; create: the attributes say yes but cuMemCreate of an exportable allocation
+ * fails INVALID_VALUE, as under WSL2; read_only: cuMemSetAccess refuses PROT_READ),
+ * CUDAMODEL_MIG=1 (every device is a MIG instance of one GPU: cuDeviceGetUuid v1 names the
+ * parent GPU, v2 the instance), CUDAMODEL_MEMORY_MB (each device's memory, default 81920),
+ * CUDAMODEL_TAG (in allocations' memfd names: cudamodel-dev<N>-<tag>).  Test hooks:
  * cudamodel_stats(), cudamodel_fail().
+ *
+ * Device memory: the bytes in use on a device are those of its live allocations (memfds named
+ * cudamodel-dev<N>-<tag>) held by any process this user can inspect in /proc (a descriptor or a
+ * mapping), each counted once: the driver's lifetime rule, so an allocation another process
+ * still maps stays counted after its creator exits.  Allocations of other tags belong to other
+ * test runs (other "machines") and are not counted.  Contexts, kernels and torch's cache cost
+ * nothing here.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -61,7 +73,8 @@ enum { PROT_NONE_ = 0, PROT_READ_ = 1, PROT_READWRITE_ = 3 };
 #define HANDLE_TAG 0x5eed000000000000ULL
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static int initialized, ndev, physical[MAXDEV], no_vmm, no_posix_fd;
+static int initialized, ndev, nphys, physical[MAXDEV], no_vmm, no_posix_fd, no_create, no_read_only, mig;
+static size_t memory_per_device = (size_t)81920 << 20;
 static char tag[32] = "untagged";
 struct ctx { int refs; };
 static struct ctx ctxs[MAXDEV];   /* CUcontext == &ctxs[i] */
@@ -70,16 +83,16 @@ static __thread int depth;
 static struct { int live, fd, device, handle_types; unsigned gen; size_t size; } allocs[MAXOBJ];
 static struct { int live; uintptr_t va; size_t size; } reservations[MAXOBJ];
 static struct { int live, device; uintptr_t va; size_t size; } maps[MAXOBJ];
-static long long n_synchronize, n_create;
+static long long n_synchronize, n_create, n_create_calls;
 static struct { char name[64]; int code, count; } fails[16];
 
 /* ---- test hooks (not driver API) ---------------------------------------------------- */
 /* out: retained primary-context references, live allocation handles, live mappings, live
  * reservations, cuCtxSynchronize calls, cuMemCreate successes, this thread's current device
- * (-1: none), this thread's context stack depth. */
-void cudamodel_stats(long long out[8]) {
+ * (-1: none), this thread's context stack depth, cuMemCreate calls (failed ones included). */
+void cudamodel_stats(long long out[9]) {
   pthread_mutex_lock(&mu);
-  long long v[8] = {0, 0, 0, 0, n_synchronize, n_create, -1, depth};
+  long long v[9] = {0, 0, 0, 0, n_synchronize, n_create, -1, depth, n_create_calls};
   for (int i = 0; i < MAXDEV; i++) v[0] += ctxs[i].refs;
   for (int i = 0; i < MAXOBJ; i++) { v[1] += allocs[i].live; v[2] += maps[i].live; v[3] += reservations[i].live; }
   if (depth) v[6] = (int)((char *)stack[depth - 1] - (char *)ctxs) / (int)sizeof ctxs[0];
@@ -132,15 +145,113 @@ static int free_slot(int n, size_t stride, const void *base) {   /* first entry 
   return -1;
 }
 
+/* Whether the comma-separated `list` holds `word`. */
+static int listed(const char *list, const char *word) {
+  size_t n = strlen(word);
+  for (const char *at = list; at && *at; at = strchr(at, ',') ? strchr(at, ',') + 1 : NULL)
+    if (!strncmp(at, word, n) && (at[n] == ',' || !at[n])) return 1;
+  return 0;
+}
+
+/* ---- device memory: live allocations, wherever they are held ------------------------- */
+#define MAXSEEN 8192
+static struct { int pid; unsigned long long inode; size_t bytes; } seen[MAXSEEN];
+static int nseen;
+
+static void saw(int pid, unsigned long long inode, size_t bytes) {
+  for (int k = 0; k < nseen; k++)
+    if (seen[k].pid == pid && seen[k].inode == inode) {
+      if (seen[k].bytes < bytes) seen[k].bytes = bytes;
+      return;
+    }
+  if (nseen < MAXSEEN) seen[nseen].pid = pid, seen[nseen].inode = inode, seen[nseen++].bytes = bytes;
+}
+
+static int names_allocation(const char *name, const char *want, size_t wantlen) {
+  return !strncmp(name, want, wantlen) && (name[wantlen] == 0 || name[wantlen] == ' ');
+}
+
+/* Fill `seen` with every (process, allocation) pair of physical device `phys` and this tag:
+ * descriptors (sized by fstat) and mappings (sized by their length) in every /proc/PID we can
+ * read.  Returns the bytes in use on the device: each allocation once, at the largest size
+ * seen (a mapping of part of an allocation that nothing else holds counts only that part). */
+static size_t scan_device(int phys) {
+  char want[96];
+  snprintf(want, sizeof want, "/memfd:cudamodel-dev%d-%s", phys, tag);
+  size_t wantlen = strlen(want);
+  nseen = 0;
+  DIR *proc = opendir("/proc");
+  struct dirent *pe;
+  while (proc && (pe = readdir(proc))) {
+    if (pe->d_name[0] < '0' || pe->d_name[0] > '9') continue;
+    int pid = atoi(pe->d_name);
+    char path[600], link[320];
+    snprintf(path, sizeof path, "/proc/%s/fd", pe->d_name);
+    DIR *fds = opendir(path);
+    struct dirent *fe;
+    while (fds && (fe = readdir(fds))) {
+      if (fe->d_name[0] == '.') continue;
+      snprintf(path, sizeof path, "/proc/%s/fd/%s", pe->d_name, fe->d_name);
+      ssize_t n = readlink(path, link, sizeof link - 1);
+      struct stat st;
+      if (n <= 0) continue;
+      link[n] = 0;
+      if (names_allocation(link, want, wantlen) && !stat(path, &st)) saw(pid, st.st_ino, (size_t)st.st_size);
+    }
+    if (fds) closedir(fds);
+    snprintf(path, sizeof path, "/proc/%s/maps", pe->d_name);
+    FILE *maps = fopen(path, "r");
+    char line[512];
+    while (maps && fgets(line, sizeof line, maps)) {
+      unsigned long long lo, hi, ino;
+      char name[320] = "";
+      if (sscanf(line, "%llx-%llx %*s %*s %*s %llu %319[^\n]", &lo, &hi, &ino, name) == 4 &&
+          names_allocation(name, want, wantlen))
+        saw(pid, ino, hi - lo);
+    }
+    if (maps) fclose(maps);
+  }
+  if (proc) closedir(proc);
+  size_t total = 0;
+  for (int k = 0; k < nseen; k++) {
+    int first = 1;
+    size_t most = seen[k].bytes;
+    for (int j = 0; j < nseen; j++)
+      if (seen[j].inode == seen[k].inode) {
+        if (j < k) first = 0;
+        if (seen[j].bytes > most) most = seen[j].bytes;
+      }
+    if (first) total += most;
+  }
+  return total;
+}
+
+static size_t device_used(int phys) { return scan_device(phys); }
+
 /* ---- initialisation, devices ------------------------------------------------------- */
+/* The environment, read once (by cuInit or nvmlInit, whichever comes first). */
+static void read_env(void) {
+  static int done;
+  if (done) return;
+  const char *n = getenv("CUDAMODEL_DEVICES"), *uns = getenv("CUDAMODEL_UNSUPPORTED");
+  nphys = n ? atoi(n) : 2;
+  if (nphys > MAXDEV) nphys = MAXDEV;
+  if (nphys < 0) nphys = 0;
+  no_vmm = listed(uns, "vmm"), no_posix_fd = listed(uns, "posix_fd");
+  no_create = listed(uns, "create"), no_read_only = listed(uns, "read_only");
+  mig = getenv("CUDAMODEL_MIG") && !strcmp(getenv("CUDAMODEL_MIG"), "1");
+  if (getenv("CUDAMODEL_MEMORY_MB")) memory_per_device = (size_t)atoll(getenv("CUDAMODEL_MEMORY_MB")) << 20;
+  if (getenv("CUDAMODEL_TAG")) snprintf(tag, sizeof tag, "%s", getenv("CUDAMODEL_TAG"));
+  done = 1;
+}
+
 CUresult cuInit(unsigned int flags) {
   ENTER("cuInit");
   if (flags) RETURN(INVALID_VALUE);
   if (!initialized) {
-    const char *n = getenv("CUDAMODEL_DEVICES"), *vis = getenv("CUDA_VISIBLE_DEVICES");
-    const char *uns = getenv("CUDAMODEL_UNSUPPORTED");
-    int total = n ? atoi(n) : 2;
-    if (total > MAXDEV) total = MAXDEV;
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    read_env();
+    int total = nphys;
     ndev = 0;
     if (vis) {   /* indices up to the first invalid entry are visible (CUDA's documented rule) */
       char buf[256], *save = NULL;
@@ -153,8 +264,6 @@ CUresult cuInit(unsigned int flags) {
       }
     } else
       for (; ndev < total; ndev++) physical[ndev] = ndev;
-    no_vmm = uns && strstr(uns, "vmm"), no_posix_fd = uns && strstr(uns, "posix_fd");
-    if (getenv("CUDAMODEL_TAG")) snprintf(tag, sizeof tag, "%s", getenv("CUDAMODEL_TAG"));
     initialized = 1;
   }
   RETURN(ndev ? OK : NO_DEVICE);
@@ -181,14 +290,21 @@ CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
   RETURN(OK);
 }
 
-CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
-  ENTER("cuDeviceGetUuid"); NEED_INIT();
+/* v2 (CUDA 11.4 on) names a MIG instance by its own UUID; v1 by its parent GPU's (CUDA Driver
+ * API, cuDeviceGetUuid_v2: "returns the MIG UUID for MIG devices"). */
+static void uuid_of(int phys, int v2, unsigned char out[16]) {   /* stable per physical device */
+  memcpy(out, mig && v2 ? "cudamodelMIG\0\0\0" : "cudamodel\0\0\0\0\0\0", 16);
+  out[15] = (unsigned char)(mig && !v2 ? 0x7f : phys);   /* 0x7f: the MIG instances' parent GPU */
+}
+static CUresult device_uuid(CUuuid *uuid, CUdevice dev, int v2) {
+  ENTER(v2 ? "cuDeviceGetUuid_v2" : "cuDeviceGetUuid"); NEED_INIT();
   if (!uuid) RETURN(INVALID_VALUE);
   if (!device_ok(dev)) RETURN(INVALID_DEVICE);
-  memcpy(uuid->bytes, "cudamodel\0\0\0\0\0\0", 16);   /* stable per physical device */
-  uuid->bytes[15] = (char)physical[dev];
+  uuid_of(physical[dev], v2, (unsigned char *)uuid->bytes);
   RETURN(OK);
 }
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { return device_uuid(uuid, dev, 0); }
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { return device_uuid(uuid, dev, 1); }
 
 CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
   ENTER("cuDeviceGetAttribute"); NEED_INIT();
@@ -218,6 +334,15 @@ CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
   if (!device_ok(dev)) RETURN(INVALID_DEVICE);
   if (!ctxs[dev].refs) RETURN(INVALID_CONTEXT);   /* a release without a retain */
   ctxs[dev].refs--;   /* never pops it from any thread's stack (documented) */
+  RETURN(OK);
+}
+
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+  ENTER("cuDevicePrimaryCtxGetState"); NEED_INIT();
+  if (!flags || !active) RETURN(INVALID_VALUE);
+  if (!device_ok(dev)) RETURN(INVALID_DEVICE);
+  *flags = 0;   /* cuDevicePrimaryCtxSetFlags is not modelled */
+  *active = ctxs[dev].refs > 0;
   RETURN(OK);
 }
 
@@ -259,6 +384,16 @@ CUresult cuCtxSynchronize(void) {
   RETURN(OK);
 }
 
+CUresult cuMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+  ENTER("cuMemGetInfo"); NEED_INIT(); NEED_CONTEXT();   /* "available to the current context" */
+  if (!free_bytes || !total_bytes) RETURN(INVALID_VALUE);
+  int dev = (int)(((struct ctx *)stack[depth - 1]) - ctxs);
+  size_t used = device_used(physical[dev]);
+  *total_bytes = memory_per_device;
+  *free_bytes = used < memory_per_device ? memory_per_device - used : 0;
+  RETURN(OK);
+}
+
 /* ---- allocations ------------------------------------------------------------------- */
 static CUresult check_prop(const CUmemAllocationProp *p) {
   if (!p || p->type != PINNED || p->location.type != LOC_DEVICE) return INVALID_VALUE;
@@ -278,12 +413,15 @@ CUresult cuMemGetAllocationGranularity(size_t *gran, const CUmemAllocationProp *
 
 CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                      unsigned long long flags) {
+  __atomic_add_fetch(&n_create_calls, 1, __ATOMIC_SEQ_CST);
   ENTER("cuMemCreate"); NEED_INIT(); NEED_CONTEXT();
   if (!handle || flags) RETURN(INVALID_VALUE);
   CUresult rc = check_prop(prop);
   if (rc) RETURN(rc);
   if (no_vmm || (no_posix_fd && prop->requestedHandleTypes)) RETURN(NOT_SUPPORTED);
+  if (no_create && prop->requestedHandleTypes) RETURN(INVALID_VALUE);   /* WSL2: the attribute said yes */
   if (!size || size % GRAN) RETURN(INVALID_VALUE);
+  if (device_used(physical[prop->location.id]) + size > memory_per_device) RETURN(OUT_OF_MEMORY);
   int i = free_slot(MAXOBJ, sizeof allocs[0], allocs);
   if (i < 0) RETURN(OUT_OF_MEMORY);
   char name[64];   /* the tag keeps concurrent test runs' allocations apart in /proc */
@@ -349,14 +487,18 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
   (void)addr;   /* only a hint */
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   if (!ptr || flags || !size || size % page || (alignment & (alignment - 1))) RETURN(INVALID_VALUE);
-  size_t align = alignment > GRAN ? alignment : GRAN;
+  /* Alignment 0 asks for the driver's default, which the reference does not specify: the model
+   * gives the weakest (one page past a granule boundary), so a caller that needs granularity
+   * alignment must ask for it (stricter than documented). */
+  size_t align = alignment > page ? alignment : GRAN, skew = alignment ? 0 : page;
   int i = free_slot(MAXOBJ, sizeof reservations[0], reservations);
   if (i < 0) RETURN(OUT_OF_MEMORY);
-  char *raw = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  size_t span = size + align + skew;
+  char *raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) RETURN(OUT_OF_MEMORY);
-  uintptr_t va = ((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1);
+  uintptr_t va = (((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1)) + skew;
   if (va > (uintptr_t)raw) munmap(raw, va - (uintptr_t)raw);
-  munmap((char *)va + size, (uintptr_t)raw + size + align - va - size);
+  munmap((char *)va + size, (uintptr_t)raw + span - va - size);
   reservations[i].live = 1, reservations[i].va = va, reservations[i].size = size;
   *ptr = va;
   RETURN(OK);
@@ -419,6 +561,7 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *des
            : d->flags == PROT_NONE_ ? PROT_NONE : -1;
   if (prot < 0) RETURN(INVALID_VALUE);
   for (int k = 0; k < n; k++) if (maps[hit[k]].device != d->location.id) RETURN(INVALID_DEVICE);
+  if (prot == PROT_READ && no_read_only) RETURN(NOT_SUPPORTED);   /* a platform without read-only mappings */
   if (mprotect((void *)ptr, size, prot)) RETURN(INVALID_VALUE);
   RETURN(OK);
 }
@@ -461,7 +604,8 @@ CUresult cuGetErrorString(CUresult code, const char **out) { return out ? error_
 #define ENTRY(f) {#f, (void *)f}
 static const struct { const char *name; void *fn; } entries[] = {
   ENTRY(cuInit), ENTRY(cuDriverGetVersion), ENTRY(cuDeviceGetCount), ENTRY(cuDeviceGet), ENTRY(cuDeviceGetUuid),
-  ENTRY(cuDeviceGetAttribute), ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease),
+  ENTRY(cuDeviceGetUuid_v2), ENTRY(cuDeviceGetAttribute), ENTRY(cuDevicePrimaryCtxRetain),
+  ENTRY(cuDevicePrimaryCtxRelease), ENTRY(cuDevicePrimaryCtxGetState), ENTRY(cuMemGetInfo),
   ENTRY(cuCtxGetCurrent), ENTRY(cuCtxSetCurrent), ENTRY(cuCtxPushCurrent), ENTRY(cuCtxPopCurrent),
   ENTRY(cuCtxSynchronize), ENTRY(cuMemGetAllocationGranularity), ENTRY(cuMemCreate), ENTRY(cuMemRelease),
   ENTRY(cuMemExportToShareableHandle), ENTRY(cuMemImportFromShareableHandle), ENTRY(cuMemAddressReserve),
@@ -469,12 +613,15 @@ static const struct { const char *name; void *fn; } entries[] = {
   ENTRY(cuGetErrorString),
 };
 
-/* Every entry point has one implementation: the versioned variants the bindings ask for
- * (cuCtxPushCurrent_v2, cuDeviceGetUuid_v2, cuDevicePrimaryCtxRelease_v2, ...) have the
- * same signatures as their base names for this subset. */
+/* Entry points by base name and the CUDA version the caller was built for, as the driver
+ * resolves them: cuDeviceGetUuid asked for at 11.4 (11040) or later is cuDeviceGetUuid_v2
+ * (cuda-bindings 13 asks at 11040; 12.x asks at 9020 for cuDeviceGetUuid and at 11040 for
+ * cuDeviceGetUuid_v2).  Every other versioned variant of this subset (cuCtxPushCurrent_v2,
+ * cuDevicePrimaryCtxRelease_v2, cuMemGetInfo_v2, ...) has the same contract as its base name. */
 CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, unsigned long long flags, int *status) {
-  (void)version, (void)flags;
+  (void)flags;
   if (!symbol || !fn) return INVALID_VALUE;
+  if (!strcmp(symbol, "cuDeviceGetUuid") && version >= 11040) symbol = "cuDeviceGetUuid_v2";
   for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++)
     if (!strcmp(entries[i].name, symbol)) {
       *fn = entries[i].fn;
@@ -488,4 +635,125 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **fn, int version, unsigne
 
 CUresult cuGetProcAddress(const char *symbol, void **fn, int version, unsigned long long flags) {
   return cuGetProcAddress_v2(symbol, fn, version, flags, NULL);
+}
+
+/* ---- NVML: the subset benchmarks/gpu_check.py reads ------------------------------------
+ * THIS IS A MODEL TOO.  The same library, also named libnvidia-ml.so.1 (tests/cuda_model
+ * builds a link), so NVML and the driver model share one state.  Sources: NVML API reference
+ * (nvmlInitWithFlags, nvmlDeviceGetHandleByUUID, nvmlDeviceGetMemoryInfo,
+ * nvmlDeviceGetComputeRunningProcesses_v3, nvmlErrorString) and nvidia-ml-py's structures.
+ * NVML ignores CUDA_VISIBLE_DEVICES: it lists every physical device, named by its UUID (GPU-,
+ * or MIG- for a MIG instance).  Used memory is the driver model's (live allocations of the
+ * tag).  Per process, the documented figure is "used GPU memory"; what the real NVML counts for
+ * an allocation another process created and this one imported is exactly what the GPU check
+ * measures, so the model chooses the simplest rule and says so: every allocation a process
+ * holds (a descriptor or a mapping) counts in full for it, and only processes holding one are
+ * listed (contexts cost nothing here). */
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; }
+  nvmlProcessInfo_t;
+typedef struct { int phys; } *nvmlDevice_t;
+enum { NVML_SUCCESS = 0, NVML_ERROR_UNINITIALIZED = 1, NVML_ERROR_INVALID_ARGUMENT = 2, NVML_ERROR_NOT_FOUND = 6,
+       NVML_ERROR_INSUFFICIENT_SIZE = 7 };
+static struct { int phys; } nvml_devices[MAXDEV];
+static int nvml_refs;
+
+int nvmlInitWithFlags(unsigned int flags) {
+  (void)flags;
+  pthread_mutex_lock(&mu);
+  read_env();
+  for (int i = 0; i < nphys; i++) nvml_devices[i].phys = i;
+  nvml_refs++;
+  pthread_mutex_unlock(&mu);
+  return NVML_SUCCESS;
+}
+int nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+
+int nvmlShutdown(void) {
+  pthread_mutex_lock(&mu);
+  int rc = nvml_refs ? (nvml_refs--, NVML_SUCCESS) : NVML_ERROR_UNINITIALIZED;
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+const char *nvmlErrorString(int result) {
+  switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    default: return "Unknown Error";
+  }
+}
+
+int nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+  pthread_mutex_lock(&mu);
+  int rc = NVML_ERROR_NOT_FOUND;
+  if (!nvml_refs) rc = NVML_ERROR_UNINITIALIZED;
+  else if (!uuid || !device) rc = NVML_ERROR_INVALID_ARGUMENT;
+  else
+    for (int i = 0; i < nphys && rc; i++) {
+      unsigned char b[16];
+      char name[64];
+      uuid_of(i, 1, b);
+      snprintf(name, sizeof name, "%s-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+               mig ? "MIG" : "GPU", b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+               b[13], b[14], b[15]);
+      if (!strcmp(name, uuid)) *device = (nvmlDevice_t)&nvml_devices[i], rc = NVML_SUCCESS;
+    }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+static int nvml_device(nvmlDevice_t device) {
+  for (int i = 0; i < nphys; i++) if ((void *)device == (void *)&nvml_devices[i]) return i;
+  return -1;
+}
+
+int nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+  pthread_mutex_lock(&mu);
+  int phys = nvml_device(device), rc = NVML_SUCCESS;
+  if (!nvml_refs) rc = NVML_ERROR_UNINITIALIZED;
+  else if (phys < 0 || !memory) rc = NVML_ERROR_INVALID_ARGUMENT;
+  else {
+    size_t used = scan_device(phys);
+    memory->total = memory_per_device;
+    memory->used = used < memory_per_device ? used : memory_per_device;
+    memory->free = memory->total - memory->used;
+  }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+int nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos) {
+  pthread_mutex_lock(&mu);
+  int phys = nvml_device(device), rc = NVML_SUCCESS;
+  if (!nvml_refs) rc = NVML_ERROR_UNINITIALIZED;
+  else if (phys < 0 || !count) rc = NVML_ERROR_INVALID_ARGUMENT;
+  else {
+    scan_device(phys);
+    unsigned int n = 0;
+    for (int k = 0; k < nseen; k++) {   /* one entry per process, in order of first sight */
+      int first = 1;
+      for (int j = 0; j < k; j++) if (seen[j].pid == seen[k].pid) first = 0;
+      if (!first) continue;
+      if (infos && n < *count) {
+        unsigned long long bytes = 0;
+        for (int j = k; j < nseen; j++) {
+          if (seen[j].pid != seen[k].pid) continue;
+          size_t most = seen[j].bytes;   /* the allocation's full size, as any holder sees it */
+          for (int i = 0; i < nseen; i++) if (seen[i].inode == seen[j].inode && seen[i].bytes > most) most = seen[i].bytes;
+          bytes += most;
+        }
+        infos[n].pid = (unsigned int)seen[k].pid, infos[n].usedGpuMemory = bytes;
+        infos[n].gpuInstanceId = infos[n].computeInstanceId = 0xffffffffu;   /* NVML_VALUE_NOT_AVAILABLE */
+      }
+      n++;
+    }
+    if (n > *count || (n && !infos)) rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    *count = n;
+  }
+  pthread_mutex_unlock(&mu);
+  return rc;
 }

@@ -5,8 +5,13 @@ build too), and the hook that gives the lock back."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +23,8 @@ from vllm_dedup.registry.client import BrokerClient, registry_stats
 from vllm_dedup.registry.state import startup_lock_name
 from vllm_dedup.segments.host import HostSegment
 
+ROOT = Path(__file__).resolve().parents[2]
+PATCHES = sorted((ROOT / "patches").glob("*.patch"))
 GPU0 = "cuda:GPU-00000000-0000-0000-0000-000000000000"
 GPU1 = "cuda:GPU-11111111-1111-1111-1111-111111111111"
 MB = 1 << 20
@@ -83,7 +90,8 @@ def test_vllm_takes_the_external_weight_figure_before_its_memory_snapshot():
 
 def test_external_mode_budget_ends_at_plain_minus_the_bytes_really_mapped():
     """vLLM budgets ``B - predicted`` at start-up (its own `request_memory`); after loading, the
-    session's correction makes it ``B - shared``, whatever the prediction was."""
+    session's correction makes it ``B - shared``, whatever the prediction was; a load that ended
+    up private (no registry, a fallback) counts as nothing mapped."""
     from types import SimpleNamespace
 
     from vllm.utils.mem_utils import MemorySnapshot
@@ -93,18 +101,35 @@ def test_external_mode_budget_ends_at_plain_minus_the_bytes_really_mapped():
     snapshot = MemorySnapshot(total_memory=80 * gib, free_memory=80 * gib, device="cpu", auto_measure=False)
     cache = SimpleNamespace(gpu_memory_utilization=0.5)
     plain = request_memory(snapshot, cache, 0)
-    for predicted, shared in ((10 * gib, 12 * gib), (10 * gib, 7 * gib), (0, 5 * gib), (3 * gib, 3 * gib)):
+    for predicted, shared in ((10 * gib, 12 * gib), (10 * gib, 7 * gib), (10 * gib, 0), (0, 5 * gib),
+                              (3 * gib, 3 * gib)):
         session = EngineSession()
-        session.predicted = predicted  # what begin_startup asked the registry for
-        session.hold(object(), segment_bytes=shared, shared_bytes=shared)
-        worker = SimpleNamespace(requested_memory=request_memory(snapshot, cache, predicted))
-        assert session.correct_budget(worker) == shared - predicted
-        assert worker.requested_memory == plain - shared
-        assert session.correct_budget(worker) == 0  # applied once
-    kv_cache_mode = EngineSession()  # accounting="kv_cache": no prediction, no correction
+        reported = session.plan_startup("external", predicted, snapshot.free_memory, snapshot.total_memory, 0.5)
+        assert reported == predicted
+        if shared:
+            session.hold(object(), segment_bytes=shared, shared_bytes=shared)
+        worker = SimpleNamespace(requested_memory=request_memory(snapshot, cache, reported), init_snapshot=snapshot,
+                                 cache_config=cache)
+        assert session.correct_budget(worker) == (shared - predicted if predicted else 0)
+        assert worker.requested_memory == (plain - shared if predicted else plain)
+        assert session.correct_budget(worker) == 0 and session.correction_bytes == 0  # applied once
+    kv_cache_mode = EngineSession()  # accounting="kv_cache", room for the full budget: nothing reported
+    assert kv_cache_mode.plan_startup("kv_cache", 5 * gib, 80 * gib, 80 * gib, 0.5) == 0
     kv_cache_mode.hold(object(), segment_bytes=5 * gib, shared_bytes=5 * gib)
-    worker = SimpleNamespace(requested_memory=plain)
+    worker = SimpleNamespace(requested_memory=plain, init_snapshot=snapshot, cache_config=cache)
     assert kv_cache_mode.correct_budget(worker) == 0 and worker.requested_memory == plain
+
+
+def test_kv_cache_mode_reports_the_bytes_to_map_only_when_the_full_budget_does_not_fit():
+    gib = 1 << 30  # the budget: 0.45 of 80 GiB = 36 GiB
+    for free, predicted, reported in ((80 * gib, 16 * gib, 0),   # fits: the saving goes to the KV cache
+                                      (28 * gib, 16 * gib, 16 * gib),  # the creator's restart (issue 18)
+                                      (19 * gib, 16 * gib, 0),   # does not fit either way: vLLM says so
+                                      (28 * gib, 0, 0)):         # nothing to map
+        session = EngineSession()
+        assert session.plan_startup("kv_cache", predicted, free, 80 * gib, 0.45) == reported
+        assert session.predicted == (reported or None)
+    assert EngineSession().plan_startup("external", 16 * gib, 80 * gib, 80 * gib, 0.45) == 16 * gib
 
 
 def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(broker, monkeypatch):
@@ -136,3 +161,139 @@ def test_accounting_option_is_checked():
         DedupConfig.from_extra_config({"accounting": "kv"})
     with pytest.raises(ValueError, match="startup_lock_timeout_s"):
         DedupConfig.from_extra_config({"startup_lock_timeout_s": 0})
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["installed", "patched"])
+def test_the_budget_correction_is_applied_once_with_or_without_the_patches(tmp_path, patched):
+    """patches/0002 applies the correction in ``Worker.load_model`` from the model's attribute;
+    the plugin's wrapper applies it after ``Worker.load_model``.  On a vLLM with the patches the
+    wrapper must not be installed, or the budget would be corrected twice.  Either way it ends at
+    what vLLM's ``request_memory`` gives for the bytes really mapped."""
+    worker_py = "-"
+    if patched:
+        import vllm
+
+        site = Path(vllm.__file__).resolve().parents[1]
+        tree = tmp_path / "vllm" / "v1" / "worker"
+        tree.mkdir(parents=True)
+        for name in ("gpu_worker.py", "cpu_worker.py"):
+            shutil.copy(site / "vllm" / "v1" / "worker" / name, tree / name)
+        for patch in PATCHES[:2]:  # 0001 (guards) and 0002 (accounting): the Worker's hooks
+            proc = subprocess.run(["patch", "--batch", "-p1", "-d", str(tmp_path), "-i", str(patch)],
+                                  capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout
+        worker_py = str(tree / "gpu_worker.py")
+    peer = Path(__file__).resolve().parents[1] / "peers" / "patched_worker_peer.py"
+    proc = subprocess.run([sys.executable, str(peer), worker_py], capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][3:])
+    assert got["requested"] == got["expected"]
+    assert ("Worker.load_model" in got["wrapped"]) is not patched
+    assert ("Worker.compile_or_warm_up_model" in got["wrapped"]) is not patched
+    assert ("Worker.sleep" in got["wrapped"]) is not patched  # the patch's guard is there instead
+
+
+# Engines starting on the CUDA driver model (tests/cuda_model: host memory behind NVIDIA's
+# documented contract, not a GPU; its device memory is its live allocations, held anywhere).
+# Scale: 1 GB of the issue's example is 2 MiB here: an 80 GB GPU, 16 GB of weights.
+UTILIZATION = 0.45
+DEVICE_MB = 160
+WEIGHTS = {f"w{i}": 8 * MB for i in range(4)}  # 32 MiB, one allocation each
+FINE_TUNE = {"w0": 8 * MB, "w1": 8 * MB, "t2": 8 * MB, "t3": 8 * MB}  # half of it retrained
+
+
+@pytest.fixture
+def engines(model_lib):
+    from test_cuda_model import Model
+
+    m = Model(model_lib)
+    yield m
+    for p in m.peers:
+        p.end()
+
+
+def start_engine(engines, broker, name: str, accounting: str, tensors: dict, check_memory=None):
+    """One engine's start-up as vLLM 0.32's GPU worker sizes it, on the driver model: the
+    loader's `EngineSession.plan_startup` (what ``get_external_weight_memory`` reports), vLLM's
+    ``MemorySnapshot`` and ``request_memory`` (the budget, and the start-up check of free
+    memory), loading (map what is resident, publish the rest), the session's budget correction,
+    and the KV cache as ``determine_available_memory`` sizes it (budget minus the memory the
+    load took; no activations), allocated on the device.  Raises vLLM's ValueError where vLLM
+    would refuse the engine.  Returns the peer and its figures (bytes)."""
+    from types import SimpleNamespace
+
+    from test_cuda_model import ask
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    p = engines.peer(broker.path, name, devices=1, CUDAMODEL_MEMORY_MB=str(DEVICE_MB))
+    ask(p, "hello", ordinal=0, signature="llama")
+    predicted = ask(p, "expect")["bytes"]
+    before = ask(p, "memory", ordinal=0)
+    session = EngineSession()
+    external = session.plan_startup(accounting, predicted, before["free"], before["total"], UTILIZATION)
+    snapshot = MemorySnapshot(total_memory=before["total"], free_memory=before["free"], device="cpu",
+                              auto_measure=False)
+    cache = SimpleNamespace(gpu_memory_utilization=UTILIZATION)
+    if check_memory is not None:
+        check_memory(snapshot, cache)
+    worker = SimpleNamespace(requested_memory=request_memory(snapshot, cache, external), init_snapshot=snapshot,
+                             cache_config=cache)
+    loaded = ask(p, "load", ordinal=0, tensors=tensors)
+    session.hold(object(), loaded["shared"] + loaded["published"], loaded["shared"])
+    session.correct_budget(worker)
+    after = ask(p, "memory", ordinal=0)
+    kv = worker.requested_memory - (before["free"] - after["free"])
+    kept = ask(p, "keep", ordinal=0, nbytes=kv)
+    assert "error" not in kept, kept
+    ask(p, "recipe", signature="llama", final=tensors)
+    return p, {"external": external, "requested": worker.requested_memory, "shared": loaded["shared"],
+               "published": loaded["published"], "kv": kv, "free": ask(p, "memory", ordinal=0)["free"]}
+
+
+@pytest.mark.parametrize("accounting", ["kv_cache", "external"])
+def test_the_engine_that_created_the_segments_restarts_while_another_maps_them(broker, engines, accounting):
+    """Blue/green restart of the creator (issue 18): A publishes the weights, B maps them, A
+    exits (its segments stay: B maps them), A starts again.  In ``kv_cache`` mode B's budget
+    holds none of the weights, so A's full budget no longer fits in the free memory; A's
+    restart maps everything and needs only a plain load's KV cache of its own, so it reports the
+    bytes it maps and starts.  Its KV cache is a plain load's either way."""
+    from vllm.v1.worker.utils import request_memory
+
+    budget, weights = 72 * MB, sum(WEIGHTS.values())
+    a, first = start_engine(engines, broker, "A", accounting, WEIGHTS)
+    assert (first["external"], first["published"], first["kv"]) == (0, weights, budget - weights)
+    b, second = start_engine(engines, broker, "B", accounting, WEIGHTS)
+    assert second["shared"] == weights
+    assert second["kv"] == (budget if accounting == "kv_cache" else budget - weights)
+    assert a.end() == 0
+
+    def full_budget_check(snapshot, cache):  # what the restart met before: vLLM refuses it
+        if accounting == "kv_cache":
+            assert snapshot.free_memory < budget
+            with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+                request_memory(snapshot, cache, 0)
+
+    _, again = start_engine(engines, broker, "A2", accounting, WEIGHTS, full_budget_check)
+    assert (again["external"], again["shared"], again["published"]) == (weights, weights, 0)
+    assert again["requested"] == budget - weights and again["kv"] == first["kv"]
+
+
+def test_an_engine_that_maps_less_than_predicted_fails_with_vllms_message_not_out_of_memory(broker, engines):
+    """``external`` mode: the registry predicts the base model's 32 MiB for a fine-tune that
+    maps 16 MiB.  vLLM approves ``budget - 32 MiB`` against the free memory; once loaded the
+    budget must grow by 16 MiB, which the device no longer has.  The correction runs vLLM's
+    check again and fails with its message; applied unchecked, the KV cache allocation would
+    run out of device memory."""
+    from test_cuda_model import ask
+
+    start_engine(engines, broker, "A", "external", WEIGHTS)
+    start_engine(engines, broker, "B", "external", WEIGHTS)  # free: 160 - 72 - 40 = 48 MiB
+    with pytest.raises(ValueError, match="less than the engine's budget after excluding external"):
+        start_engine(engines, broker, "C", "external", FINE_TUNE)
+    c = engines.peers[-1]
+    left = ask(c, "memory", ordinal=0)["free"]  # C loaded 16 MiB of its own: 32 MiB free
+    unchecked = 72 * MB - 16 * MB - 16 * MB  # budget + 16 MiB, minus what C's load took: its KV cache
+    assert left < unchecked
+    assert "out of memory" in ask(c, "keep", ordinal=0, nbytes=unchecked)["error"]

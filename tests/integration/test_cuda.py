@@ -1,6 +1,8 @@
-"""The CUDA segment path.  On a machine with a GPU these run `benchmarks/gpu_check.py` with the
-CUDA backend (marked ``cuda``; skipped without one); everywhere, the same script runs on host
-segments, and a CUDA segment on a machine without a usable driver fails with a clear error."""
+"""The GPU proof, `benchmarks/gpu_check.py`, in every form that runs without a GPU: its
+``segments`` and ``model`` steps on host segments, and its ``driver`` step (device keys, the
+context probe, NVML) against the CUDA driver model (tests/cuda_model: NVIDIA's documented
+contract over host memory, NOT a GPU).  On a machine with a GPU the whole script runs on CUDA
+(marked ``cuda``)."""
 
 from __future__ import annotations
 
@@ -12,31 +14,65 @@ from pathlib import Path
 import pytest
 import torch
 
+import cuda_model
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 HAS_CUDA = torch.cuda.is_available()
 
 
-def run_check(backend: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", backend, "--json", *args],
-                          capture_output=True, text=True, timeout=600)
+def run_check(tmp_path: Path, backend: str, *args: str, env: dict | None = None) -> dict:
+    import os
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", backend, "--out", str(out), "--json", *args],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [c for c in result["checks"] if not c["ok"]]
     assert proc.returncode == 0 and not failed, f"{failed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert json.loads((out / f"gpu_check-{backend}.json").read_text()) == result
+    assert (out / f"gpu_check-{backend}.txt").read_text().rstrip().endswith("PASSED")
     return result
 
 
-def test_gpu_check_protocol_on_host_segments():
-    result = run_check("host", "--segment-mb", "32", "--throughput-mb", "64")
-    names = {c["check"] for c in result["checks"]}
-    assert {"used memory does not grow when C maps", "a write through a read-only mapping faults",
-            "after A exits, B and C still compute the same result"} <= names
+def test_gpu_check_segments_and_model_steps_on_host_segments(tmp_path):
+    result = run_check(tmp_path, "host")
+    names = {(c["step"], c["check"]) for c in result["checks"]}
+    assert {("segments", "used memory does not grow when C maps"),
+            ("segments", "a write through a read-only mapping faults"),
+            ("segments", "after A exits, B and C still compute the same result"),
+            ("model", "M2 maps every shareable weight from M1's segments and publishes nothing"),
+            ("model", "M2's logits through M1's segments equal its private ones and M1's (bit for bit)"),
+            ("model", "after M1 exits, M2 computes the same logits"),
+            ("all", "no process imported vLLM or Ray")} <= names
     assert result["throughput"]["fingerprint_gb_s"] > 0
+    model = result["model"]
+    assert model["mapped"]["shared_bytes"] == model["shareable_bytes"] > 30 * (1 << 20)
+    processes = {name for m in result["memory"] for name in m["processes"]}
+    assert {"parent", "A", "B", "C", "M1", "M2"} <= processes
+
+
+@pytest.mark.parametrize("mig", [False, True], ids=["gpu", "mig"])
+def test_gpu_check_driver_step_against_the_driver_model(tmp_path, model_lib, mig):
+    """Device keys, the context probe (``cuDevicePrimaryCtxGetState``) and NVML by UUID (``GPU-``,
+    or ``MIG-`` for a MIG instance), as the script runs them on a GPU, against the model."""
+    env = cuda_model.child_env(model_lib, f"gpu-check-{tmp_path.name}", 2, **({"CUDAMODEL_MIG": "1"} if mig else {}))
+    result = run_check(tmp_path, "cuda", "--steps", "driver", env=env)
+    assert [c["check"] for c in result["checks"]][-1] == "no process imported vLLM or Ray"
+    assert len(result["checks"]) == 5
+    driver = result["driver"]
+    assert driver["allocation_seen_bytes"] == 64 << 20 and driver["this_process_bytes"] == 64 << 20
+
+
+def test_gpu_check_refuses_a_step_its_backend_lacks(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", "host", "--steps", "driver", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown step(s) for backend host: driver" in proc.stderr
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_check_on_cuda():
-    result = run_check("cuda")
+def test_gpu_check_on_cuda(tmp_path):
+    result = run_check(tmp_path, "cuda")
     assert result["segment_bytes"] % (2 << 20) == 0
 
 

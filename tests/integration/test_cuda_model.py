@@ -27,14 +27,10 @@ from peers.vmm_peer import pattern
 from vllm_dedup.registry.client import registry_stats
 
 PEERS = Path(__file__).resolve().parents[1] / "peers"
+# cuda-bindings 12.x beside the venv (scripts/ensure-venv.sh installs it there, off the path).
+BINDINGS_12 = Path(__file__).resolve().parents[2] / ".venv" / "cuda-bindings-12"
 MB = 1 << 20
 OUT_OF_MEMORY, NOT_SUPPORTED = 2, 801  # CUresult values
-
-
-@pytest.fixture(scope="session")
-def model_lib(tmp_path_factory) -> Path:
-    """The driver model, compiled once per session."""
-    return cuda_model.build(tmp_path_factory.mktemp("cuda-model"))
 
 
 class Model:
@@ -82,10 +78,13 @@ def test_the_model_enforces_the_documented_preconditions(model_lib):
     assert got == {
         "before cuInit: cuDeviceGetCount": "CUDA_ERROR_NOT_INITIALIZED",
         "no context: cuMemCreate": context, "no context: cuMemAddressReserve": context,
-        "no context: cuCtxSynchronize": context, "empty stack: cuCtxPopCurrent": context,
+        "no context: cuCtxSynchronize": context, "no context: cuMemGetInfo": context,
+        "empty stack: cuCtxPopCurrent": context,
         "release without retain: cuDevicePrimaryCtxRelease": context,
         "size not a granularity multiple: cuMemCreate": invalid, "flags not 0: cuMemCreate": invalid,
         "no such device: cuMemCreate": device,
+        "more than the device's memory: cuMemCreate": "CUDA_ERROR_OUT_OF_MEMORY",
+        "alignment 0 (the driver's default): cuMemMap": invalid,
         "no handle type requested: cuMemExportToShareableHandle": invalid,
         "reservation not granularity-aligned: cuMemMap": invalid, "offset not 0: cuMemMap": invalid,
         "larger than the allocation: cuMemMap": invalid, "outside any reservation: cuMemMap": invalid,
@@ -251,3 +250,72 @@ def test_a_finalizer_during_graph_capture_defers_the_unmap(model):
     assert got["released"] == 1
     assert got["after"]["mappings"] == 0 and got["after"]["synchronizes"] == 1
     assert got["deadlocked"] is False and got["under_lock"]["mappings"] == 0  # re-entrant: it ran under the lock
+
+
+@pytest.mark.parametrize("bindings", ["13", "12"])
+def test_mig_instances_of_one_gpu_get_distinct_device_keys(model, bindings):
+    """Two MIG instances of one GPU: ``cuDeviceGetUuid`` v1 names both by their parent GPU, only
+    v2 by their own UUID (the model answers by the version the caller asks for, as the driver
+    does).  cuda-bindings 12 resolves ``cuDeviceGetUuid`` to v1 and offers ``_v2`` beside it;
+    13 resolves it to v2.  Either way the device keys must differ, or two instances would share
+    one registry index and one start-up lock."""
+    env = {"CUDAMODEL_MIG": "1"}
+    if bindings == "12":
+        if not (BINDINGS_12 / "cuda" / "bindings").is_dir():
+            pytest.fail(f"cuda-bindings 12 is not installed at {BINDINGS_12}: run scripts/ensure-venv.sh")
+        env["VMM_PEER_BINDINGS"] = str(BINDINGS_12)
+    p = model.peer("-", "MIG", devices=2, **env)
+    got = ask(p, "uuids")
+    assert got["bindings"].split(".")[0] == bindings
+    v1, v2 = got["uuids"]["9020"], got["uuids"]["11040"]
+    assert v1[0] == v1[1] and v2[0] != v2[1]
+    assert got["keys"][0] != got["keys"][1]
+    assert [k.replace("-", "")[len("cuda:GPU"):] for k in got["keys"]] == v2
+
+
+def test_a_device_whose_create_fails_although_its_attributes_say_yes_is_refused_after_one_try(model):
+    """WSL2: the POSIX-descriptor attribute reads 1, ``cuMemCreate`` fails INVALID_VALUE.  The
+    failure is remembered per device: later segments on it fail at once, without the driver."""
+    p = model.peer("-", "W", CUDAMODEL_UNSUPPORTED="create")
+    first = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert "CUDA_ERROR_INVALID_VALUE" in first["error"] and "cannot create shareable" in first["error"]
+    assert first["stats"]["create_calls"] == 1
+    again = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert again["error"] == first["error"] and again["stats"]["create_calls"] == 1
+    attached = ask(p, "attach", ordinal=0, source="memfd")
+    assert attached["error"] == first["error"] and attached["closed"] is True
+    other = ask(p, "allocate", ordinal=1, nbytes=MB)  # another device is tried on its own
+    assert "device 1" in other["error"] and other["stats"]["create_calls"] == 2
+    s = other["stats"]
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
+
+
+def test_a_driver_that_refuses_read_only_mappings_maps_read_write_and_says_so_once(broker, model):
+    """Where ``cuMemSetAccess`` refuses ``PROT_READ``, creator and importers keep read-write
+    mappings (documented fallback: `vmm.Mapping.protect`), sharing still works, one warning per
+    process says that a stray write is not caught, and such a write indeed is not."""
+    env = {"CUDAMODEL_UNSUPPORTED": "read_only"}
+    a = model.peer(broker.path, "A", **env)
+    ask(a, "hello", ordinal=0)
+    for key in ("w", "x"):
+        created = ask(a, "create", ordinal=0, nbytes=MB, members=[[key, 0, MB]])
+        assert created["read_only"] is False
+    b = model.peer(broker.path, "B", **env)
+    ask(b, "hello", ordinal=0)
+    mapped = ask(b, "map", ordinal=0, keys=["w", "x"])
+    assert mapped["digests"] == {"w": digest("w", MB), "x": digest("x", MB)} and mapped["read_only"] is False
+    for p in (a, b):
+        assert p.log().count("refuses read-only mappings") == 1, p.log()
+    b.send({"op": "write", "key": "w"})
+    assert b.read_json() is not None  # the write went through: nothing faults here
+    assert ask(a, "read")["digests"]["w"] != digest("w", MB)
+
+
+def test_a_finalizer_on_another_thread_during_a_capture_defers_the_unmap(model):
+    """A capture runs on this thread; the last reference to a mapping goes on another thread,
+    whose own stream captures nothing.  The capture check is process-wide (`segments.cuda`
+    counts captures on every thread), so that finalizer defers too: no synchronize mid-capture."""
+    p = model.peer("-", "E")
+    got = ask(p, "defer_elsewhere", ordinal=0)
+    assert got["during"]["mappings"] == 1 and got["during"]["synchronizes"] == 0
+    assert got["released"] == 1 and got["after"]["mappings"] == 0 and got["after"]["synchronizes"] == 1

@@ -3,12 +3,17 @@ a real broker with a forced 1 MiB granularity, the packing the CUDA backend uses
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
+
 from harness.procs import PeerProcess
-from peers.share_peer import SIZES
+from peers.share_peer import SIZES, build
+from vllm_dedup.content.keys import tensor_key
 from vllm_dedup.engine.share import FORCE_COLLISIONS_ENV
-from vllm_dedup.registry.client import registry_stats
+from vllm_dedup.registry.client import BrokerClient, registry_stats
+from vllm_dedup.segments.host import sealed_memfd
 from vllm_dedup.segments.packing import plan_packs
 
 PEER = Path(__file__).resolve().parents[1] / "peers" / "share_peer.py"
@@ -18,8 +23,9 @@ GRANULARITY = 1 << 20
 class SharePeer(PeerProcess):
     """``tests/peers/share_peer.py``: shares a small model of VARIANT through the broker."""
 
-    def __init__(self, sock: Path, variant: str, env: dict | None = None):
-        super().__init__([PEER, sock, variant, GRANULARITY], f"share peer {variant}", env)
+    def __init__(self, sock: Path, variant: str, env: dict | None = None, fail: bool = False):
+        super().__init__([PEER, sock, variant, GRANULARITY, *(["fail"] if fail else [])], f"share peer {variant}",
+                         env)
 
     def check(self) -> dict:
         """The digests of the peer's parameters, read through whatever memory backs them now."""
@@ -81,3 +87,36 @@ def test_a_pack_stays_held_for_the_tensors_taken_when_others_in_it_collide(broke
     assert (group.engines, group.segments) == (1, 1)  # the pack is still held by the tuned engine
     assert tuned.end() == 0
     assert registry_stats(broker.path).groups == []
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["fallback", "fail"])
+def test_a_segment_the_backend_cannot_use_leaves_its_tensor_private_with_one_warning(broker, fail):
+    """A broken client publishes base's ``big0`` key over a 4 KiB segment (the broker checks only
+    that the entry fits its segment).  The engine that maps it gets a real error from the backend
+    when it wraps the bytes as the tensor (`typed_view`: the tensor reaches past the segment), as
+    a CUDA error or torch's out-of-memory would be: that tensor stays private, everything else is
+    shared as usual, one warning says so; with ``fail`` sharing stops with that error."""
+    big0 = dict(build("base").named_parameters())["big0"].data
+    with BrokerClient(broker.path) as broken:
+        broken.hello("broken", "cpu", "default")
+        fd = sealed_memfd([(bytes(4096), 0)], 4096)
+        broken.publish(fd, 4096, [(str(tensor_key(big0)), 0, 4096)])
+        os.close(fd)
+        peer = SharePeer(broker.path, "base", fail=fail)
+        if fail:
+            got = peer.read_json("ERR ")
+            assert got["type"] == "SegmentError" and "reaches past the segment" in got["error"], got
+            peer.end()
+            return
+        first = peer.read_json()
+        r = first["result"]
+        assert first["digests"] == first["expected"]  # big0 kept its own bytes
+        assert r["private_tensors"] >= 1 and r["private_bytes"] >= SIZES["big0"]
+        assert r["shared_tensors"] == 0 and r["published_tensors"] == len(SIZES) - r["private_tensors"]
+        assert len(r["errors"]) == 1 and "reaches past the segment" in r["errors"][0]
+        warnings = [line for line in peer.log().splitlines() if "stay private" in line]
+        assert len(warnings) == 1, peer.log()
+        assert peer.end() == 0
+        # Nothing of the engine's was taken from the broken segment: it released it.
+        (group,) = registry_stats(broker.path).groups
+        assert group.engines == 1 and group.segments == 1

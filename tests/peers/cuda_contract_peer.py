@@ -25,6 +25,12 @@ def value(out):
     return out[1] if len(out) > 1 else None
 
 
+def value_pair(out):
+    """The two outputs after a call's status, which must be success."""
+    assert out[0] == d.CUresult.CUDA_SUCCESS, out
+    return out[1], out[2]
+
+
 def prop(device: int = 0, handle_types=POSIX, kind=d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED):
     p = d.CUmemAllocationProp()
     p.type = kind
@@ -49,6 +55,7 @@ def main() -> None:
     cases["no context: cuMemCreate"] = status(d.cuMemCreate(MB2, prop(), 0))
     cases["no context: cuMemAddressReserve"] = status(d.cuMemAddressReserve(MB2, 0, 0, 0))
     cases["no context: cuCtxSynchronize"] = status(d.cuCtxSynchronize())
+    cases["no context: cuMemGetInfo"] = status(d.cuMemGetInfo())
     cases["empty stack: cuCtxPopCurrent"] = status(d.cuCtxPopCurrent())
     cases["release without retain: cuDevicePrimaryCtxRelease"] = status(d.cuDevicePrimaryCtxRelease(dev0))
     ctx = value(d.cuDevicePrimaryCtxRetain(dev0))
@@ -56,11 +63,18 @@ def main() -> None:
     cases["size not a granularity multiple: cuMemCreate"] = status(d.cuMemCreate(MB2 + 4096, prop(), 0))
     cases["flags not 0: cuMemCreate"] = status(d.cuMemCreate(MB2, prop(), 1))
     cases["no such device: cuMemCreate"] = status(d.cuMemCreate(MB2, prop(device=7), 0))
+    _, total = value_pair(d.cuMemGetInfo())
+    cases["more than the device's memory: cuMemCreate"] = status(d.cuMemCreate(total + MB2, prop(), 0))
+    default = int(value(d.cuMemAddressReserve(MB2, 0, 0, 0)))
+    some = value(d.cuMemCreate(MB2, prop(), 0))
+    cases["alignment 0 (the driver's default): cuMemMap"] = status(d.cuMemMap(default, MB2, 0, some, 0))
+    value(d.cuMemAddressFree(default, MB2))
+    value(d.cuMemRelease(some))
     cases["no handle type requested: cuMemExportToShareableHandle"] = status(d.cuMemExportToShareableHandle(
         value(d.cuMemCreate(MB2, prop(handle_types=d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE), 0)),
         POSIX, 0))
     handle = value(d.cuMemCreate(2 * MB2, prop(), 0))
-    va = int(value(d.cuMemAddressReserve(4 * MB2, 0, 0, 0)))
+    va = int(value(d.cuMemAddressReserve(4 * MB2, MB2, 0, 0)))
     cases["reservation not granularity-aligned: cuMemMap"] = status(d.cuMemMap(va + 4096, MB2, 0, handle, 0))
     cases["offset not 0: cuMemMap"] = status(d.cuMemMap(va, MB2, MB2, handle, 0))
     cases["larger than the allocation: cuMemMap"] = status(d.cuMemMap(va, 4 * MB2, 0, handle, 0))

@@ -1,13 +1,14 @@
 """An engine-like process that shares a small model through a registry with `share_model`
 (for tests/integration/test_share.py).
 
-    python tests/peers/share_peer.py SOCKET VARIANT PACK_GRANULARITY
+    python tests/peers/share_peer.py SOCKET VARIANT PACK_GRANULARITY [fail]
 
 Builds the test model (VARIANT ``base``, ``tuned``: mid1 differs, or ``retuned``: mid1 and
 small0 differ), shares it with
 segments packed to PACK_GRANULARITY bytes, prints ``OK {result, digests}``, then answers each
 line read from stdin with ``OK {digests}`` (XXH3-128 of every parameter's bytes, read through
-whatever memory now backs it) until stdin closes.
+whatever memory now backs it) until stdin closes.  With ``fail`` it shares as
+``on_registry_error="fail"`` does, and prints ``ERR {type, error}`` if sharing raises.
 """
 
 from __future__ import annotations
@@ -48,11 +49,17 @@ def digests(model: nn.Module) -> dict[str, str]:
 
 def main() -> None:
     sock, variant, granularity = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    fail = sys.argv[4:] == ["fail"]
     lease = Lease(BrokerClient(sock), f"test-{variant}", "cpu", "default", variant)
     model = build(variant)
     expected = digests(model)
-    ctx = LoadContext(DedupConfig(min_tensor_bytes=1), lease, torch.device("cpu"), "cpu")
-    result = share_model(model, ctx, pack_granularity=granularity)
+    config = DedupConfig(min_tensor_bytes=1, on_registry_error="fail" if fail else "fallback")
+    try:
+        result = share_model(model, LoadContext(config, lease, torch.device("cpu"), "cpu"),
+                             pack_granularity=granularity)
+    except Exception as e:
+        print("ERR " + json.dumps({"type": type(e).__name__, "error": str(e)}), flush=True)
+        return
     result.placement = {}
     print("OK " + json.dumps({"result": dataclasses.asdict(result), "expected": expected,
                               "digests": digests(model)}), flush=True)

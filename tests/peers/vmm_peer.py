@@ -10,13 +10,22 @@ answer carries the model's counters (``stats``) and this thread's current device
 
 - ``key {ordinal}``: the device key; ``push {ordinal}``: retain device ``ordinal``'s primary
   context and push it, as torch does when it makes a device current;
-- ``hello {ordinal}``: open a lease with the broker on that device;
+- ``hello {ordinal, signature}``: open a lease with the broker on that device;
+- ``expect``: the registry's prediction of the bytes this engine will map;
+- ``load {ordinal, tensors: {key: bytes}}``: what an engine's load does with its weights: map
+  the resident ones, create and publish the others (one allocation each); ``recipe
+  {signature, final: {key: bytes}}``: leave a recipe naming those final keys;
 - ``create {ordinal, nbytes, members: [[key, offset, bytes], ...]}``: allocate, fill each member
   with `pattern`, protect, publish; ``map {ordinal, keys}``: acquire and map only what they need;
 - ``read``, ``write {key}`` (must fault), ``close``: every mapping held;
 - ``allocate {ordinal, nbytes}``: `vmm.allocate` counting ``release_cached`` calls;
 - ``fail {name, code, count}``: the model's next ``count`` calls of ``name`` return ``code``;
-- ``defer``: a mapping dropped during a (pretend) graph capture and while the driver lock is held.
+- ``defer``: a mapping dropped during a (pretend) graph capture and while the driver lock is held;
+  ``defer_elsewhere``: a mapping dropped on another thread while this one (pretends to) capture;
+- ``uuids``: the device keys, and each device's UUID as the driver resolves ``cuDeviceGetUuid`` for a caller built
+  for CUDA 9.2 (v1) and 11.4 (v2), through ``cuGetProcAddress_v2``;
+- ``memory {ordinal}``: `cudadrv.memory_info`; ``keep {ordinal, nbytes}``: a private allocation
+  that is never exported (an engine's KV cache), held until the peer ends.
 """
 
 from __future__ import annotations
@@ -28,6 +37,10 @@ import random
 import sys
 import threading
 
+# Another cuda-bindings release (e.g. 12.x, installed with pip --target) ahead of the venv's.
+if os.environ.get("VMM_PEER_BINDINGS"):
+    sys.path.insert(0, os.environ["VMM_PEER_BINDINGS"])
+
 import xxhash
 
 from vllm_dedup.errors import SegmentError
@@ -36,7 +49,7 @@ from vllm_dedup.segments import cudadrv, vmm
 from vllm_dedup.segments.cuda import CudaSegment
 
 STATS = ("retained_contexts", "allocations", "mappings", "reservations", "synchronizes", "creates",
-         "current_device", "context_depth")
+         "current_device", "context_depth", "create_calls")
 
 
 def pattern(key: str, nbytes: int) -> bytes:
@@ -73,8 +86,35 @@ class Peer:
         assert drv.cuCtxPushCurrent(ctx)[0] == drv.CUresult.CUDA_SUCCESS
         return {}
 
-    def op_hello(self, ordinal):
-        self.client.hello("vmm-peer", cudadrv.device_key(ordinal), "default")
+    def op_hello(self, ordinal, signature=""):
+        self.client.hello("vmm-peer", cudadrv.device_key(ordinal), "default", signature)
+        return {}
+
+    def op_expect(self):
+        return {"bytes": self.client.expected_shared_bytes()}
+
+    def op_load(self, ordinal, tensors):
+        hits = {hit.key: (hit, fd) for hit, fd in self.client.acquire(list(tensors))}
+        shared = published = 0
+        for key, nbytes in tensors.items():
+            if key in hits:
+                hit, fd = hits[key]
+                seg = CudaSegment.attach(fd, hit.offset + hit.nbytes, cudadrv.device_key(ordinal))
+                seg.close_fd()
+                self.held[key] = (seg._mapping, hit.offset, hit.nbytes)
+                shared += nbytes
+            else:
+                mapping, fd = vmm.allocate(ordinal, nbytes)
+                ctypes.memmove(mapping.va, pattern(key, nbytes), nbytes)
+                mapping.protect()
+                self.client.publish(fd, mapping.size, [(key, 0, nbytes)])
+                os.close(fd)
+                self.held[key] = (mapping, 0, nbytes)
+                published += mapping.size
+        return {"shared": shared, "published": published, "digests": self.read()}
+
+    def op_recipe(self, signature, final):
+        self.client.put_recipe(json.dumps({"signature": signature, "id": signature, "final": final}).encode())
         return {}
 
     def op_create(self, ordinal, nbytes, members):
@@ -145,6 +185,37 @@ class Peer:
             return {"error": str(e), "closed": closed}
         return {"error": None}
 
+    def op_uuids(self):
+        lib = model()
+        get = lib.cuGetProcAddress_v2
+        get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_ulonglong,
+                        ctypes.POINTER(ctypes.c_int)]
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
+        out = {}
+        for version in (9020, 11040):
+            fn, status = ctypes.c_void_p(), ctypes.c_int()
+            assert get(b"cuDeviceGetUuid", ctypes.byref(fn), version, 0, ctypes.byref(status)) == 0
+            uuids = []
+            for dev in range(cudadrv.device_count()):
+                buf = ctypes.create_string_buffer(16)
+                assert proto(fn.value)(buf, dev) == 0
+                uuids.append(buf.raw.hex())
+            out[str(version)] = uuids
+        from cuda.bindings import __version__
+
+        return {"uuids": out, "keys": [cudadrv.device_key(i) for i in range(cudadrv.device_count())],
+                "bindings": __version__}
+
+    def op_memory(self, ordinal):
+        free, total = cudadrv.memory_info(ordinal)
+        return {"free": free, "total": total}
+
+    def op_keep(self, ordinal, nbytes):
+        mapping, fd = vmm.allocate(ordinal, nbytes)
+        os.close(fd)  # never shared: only this process holds it
+        self.keep.append(mapping)
+        return {"size": mapping.size}
+
     def op_fail(self, name, code, count):
         model().cudamodel_fail(name.encode(), code, count)
         return {}
@@ -172,6 +243,23 @@ class Peer:
         worker.join(10)
         return {"during": during, "released": released, "after": after, "deadlocked": worker.is_alive(),
                 "under_lock": stats()}
+
+    def op_defer_elsewhere(self, ordinal):
+        """This thread "captures" (a process-wide capture count, as `segments.cuda` keeps it);
+        the last reference to a mapping goes on another thread, whose own stream is not
+        capturing: its finalizer must defer the unmap too."""
+        captures = [1]
+        mapping, fd = vmm.allocate(ordinal, 1, capturing=lambda: captures[0] > 0)
+        os.close(fd)
+        holder = [mapping]
+        del mapping
+        other = threading.Thread(target=holder.clear)
+        other.start()
+        other.join(10)
+        during = stats()
+        captures[0] = 0
+        released = vmm.release_deferred()
+        return {"during": during, "released": released, "after": stats()}
 
 
 def main() -> None:

@@ -34,4 +34,7 @@ def test_worker_hooks_cover_the_methods_the_patches_hook():
             assert getattr(cls.__dict__[name], "__vllm_dedup_hook__", False), f"{cls.__name__}.{name}"
     hooked = {line.split('"')[1] for p in PATCHES for line in p.read_text().splitlines()
               if "_check_weights_writable(\"" in line and line.startswith("+")}
-    assert hooked == {"sleep", "reload_weights", "start_weight_update", "update_weights", "reset_weights"}
+    assert hooked == {"sleep", "reload_weights", "start_weight_update", "start_draft_weight_update",
+                      "update_weights", "reset_weights"}
+    guarded = {name for module, cls, name, _ in worker_hooks.GUARDED if cls in ("Worker", "CPUWorker")}
+    assert guarded == hooked

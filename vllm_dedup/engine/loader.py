@@ -234,6 +234,13 @@ class DedupModelLoader(BaseModelLoader):
         from ..segments import segment_class
 
         device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
+        from .worker_hooks import private_reason
+
+        reason = private_reason(vllm_config)
+        if reason is not None:
+            logger.warning("vllm-dedup: this engine's weights stay private: %s, which shared read-only weights "
+                           "cannot allow", reason)
+            return None
         try:
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())

@@ -33,7 +33,21 @@ step 3.  Hence the two accounting modes (config ``accounting``):
   loaded before), which is what vLLM's start-up check of free memory uses.  Once loaded, the
   worker's budget is corrected by the difference between the bytes actually mapped and the
   prediction (`correct_budget`, run after ``Worker.load_model``), so the KV cache is exactly a
-  plain load's either way.
+  plain load's either way.  When the correction raises the budget (the engine mapped less than
+  predicted: a fine-tune), vLLM's own start-up check (``request_memory``) runs again with the
+  bytes really mapped, so an engine that no longer fits fails with vLLM's message instead of
+  running out of memory while allocating its KV cache.
+
+Why ``kv_cache`` needs one exception (`plan_startup`).  In that mode the engine that created the
+segments pays for them in its budget, and the engines that map them pay nothing.  When the
+creator exits, the segments stay (others map them) but no budget holds them any more, so the
+creator's restart (a blue/green restart) finds less free memory than its full budget: two
+engines at 0.45 of an 80 GB GPU sharing 16 GB leave 28 GB free when the creator exits, and its
+restart asks vLLM for 36 GB.  Yet it needs only 20 GB of its own: the 16 GB it will map are
+resident.  So in ``kv_cache`` mode an engine whose full budget does not fit in the free memory,
+but does once the bytes predicted to be mapped are set aside, reports those bytes as
+``external`` does (its KV cache is then a plain load's); otherwise vLLM refuses it with its
+message, as it would refuse a plain load.
 
 Step 3 reads the whole device's free memory, so anything another process allocates or frees
 between the snapshot and the KV cache allocation lands in this engine's figures: N engines
@@ -85,10 +99,10 @@ class EngineSession:
         self.startup_device: str | None = None  # its device key
         self.startup_signature: str | None = None
         self.locks: list[str] = []  # start-up locks held now
-        self.predicted: int | None = None  # bytes predicted to be mapped (accounting="external")
+        self.predicted: int | None = None  # bytes reported to vLLM as mapped from others (None: none reported)
         self.segment_bytes = 0  # bytes of this process's tensors that live in segments
-        self.correction_bytes = 0  # budget correction not yet applied to the worker
-
+        self.shared_bytes = 0  # of them, mapped from other engines' segments
+        self.budget_corrected = False  # the correction was applied to the worker
     @classmethod
     def current(cls) -> EngineSession:
         """This process's session (created on first use)."""
@@ -133,15 +147,55 @@ class EngineSession:
         from other engines (for the budget correction: ``shared - predicted``)."""
         self.leases.append(lease)
         self.segment_bytes += segment_bytes
-        if self.predicted is not None:
-            self.correction_bytes += shared_bytes - self.predicted
+        self.shared_bytes += shared_bytes
+
+    @property
+    def correction_bytes(self) -> int:
+        """By how many bytes the worker's budget must shrink (negative: grow) so that its KV
+        cache is what vLLM would give it had it known the bytes really mapped: ``shared -
+        predicted`` where a prediction was reported, until `correct_budget` applies it; else 0.
+        A load that ended up private (no registry, a fallback) counts as 0 bytes mapped."""
+        if self.predicted is None or self.budget_corrected:
+            return 0
+        return self.shared_bytes - self.predicted
+
+    def plan_startup(self, accounting: str, predicted: int, free: int, total: int, utilization: float) -> int:
+        """The bytes to report to vLLM as external weight memory before its snapshot (module
+        docstring), and remember them as the prediction to correct after loading.
+
+        Args:
+            accounting: ``kv_cache`` or ``external`` (`DedupConfig.accounting`).
+            predicted: bytes the registry expects this engine to map (`expected_shared_bytes`).
+            free, total: the device's free and total memory now (bytes; ``cuMemGetInfo``).
+            utilization: vLLM's ``gpu_memory_utilization``.
+
+        Returns:
+            ``predicted`` in ``external`` mode, and in ``kv_cache`` mode when the full budget
+            ``ceil(total * utilization)`` exceeds ``free`` but ``budget - predicted`` does not;
+            else 0 (nothing reported, nothing to correct).
+        """
+        import math
+
+        budget = math.ceil(total * utilization)
+        report = predicted if accounting == "external" else 0
+        if accounting == "kv_cache" and predicted > 0 and budget - predicted <= free < budget:
+            report = predicted
+            logger.warning(
+                "vllm-dedup: accounting=kv_cache, but the device's free memory (%.1f MB) is less than this engine's "
+                "budget (%.1f MB) and enough once the %.1f MB it will map from other engines are set aside (their "
+                "creator has gone, so no budget holds them): this engine reports them as external weight memory "
+                "(its KV cache is a plain load's)", free / 1e6, budget / 1e6, predicted / 1e6)
+        self.predicted = report if report > 0 else None
+        self.budget_corrected = False
+        return report
 
     # the GPU start-up ----------------------------------------------------------------------
     def begin_startup(self, config: DedupConfig, vllm_config) -> int:
         """Take the start-up lock(s) and predict the external weight bytes (GPU workers only).
 
         Returns:
-            Bytes to report as external weight memory: the prediction in ``external`` mode, else 0.
+            Bytes to report as external weight memory (`plan_startup`); 0 where the engine's
+            weights stay private or the registry or the device cannot say.
 
         Raises:
             RuntimeError: the registry cannot be reached, or the lock could not be had within
@@ -153,6 +207,7 @@ class EngineSession:
             return 0
         from ..errors import SegmentError
         from ..segments.cuda import CudaSegment
+        from ..segments.cudadrv import memory_info as cudadrv_memory_info
         from .signature import load_signature
 
         pc = vllm_config.parallel_config
@@ -180,32 +235,64 @@ class EngineSession:
                            "on this GPU now, both KV cache sizes may be off", e)
             return 0
         self.locks = names
-        if config.accounting != "external":
+        from .worker_hooks import private_reason
+
+        if private_reason(vllm_config):  # the loader will keep this engine's weights private
             return 0
-        self.predicted = client.expected_shared_bytes()
-        logger.info("vllm-dedup: accounting=external: %.1f MB of weights expected to be mapped from other "
-                    "engines (reported to vLLM as external weight memory)", self.predicted / 1e6)
-        return self.predicted
+        try:
+            free, total = cudadrv_memory_info(torch.cuda.current_device())
+            predicted = client.expected_shared_bytes()
+        except (SegmentError, RegistryUnavailable) as e:
+            if config.on_registry_error == "fail":
+                raise RuntimeError(f"vllm-dedup: cannot predict the weights to map ({e})") from None
+            logger.warning("vllm-dedup: cannot predict the weights to map (%s); nothing reported as external", e)
+            return 0
+        report = self.plan_startup(config.accounting, predicted, free, total,
+                                   vllm_config.cache_config.gpu_memory_utilization)
+        if report:
+            logger.info("vllm-dedup: %.1f MB of weights expected to be mapped from other engines (reported to "
+                        "vLLM as external weight memory)", report / 1e6)
+        return report
 
     def end_startup(self) -> None:
-        """Give the start-up lock(s) back (idempotent; the engine's KV cache is allocated)."""
+        """The KV cache is allocated and CUDA graphs are captured: give the start-up lock(s)
+        back, and unmap the segment ranges whose release was deferred during graph capture
+        (`segments.vmm`).  Idempotent."""
+        import sys
+
         if self.locks:
             self.startup_client.unlock(self.locks)
             self.locks = []
+        vmm = sys.modules.get("vllm_dedup.segments.vmm")  # imported only where CUDA segments are used
+        if vmm is not None:
+            vmm.release_deferred()
 
     def correct_budget(self, worker) -> int:
-        """Lower ``worker.requested_memory`` (vLLM's budget, bytes) by the pending correction
-        (negative raises it) and clear it.  Returns the correction applied.
+        """Apply the pending correction (`correction_bytes`) to ``worker.requested_memory``
+        (vLLM's budget, bytes), once.  Returns the correction applied (0 when none).
 
-        vLLM set the budget to ``ceil(total * utilization) - predicted``; the weights really held
-        outside this engine are ``shared``, so the budget becomes ``... - shared`` and the KV
-        cache, ``budget - measured use``, equals a plain load's.
+        vLLM set the budget with vLLM's ``request_memory`` from the predicted external bytes;
+        it is set again the same way from the bytes really mapped, so the budget becomes
+        ``ceil(total * utilization) - shared`` and the KV cache (``budget - measured use``)
+        equals a plain load's.  ``request_memory`` also checks again that the free memory of
+        vLLM's snapshot covers the new budget.
+
+        Raises:
+            ValueError: vLLM's own message, when the snapshot's free memory does not cover the
+                budget once the bytes really mapped are known (the engine mapped less than
+                predicted); starting anyway would run out of memory allocating the KV cache.
         """
         delta = self.correction_bytes
         if not delta or not hasattr(worker, "requested_memory"):
             return 0
-        worker.requested_memory -= delta
-        self.correction_bytes = 0
-        logger.info("vllm-dedup: accounting=external: %+.1f MB more mapped from other engines than predicted; "
-                    "engine budget now %.1f MB", delta / 1e6, worker.requested_memory / 1e6)
+        import math
+
+        from vllm.v1.worker.utils import request_memory
+
+        full = math.ceil(worker.init_snapshot.total_memory * worker.cache_config.gpu_memory_utilization)
+        external = full - worker.requested_memory + delta  # what vLLM was told, corrected
+        self.budget_corrected = True
+        worker.requested_memory = request_memory(worker.init_snapshot, worker.cache_config, external)
+        logger.info("vllm-dedup: %+.1f MB more mapped from other engines than predicted; engine budget now %.1f MB",
+                    delta / 1e6, worker.requested_memory / 1e6)
         return delta

@@ -62,12 +62,6 @@ PUBLISH_LOCK_TIMEOUT_S = 600.0  # another engine of the device and share group i
 _RETURN_EVERY = 1 << 30  # bytes of dropped private copies between two empty_cache calls
 
 
-def _backend_errors() -> tuple[type[BaseException], ...]:
-    """What a segment backend or torch raises when wrapping, reading or comparing shared memory
-    fails: a segment or driver error, torch's runtime errors (out of memory included)."""
-    return (SegmentError, RuntimeError, MemoryError)
-
-
 def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
                 mapped: dict[int, Placement] | None = None, pack_granularity: int | None = None) -> LoadReport:
     """Share ``model``'s tensors through the registry behind ``ctx.lease`` (module docstring).
@@ -203,8 +197,9 @@ class SharingPass:
             try:
                 shared = seg.tensor(offset, t.dtype, tuple(t.shape), tuple(t.stride()))
                 equal = source or not self.verify or same_bytes(shared, t)
-            except _backend_errors() as e:
-                self.segment_failed([group[i:]], e)
+            except Exception as e:  # any backend failure (driver, torch out of memory): never stop the engine
+                self.segment_failed([group[i:]], SegmentError(
+                    f"cannot use segment bytes for key {where.key} ({type(e).__name__}: {e})"))
                 break
             if not equal:
                 differ.append(slot)
@@ -249,7 +244,7 @@ class SharingPass:
         parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
         try:
             seg = self.seg_cls.create_packed(parts, nbytes, self.ctx.device_key)
-        except _backend_errors() as e:
+        except (SegmentError, RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
             self.segment_failed([self.pending.pop(k) for k in keys], e)
             return
         try:
@@ -259,11 +254,15 @@ class SharingPass:
             seg.close_fd()
         uid = self.lease.uid_of(seg_id)
         self.report.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
+        taken = 0
         for key, offset in zip(keys, offsets):
             group = self.pending.pop(key)
-            _, differ = self.adopt(group, seg, offset, Placement(key, uid), published=True)
+            took, differ = self.adopt(group, seg, offset, Placement(key, uid), published=True)
+            taken += took
             self.report.collisions += len(differ)  # same key in this model, other bytes
             self.keep_private(differ)
+        if not taken:  # the backend failed for every member
+            self.lease.release([seg_id])
 
 
 def _keys(tensors, device_type: str) -> list[str]:

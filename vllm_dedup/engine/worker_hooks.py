@@ -4,10 +4,14 @@ vLLM's ``worker_extension_cls`` cannot override Worker methods, so the plugin wr
 kinds, both reading this process's `session.EngineSession`:
 
 - **guards**: refuse the operations that would write into shared weights (sleep mode, weight
-  reload, weight updates, weight reset).  A shared tensor is mapped read-only in several
-  engines: an in-place write would fault (host segments are sealed) or, on a device without
-  read-only mappings, silently change every other engine's model.  Each guard refuses with a
-  clear error while this process holds tensors in segments and passes through otherwise.
+  reload, weight updates, weight reset, expert rebalancing).  A shared tensor is mapped
+  read-only in several engines: an in-place write would fault (host segments are sealed; on a
+  GPU, an illegal-address error that poisons the CUDA context, which no fallback can catch) or,
+  on a device without read-only mappings, silently change every other engine's model.  Each
+  guard refuses with a clear error while this process holds tensors in segments and passes
+  through otherwise.  An engine whose configuration says it will write its weights in place
+  (`private_reason`: EPLB, weight offloading, RLHF weight transfer, sleep mode) never shares
+  them in the first place: the loader keeps them private.
 - **start-up hooks** (GPU accounting, `session.py`): after ``Worker.load_model`` the engine's
   budget is corrected by the bytes mapped beyond the prediction; after
   ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
@@ -16,7 +20,8 @@ kinds, both reading this process's `session.EngineSession`:
 Each wrapper is tied to the vLLM versions it was checked against (`CHECKED_VLLM_VERSIONS`); on
 another version a method that no longer exists is skipped with a warning, never guessed at.
 ``patches/`` holds the upstream-vLLM form of both kinds, which would make this module
-unnecessary.
+unnecessary: a method whose source already carries the patch's hook (`PATCHED_BY`) is not
+wrapped, so that nothing (the budget correction above all) is applied twice.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import logging
 from ..errors import SharedWeightsError
 from .session import EngineSession
 
-__all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "STARTUP_HOOKS", "install"]
+__all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "PATCHED_BY", "STARTUP_HOOKS", "install", "private_reason"]
 
 logger = logging.getLogger("vllm.dedup.worker_hooks")  # under "vllm": vLLM's handlers and format apply
 
@@ -40,8 +45,11 @@ GUARDED = (
     ("vllm.v1.worker.cpu_worker", "CPUWorker", "sleep", "sleep mode offloads or discards the weights"),
     ("vllm.v1.worker.gpu_worker", "Worker", "reload_weights", "weight reload writes new weights in place"),
     ("vllm.v1.worker.gpu_worker", "Worker", "start_weight_update", "weight updates write weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "start_draft_weight_update", "weight updates write weights in place"),
     ("vllm.v1.worker.gpu_worker", "Worker", "update_weights", "weight updates write weights in place"),
     ("vllm.v1.worker.gpu_worker", "Worker", "reset_weights", "weight reset zeroes the weights in place"),
+    ("vllm.distributed.eplb.eplb_state", "EplbState", "rearrange",
+     "expert load balancing moves expert weights in place"),
 )
 
 # (module, class, method, what runs after it)
@@ -49,10 +57,36 @@ STARTUP_HOOKS = (
     ("vllm.v1.worker.gpu_worker", "Worker", "load_model",
      lambda worker: EngineSession.current().correct_budget(worker)),
     ("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model",
-     lambda worker: _after_warm_up()),
+     lambda worker: EngineSession.current().end_startup()),
 )
 
+# What a method's source holds once patches/ is applied to it: (class, method) -> marker.  The
+# guards' marker is the check the patch adds to every guarded method.
+PATCHED_BY = {("Worker", "load_model"): "external_weight_correction_bytes",
+              ("Worker", "compile_or_warm_up_model"): "on_startup_done"}
+_GUARD_MARKER = "_check_weights_writable("
+
 _MARK = "__vllm_dedup_hook__"
+
+
+def private_reason(vllm_config) -> str | None:
+    """Why an engine must keep its weights private, from its configuration, or None: the
+    features that write into weights in place (or move them out of the device) after loading.
+    The list of every in-place writer of vLLM 0.32 is in docs/architecture.md ("In-place
+    writers")."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "enable_eplb", False):
+        return ("expert parallel load balancing (--enable-eplb, also under elastic EP) moves expert weights in "
+                "place (vllm/distributed/eplb/rebalance_execute.py: move_from_buffer)")
+    offload = getattr(vllm_config, "offload_config", None)  # vLLM 0.32: uva and prefetch sub-configs
+    if ((getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0) or 0) > 0
+            or (getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0) > 0):
+        return "weight offloading (--cpu-offload-gb, --offload-group-size) moves weights to host memory"
+    if getattr(vllm_config, "weight_transfer_config", None) is not None:
+        return "RLHF weight transfer (weight_transfer_config) writes new weights in place"
+    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+        return "sleep mode (--enable-sleep-mode) offloads or discards the weights and restores them in place"
+    return None
 
 
 def install() -> list[str]:
@@ -68,16 +102,30 @@ def install() -> list[str]:
                        ", ".join(CHECKED_VLLM_VERSIONS), vllm.__version__)
     wrapped = []
     for module_name, cls_name, name, why in GUARDED:
-        if _wrap(module_name, cls_name, name, functools.partial(_guard, name=name, why=why)):
+        if _wrap(module_name, cls_name, name, functools.partial(_guard, name=name, why=why), _GUARD_MARKER):
             wrapped.append(f"{cls_name}.{name}")
     for module_name, cls_name, name, after in STARTUP_HOOKS:
-        if _wrap(module_name, cls_name, name, functools.partial(_run_after, after=after)):
+        if _wrap(module_name, cls_name, name, functools.partial(_run_after, after=after),
+                 PATCHED_BY.get((cls_name, name))):
             wrapped.append(f"{cls_name}.{name}")
     return wrapped
 
 
-def _wrap(module_name: str, cls_name: str, name: str, make) -> bool:
-    """Replace ``cls.name`` by ``make(method)`` unless missing or already wrapped."""
+def _patched(method, marker: str | None) -> bool:
+    """Whether ``method``'s source carries ``marker`` (patches/ applied to this vLLM)."""
+    import inspect
+
+    if marker is None:
+        return False
+    try:
+        return marker in inspect.getsource(method)
+    except (OSError, TypeError):  # no source (compiled): assume the unpatched form
+        return False
+
+
+def _wrap(module_name: str, cls_name: str, name: str, make, marker: str | None = None) -> bool:
+    """Replace ``cls.name`` by ``make(method)`` unless missing, already wrapped, or already
+    hooked by patches/ (its source holds ``marker``)."""
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
     except (ImportError, AttributeError):
@@ -90,21 +138,13 @@ def _wrap(module_name: str, cls_name: str, name: str, make) -> bool:
         return False
     if getattr(method, _MARK, False):
         return False
+    if _patched(method, marker):
+        logger.debug("vllm-dedup: %s.%s carries patches/' hook; not wrapped", cls_name, name)
+        return False
     wrapper = make(method)
     setattr(wrapper, _MARK, True)
     setattr(cls, name, wrapper)
     return True
-
-
-def _after_warm_up() -> None:
-    """The KV cache is allocated and CUDA graphs are captured: give the start-up lock back, and
-    unmap the segment ranges whose release was deferred during graph capture (`segments.vmm`)."""
-    import sys
-
-    EngineSession.current().end_startup()
-    vmm = sys.modules.get("vllm_dedup.segments.vmm")  # imported only where CUDA segments are used
-    if vmm is not None:
-        vmm.release_deferred()
 
 
 def _guard(method, name: str, why: str):

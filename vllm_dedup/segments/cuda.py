@@ -21,8 +21,10 @@ different ``CUDA_VISIBLE_DEVICES`` call the same GPU by different numbers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 
 from ..content.views import typed_view
 from ..errors import SegmentError
@@ -30,7 +32,7 @@ from . import cudadrv, vmm
 from .base import Segment
 from .cudadrv import CudaError
 
-__all__ = ["CudaError", "CudaSegment"]
+__all__ = ["CudaError", "CudaSegment", "GraphCaptures", "captures"]
 
 logger = logging.getLogger("vllm.dedup.segments")
 _warned_versions = False
@@ -50,9 +52,78 @@ def _ordinal(device) -> int:
     return torch.cuda.current_device() if dev.index is None else dev.index
 
 
+class GraphCaptures:
+    """How many CUDA graph captures are underway in this process, on any thread.
+
+    A mapping's finalizer can run on any thread (whichever drops the last reference, or runs the
+    garbage collector), while another thread captures a graph: torch's
+    ``is_current_stream_capturing`` sees only the finalizing thread's stream, and a
+    ``cuCtxSynchronize`` during another thread's capture fails and invalidates it (CUDA Driver
+    API, ``cuThreadExchangeStreamCaptureMode``: in ``CU_STREAM_CAPTURE_MODE_GLOBAL``, the
+    default and torch's, potentially unsafe calls are prohibited from any thread).  So captures are
+    counted where every one of torch's begins and ends: ``torch.cuda.CUDAGraph.capture_begin``
+    and ``capture_end`` (``torch.cuda.graph`` and vLLM's and inductor's CUDA graph wrappers all
+    go through them), wrapped once per process by `track`.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def underway(self) -> bool:
+        """True from a tracked ``capture_begin`` until its ``capture_end``, on any thread."""
+        with self._lock:
+            return self._count > 0
+
+    def track(self, cls) -> None:
+        """Count the captures of ``cls`` (torch's ``CUDAGraph``: ``capture_begin`` /
+        ``capture_end`` methods).  Idempotent, also for a subclass of a tracked class: each
+        method is wrapped unless what ``cls`` resolves it to is wrapped already."""
+        with self._lock:
+            begin, end = cls.capture_begin, cls.capture_end
+            if getattr(begin, "_counted_by", None) is not self:
+                @functools.wraps(begin)
+                def capture_begin(graph, *args, **kwargs):
+                    self._add(1)
+                    try:
+                        return begin(graph, *args, **kwargs)
+                    except BaseException:  # no capture began
+                        self._add(-1)
+                        raise
+
+                capture_begin._counted_by = self
+                cls.capture_begin = capture_begin
+            if getattr(end, "_counted_by", None) is not self:
+                @functools.wraps(end)
+                def capture_end(graph, *args, **kwargs):
+                    try:
+                        return end(graph, *args, **kwargs)
+                    finally:  # over, whether or not the graph was valid
+                        self._add(-1)
+
+                capture_end._counted_by = self
+                cls.capture_end = capture_end
+
+    def _add(self, n: int) -> None:
+        with self._lock:
+            self._count = max(0, self._count + n)
+
+
+captures = GraphCaptures()
+
+
+def _track_captures() -> None:
+    import torch
+
+    captures.track(torch.cuda.CUDAGraph)
+
+
 def _capturing() -> bool:
-    """Whether this thread's current stream is capturing a CUDA graph (then a finalizer must not
-    synchronize: `segments.vmm`).  When unsure, say yes: a deferred unmap only waits."""
+    """Whether a CUDA graph may be being captured now, on this thread's stream or on any thread
+    of this process (`GraphCaptures`): then a finalizer must not synchronize (`segments.vmm`).
+    When unsure, say yes: a deferred unmap only waits."""
+    if captures.underway():
+        return True
     try:
         import torch
 
@@ -175,6 +246,7 @@ class CudaSegment(Segment):
         try:
             ordinal = _parts_ordinal(parts, nbytes)
             _check_versions()
+            _track_captures()
             key = device or cudadrv.device_key(ordinal)
             mapping, fd = vmm.allocate(ordinal, nbytes, release_cached=_release_cached, capturing=_capturing)
         except BaseException as e:
@@ -216,6 +288,7 @@ class CudaSegment(Segment):
         """
         try:
             _check_versions()
+            _track_captures()
             mapping = vmm.import_mapping(fd, nbytes, _ordinal(device), capturing=_capturing)
         except BaseException as e:
             os.close(fd)

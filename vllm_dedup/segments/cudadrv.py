@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from ..errors import SegmentError
 
 __all__ = ["CudaError", "allocation_prop", "call", "check_support", "device_count", "device_key", "driver",
-           "granularity", "lock", "on_device", "ordinal_of", "rounded"]
+           "granularity", "lock", "memory_info", "on_device", "ordinal_of", "refuse_device", "rounded"]
 
 logger = logging.getLogger("vllm.dedup.segments")
 
@@ -36,6 +36,7 @@ lock = threading.RLock()
 _contexts: dict[int, object] = {}  # ordinal -> primary context, retained once per process
 _granularity: dict[int, int] = {}  # ordinal -> bytes
 _supported: set[int] = set()  # ordinals whose VMM and POSIX-descriptor support was checked
+_refused: dict[int, str] = {}  # ordinal -> why it cannot share memory although its attributes say it can
 _initialized = False
 
 # The driver each cuda-bindings major version needs on Linux (nvidia.github.io/cuda-python,
@@ -115,14 +116,18 @@ def device_key(ordinal: int) -> str:
     """``cuda:GPU-<uuid>``: the registry's name of device ``ordinal``, the same in every process
     whatever its ``CUDA_VISIBLE_DEVICES``.  Needs, creates and changes no context.
 
-    On a MIG instance ``cuDeviceGetUuid`` (v2, which cuda-bindings resolves) gives the instance's
-    UUID, which NVML spells ``MIG-<uuid>``; the key keeps the ``GPU-`` prefix either way.
+    On a MIG instance only ``cuDeviceGetUuid_v2`` (CUDA 11.4 on) gives the instance's own UUID
+    (which NVML spells ``MIG-<uuid>``); v1 gives its parent GPU's, the same for every instance.
+    cuda-bindings 13 resolves ``cuDeviceGetUuid`` to v2; 12.x resolves it to v1 and offers
+    ``cuDeviceGetUuid_v2`` beside it, which is then used.  The key keeps the ``GPU-`` prefix
+    either way.
 
     Raises:
         CudaError: the driver is not usable, or no such device.
     """
     _init()
-    raw = bytes(call("cuDeviceGetUuid", call("cuDeviceGet", ordinal)).bytes)
+    name = "cuDeviceGetUuid_v2" if hasattr(driver(), "cuDeviceGetUuid_v2") else "cuDeviceGetUuid"
+    raw = bytes(call(name, call("cuDeviceGet", ordinal)).bytes)
     h = raw.hex()
     return f"cuda:GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
@@ -177,6 +182,8 @@ def check_support(ordinal: int) -> None:
         CudaError: saying which is missing and what to do.
     """
     with lock:
+        if ordinal in _refused:
+            raise CudaError(_refused[ordinal])
         if ordinal in _supported:
             return
     drv = driver()
@@ -193,6 +200,32 @@ def check_support(ordinal: int) -> None:
                             "version and whether the GPU is virtualised (vGPU, some containers).")
     with lock:
         _supported.add(ordinal)
+
+
+def refuse_device(ordinal: int, error: CudaError) -> CudaError:
+    """Remember that device ``ordinal`` cannot make shareable memory although its attributes
+    say it can (``cuMemCreate`` failed with something other than out-of-memory: under WSL2 the
+    POSIX-descriptor attribute reads 1 and creation fails with ``CUDA_ERROR_INVALID_VALUE``).
+    `check_support` then refuses the device at once, without calling the driver again.
+    Returns the error to raise (the same message every time)."""
+    message = (f"CUDA device {ordinal} cannot create shareable (POSIX file-descriptor) allocations although its "
+               f"attributes say it can ({error}); vllm-dedup keeps tensors on it private.  Under WSL2 and "
+               "some virtualised GPUs this is expected.")
+    with lock:
+        _refused.setdefault(ordinal, message)
+        return CudaError(_refused[ordinal], error.status)
+
+
+def memory_info(ordinal: int) -> tuple[int, int]:
+    """``(free, total)`` bytes of device ``ordinal`` (``cuMemGetInfo``, the figure vLLM's memory
+    snapshot reads through ``cudaMemGetInfo``), under its primary context.
+
+    Raises:
+        CudaError: the driver is not usable.
+    """
+    with on_device(ordinal):
+        free, total = call("cuMemGetInfo")
+    return int(free), int(total)
 
 
 def _check_driver_version() -> None:

@@ -8,10 +8,12 @@ the mapping and the exported descriptors are what keep the memory (docs/architec
 "Segments").  Every call runs under `cudadrv.on_device` and leaves the caller's context current.
 
 Unmapping: ``cuMemUnmap`` is not stream-ordered, so `Mapping.close` synchronizes the device
-first.  A mapping's finalizer runs whenever its last reference goes, which can be in the middle
-of a CUDA-graph capture, where ``cuCtxSynchronize`` is not allowed (it fails and invalidates
-the capture: CUDA programming guide, "Stream capture"); there the unmap is deferred to the
-next `allocate`, `import_mapping` or `release_deferred` outside a capture.
+first.  A mapping's finalizer runs whenever its last reference goes, on whichever thread drops
+it, which can be in the middle of a CUDA-graph capture on any thread, where ``cuCtxSynchronize``
+is not allowed (it fails and invalidates the capture: CUDA programming guide, "Stream
+capture"); there the unmap is deferred to the next `allocate`, `import_mapping` or
+`release_deferred` outside a capture.  The caller says what "capturing" means (``capturing``):
+`segments.cuda` answers for every thread of the process.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ class Mapping:
         self.va, self.size, self.ordinal, self.read_only = 0, size, ordinal, False
         self._capturing = capturing
         with on_device(ordinal):
-            va = int(call("cuMemAddressReserve", size, 0, 0, 0))
+            # Alignment 0 is the driver's default, which the reference leaves unspecified;
+            # cuMemMap needs a granularity-aligned address, so ask for that.
+            va = int(call("cuMemAddressReserve", size, cudadrv.granularity(ordinal), 0, 0))
             try:
                 call("cuMemMap", va, size, 0, handle, 0)
             except CudaError:
@@ -145,7 +149,8 @@ def release_deferred() -> int:
 
 def _create(ordinal: int, size: int, release_cached):
     """``cuMemCreate``; on out-of-memory, ``release_cached()`` (torch's cached blocks back to
-    the driver) and one more try."""
+    the driver) and one more try.  Any other failure is remembered for the device
+    (`cudadrv.refuse_device`): no later segment is attempted there."""
     prop = cudadrv.allocation_prop(ordinal)
     oom = int(cudadrv.driver().CUresult.CUDA_ERROR_OUT_OF_MEMORY)
     for attempt in (1, 2):
@@ -153,6 +158,8 @@ def _create(ordinal: int, size: int, release_cached):
             with on_device(ordinal):
                 return call("cuMemCreate", size, prop, 0)
         except CudaError as e:
+            if e.status is not None and e.status != oom:
+                raise cudadrv.refuse_device(ordinal, e) from None
             if e.status != oom or release_cached is None:
                 raise
             if attempt == 2:

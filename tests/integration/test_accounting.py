@@ -136,3 +136,10 @@ def test_accounting_option_is_checked():
         DedupConfig.from_extra_config({"accounting": "kv"})
     with pytest.raises(ValueError, match="startup_lock_timeout_s"):
         DedupConfig.from_extra_config({"startup_lock_timeout_s": 0})
+
+
+def test_registry_timeout_s_is_checked():
+    assert DedupConfig().registry_timeout_s == 10.0  # README states this default
+    for bad in (0, -1, True, "10", 3601):
+        with pytest.raises(ValueError, match="registry_timeout_s"):
+            DedupConfig.from_extra_config({"registry_timeout_s": bad})

@@ -199,9 +199,12 @@ class Lease:
             self._recipes[data] = None
 
     def report(self, load: dict) -> None:
+        """`BrokerClient.report`; with ``reregistered`` (how many times this lease re-registered)
+        once it has."""
         with self._lock:
             self._load = dict(load)
-            self._call(lambda c: c.report(load))
+            self._call(lambda c: c.report({**load, "reregistered": self.reregistrations} if self.reregistrations
+                                          else load))
 
     def get_recipes(self, signature: str) -> list[bytes]:
         with self._lock:

@@ -202,7 +202,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.model is not None and args.preset is not None:
         parser.error("give --model or --preset, not both")
-    os.environ.setdefault("VLLM_DEDUP_RUNTIME_DIR", tempfile.mkdtemp(prefix="load-time-run-"))
+    if "VLLM_DEDUP_RUNTIME_DIR" not in os.environ:  # a private registry
+        os.environ["VLLM_DEDUP_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="load-time-run-")
     name = "load_time.json"
     if args.model is None:
         preset = args.preset or "smollm2-fp32"

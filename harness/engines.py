@@ -203,7 +203,8 @@ class EngineProcess(PeerProcess):
 
     def load_stats(self) -> dict:
         """``{"seconds": wall time of vLLM's get_model (the loader's load_model), "peak_bytes":
-        the largest growth of the process's private memory (RssAnon) during it}``."""
+        the largest growth of the process's private memory (RssAnon) during it, "gc_seconds" and
+        "gc_collections": the garbage collector's pauses during it}``."""
         self.send({"load_stats": True})
         return self.read_json("LOADSTATS ", 60)
 
@@ -303,20 +304,51 @@ def _engine_main(argv: list[str]) -> None:
                                       "seconds": time.perf_counter() - start}), flush=True)
 
 
+PROFILE_ENV = "HARNESS_PROFILE_GET_MODEL"  # a path: `_meter_get_model` writes a cProfile of get_model there
+
+
 def _meter_get_model() -> dict:
     """Time vLLM's ``get_model`` (which calls the loader's ``load_model``) in this process and
-    sample its private memory, whatever the load format; the figures land in the dict returned."""
+    sample its private memory, whatever the load format; the figures land in the dict returned.
+    With `PROFILE_ENV` set to a path, a cProfile of the call is written there (pstats format)."""
     import vllm.v1.worker.cpu_model_runner as runner
 
     from vllm_dedup.engine.meter import LoadMeter
 
     stats: dict = {}
     get_model = runner.get_model
+    profile_path = os.environ.get(PROFILE_ENV)
 
     def measured(*args, **kwargs):
-        with LoadMeter("cpu") as meter:
-            model = get_model(*args, **kwargs)
-        stats.update(seconds=meter.seconds, peak_bytes=max(meter.peak_growth, 0))
+        import gc
+
+        profiler = None
+        if profile_path:
+            import cProfile
+
+            profiler = cProfile.Profile()
+        pauses: list[float] = []  # the garbage collector's, during the call
+
+        def on_gc(phase, info, begun=[0.0]):
+            if phase == "start":
+                begun[0] = time.perf_counter()
+            else:
+                pauses.append(time.perf_counter() - begun[0])
+
+        gc.callbacks.append(on_gc)
+        try:
+            with LoadMeter("cpu") as meter:
+                if profiler is not None:
+                    profiler.enable()
+                model = get_model(*args, **kwargs)
+                if profiler is not None:
+                    profiler.disable()
+        finally:
+            gc.callbacks.remove(on_gc)
+        if profiler is not None:
+            profiler.dump_stats(profile_path)
+        stats.update(seconds=meter.seconds, peak_bytes=max(meter.peak_growth, 0), gc_seconds=sum(pauses),
+                     gc_collections=len(pauses))
         return model
 
     runner.get_model = measured

@@ -23,7 +23,8 @@ import xxhash
 
 from vllm_dedup.checkpoint.manifest import default_cache_dir
 
-__all__ = ["convert_gguf_to_hf", "minilm_dir", "models_dir", "random_model", "smollm2_gguf", "smollm2_hf"]
+__all__ = ["LLAMA_1B_CONFIG", "convert_gguf_to_hf", "llama_1b", "minilm_dir", "models_dir", "random_model", "smollm2_gguf",
+           "smollm2_hf"]
 
 MODELS_ENV = "VLLM_DEDUP_TEST_MODELS"
 
@@ -168,3 +169,21 @@ def random_model(name: str, config: dict, dtype: str = "bfloat16", auto_class: s
                 shutil.copy2(f, tmp / f.name)
         os.replace(tmp, out)
     return out
+
+
+# A 1B-class model for the size benchmarks: a Llama of 1.17B parameters (TinyLlama's shape with
+# SmolLM2's vocabulary; untied head), bfloat16, random weights (`random_model`): 2.34 GB in three
+# safetensors shards.
+LLAMA_1B_CONFIG = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 49152, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+    "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+
+
+def llama_1b(root: Path | None = None) -> Path:
+    """A random-weight Llama of about 1.2B parameters (`LLAMA_1B_CONFIG`, bfloat16, shards of at
+    most 1 GB), made once with `random_model` (about a minute and 5 GB of memory the first time)
+    and cached."""
+    return random_model("llama-1.2b", LLAMA_1B_CONFIG, "bfloat16", max_shard_size="1GB", root=root)

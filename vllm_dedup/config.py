@@ -45,6 +45,9 @@ class DedupConfig:
         fast_path: map the modules a recipe of an earlier engine matches instead of reading
             the checkpoint (`engine.fast_path`).  Nothing is compared byte for byte on that
             path: the trust is the source keys and the load signature, within a share group.
+        registry_timeout_s: seconds an engine waits for the registry: for any one reply (a
+            hung or stopped registry costs one such wait, then the engine loads privately what
+            it has not mapped yet), and for a registry that died mid-load to be back.
     """
 
     inner_load_format: str = "auto"
@@ -60,6 +63,7 @@ class DedupConfig:
     accounting: str = "kv_cache"
     startup_lock_timeout_s: float = 900.0
     fast_path: bool = True
+    registry_timeout_s: float = 10.0
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> DedupConfig:
@@ -110,6 +114,9 @@ class DedupConfig:
             ("startup_lock_timeout_s", isinstance(c.startup_lock_timeout_s, (int, float))
              and c.startup_lock_timeout_s > 0, "a number > 0 (seconds)"),
             ("fast_path", isinstance(c.fast_path, bool), "true or false"),
+            ("registry_timeout_s", isinstance(c.registry_timeout_s, (int, float))
+             and not isinstance(c.registry_timeout_s, bool) and 0 < c.registry_timeout_s <= 3600,
+             "a number of seconds > 0 and <= 3600"),
         ]
         for name, ok, expected in checks:
             if not ok:

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "DedupError",
     "ProtocolError",
+    "RegistryTimeout",
     "RegistryUnavailable",
     "SegmentError",
     "SharedWeightsError",
@@ -26,6 +27,12 @@ class DedupError(Exception):
 
 class RegistryUnavailable(DedupError, ConnectionError):
     """The registry cannot be reached, refused us, went away, or answered with an error."""
+
+
+class RegistryTimeout(RegistryUnavailable):
+    """The registry accepted the connection but did not answer in time: it is hung, stopped
+    (SIGSTOP) or starved.  The connection is closed then (a late reply must never be read as the
+    answer to a later request), and the engine goes on without the registry."""
 
 
 class ProtocolError(RegistryUnavailable):

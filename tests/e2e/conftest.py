@@ -8,6 +8,7 @@ import pytest
 
 from harness.engines import PROMPTS, EngineProcess, ServeProcess
 from harness.oracle import differences
+from harness.references import engine_reference
 
 
 @pytest.fixture(scope="session")
@@ -54,16 +55,13 @@ def plain_serve_texts(smollm2, tmp_path_factory) -> list[str]:
 @pytest.fixture(scope="session")
 def reference_tensors():
     """``(model folder, dtype="bfloat16") -> digests`` of the final tensors of a plain load of
-    that checkpoint with the dedup loader's options: a dedup engine alone in a share group of
-    its own that loads as usual (`harness.oracle`), made on first use."""
+    that checkpoint with the dedup loader's options (`harness.references`), made on first use."""
     made: dict = {}
 
     def reference(model, dtype: str = "bfloat16") -> dict[str, str]:
         key = (str(model), dtype)
         if key not in made:
-            alone = {"share_group": f"reference-{len(made)}", "fast_path": False}
-            with EngineProcess(model, "dedup", extra=alone, dtype=dtype) as engine:
-                (made[key],) = engine.wait_ready().final_tensors()
+            (made[key],) = engine_reference(model, dtype=dtype)["tensors"]
         return made[key]
 
     return reference

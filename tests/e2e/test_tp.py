@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from harness.oracle import differences
+from harness.references import REFERENCE_FORMAT, reference_options
 from harness.procs import PeerProcess, descendants
 from helpers import wait_for
 
@@ -55,7 +56,7 @@ def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(sm
     plain = TPEngine(smollm2, "auto")
     reference = plain.tokens()
     plain.stop()
-    alone = TPEngine(smollm2, "dedup", {"share_group": "reference", "fast_path": False})
+    alone = TPEngine(smollm2, REFERENCE_FORMAT, reference_options())
     shards = alone.final_tensors()  # each rank's final tensors, as a plain load makes them
     alone.stop()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from harness.engines import EngineProcess
 from harness.oracle import differences
+from harness.references import engine_reference
 from harness.variants import cached_variant
 from vllm_dedup.engine.share import FORCE_COLLISIONS_ENV
 
@@ -31,8 +32,7 @@ def test_a_checkpoint_crafted_to_collide_is_never_mapped_into_another_engine(smo
             return tensors, registry.engine_loads()[engine.pid]
 
     crafted = cached_variant(smollm2, "retrained")
-    own = {"share_group": "reference", "fast_path": False}
-    reference = {"victim": digests_of(smollm2, own)[0], "crafted": digests_of(crafted, own)[0]}
+    reference = {"victim": engine_reference(smollm2)["tensors"][0], "crafted": engine_reference(crafted)["tensors"][0]}
     assert differences(reference["victim"], reference["crafted"])  # other bytes, same layout
 
     # The victim loads first and leaves a recipe; it exits, and its segments go with it.

@@ -297,3 +297,10 @@ def test_an_engine_that_maps_less_than_predicted_fails_with_vllms_message_not_ou
     unchecked = 72 * MB - 16 * MB - 16 * MB  # budget + 16 MiB, minus what C's load took: its KV cache
     assert left < unchecked
     assert "out of memory" in ask(c, "keep", ordinal=0, nbytes=unchecked)["error"]
+
+
+def test_registry_timeout_s_is_checked():
+    assert DedupConfig().registry_timeout_s == 10.0  # README states this default
+    for bad in (0, -1, True, "10", 3601):
+        with pytest.raises(ValueError, match="registry_timeout_s"):
+            DedupConfig.from_extra_config({"registry_timeout_s": bad})

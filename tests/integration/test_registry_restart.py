@@ -125,3 +125,124 @@ def test_engines_re_register_with_a_ray_registry_actor_brought_back_by_the_next_
         for peer in (a, b):
             if peer is not None:
                 peer.end()
+
+
+def test_a_lock_held_when_the_registry_dies_is_reclaimed_and_the_newcomer_maps(tmp_path, monkeypatch):
+    """Two engines starting across a registry kill: A holds the publish lock and has published
+    half its tensors, B waits for the lock; the registry is SIGKILLed, B starts it again first.
+    The new registry lets A reclaim its lock (B is refused meanwhile), A publishes the rest, B
+    maps everything: one copy, not two."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    sock = run / "vllm-dedup.sock"
+    start_daemon(sock)
+    a = lease_peer(sock, "publish-locked", "k1,k2", str(4 * MB))
+    b = None
+    try:
+        assert a.read_json() == {"published": ["k1"]}
+        b = lease_peer(sock, "share", "k1,k2", str(4 * MB))
+        b.read("LOCKING")
+        time.sleep(0.5)  # b polls the lock a holds
+        old = registry_stats(sock)
+        assert old.locks == {"publish:cpu:default": a.pid}
+        os.kill(old.registry_pid, signal.SIGKILL)
+        # b notices at its next poll, starts a registry again and re-registers (it holds nothing).
+        assert wait_for(lambda: (s := stats_or_none(sock)) is not None and s.registry_pid != old.registry_pid
+                        and [e.pid for e in s.engines] == [b.pid], 30), stats_or_none(sock)
+        time.sleep(0.5)
+        assert registry_stats(sock).locks == {}  # free, yet b still waits: the reclaim period
+        a.send("go")  # a's next publish finds the registry gone: it re-registers k1, reclaims the lock
+        got_a, got_b = a.read_json(timeout_s=30), b.read_json(timeout_s=30)
+        assert got_a["reregistrations"] == 1 and got_b["reregistrations"] == 1
+        assert (got_b["mapped"], got_b["published"]) == (["k1", "k2"], [])
+        assert got_b["digests"] == got_a["digests"]
+        (group,) = registry_stats(sock).groups
+        assert (group.segments, group.resident_bytes) == (2, 8 * MB)  # one copy
+    finally:
+        for peer in (a, b):
+            if peer is not None:
+                peer.end()
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+    assert memfd_holders() == []
+
+
+def test_a_lock_not_reclaimed_in_time_is_lost_and_what_it_protects_stays_private(tmp_path, monkeypatch):
+    """A holds the publish lock and is stopped (SIGSTOP) past the new registry's reclaim period;
+    B takes the lock meanwhile and publishes.  When A wakes, its reclaim is refused: its next
+    publish fails instead of publishing a second copy."""
+    from vllm_dedup.registry.server import BrokerServer
+    from vllm_dedup.registry.state import Registry
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    sock = run / "vllm-dedup.sock"
+    start_daemon(sock)
+    a = lease_peer(sock, "publish-locked", "k1,k2", str(4 * MB), restart=False)
+    b = server = None
+    try:
+        assert a.read_json() == {"published": ["k1"]}
+        os.kill(a.pid, signal.SIGSTOP)
+        os.kill(registry_stats(sock).registry_pid, signal.SIGKILL)
+        assert wait_for(lambda: stats_or_none(sock) is None, 15)
+        server = BrokerServer(Registry(), sock, reclaim_grace_s=1.0).start()  # finds the dead one's socket
+        begin = time.monotonic()
+        b = lease_peer(sock, "share", "k1,k2", str(4 * MB), "hold", restart=False)
+        b.read("HOLDING", timeout_s=30)
+        assert time.monotonic() - begin >= 1.0  # refused during the reclaim period
+        os.kill(a.pid, signal.SIGCONT)
+        a.send("go")
+        assert a.read("ERR ", timeout_s=30).startswith("registry lock(s) publish:cpu:default were lost")
+        b.send("go")
+        got_b = b.read_json(timeout_s=30)
+        assert (got_b["mapped"], got_b["published"]) == ([], ["k1", "k2"])  # a's k1 was not back yet
+        stats = server.stats()
+        assert sorted(e.pid for e in stats.engines) == sorted([a.pid, b.pid])  # a re-registered what it holds
+        keys = sorted(k for seg in server.registry.segments.values() for k, _, _ in seg.keys)
+        assert keys == ["k1", "k1", "k2"]  # k2 once: a published nothing without its lock
+    finally:
+        if a.proc.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+        for peer in (a, b):
+            if peer is not None:
+                peer.end()
+        if server is not None:
+            server.stop()
+    assert memfd_holders() == []
+
+
+def test_a_hung_registry_costs_one_timeout_and_the_connection_is_not_reused(tmp_path, monkeypatch):
+    """A SIGSTOPped registry accepts connections but never answers: a call waits its timeout once,
+    fails with RegistryTimeout, and every later call on that connection fails at once (a late
+    reply must never answer a later request).  Once it runs again, a new connection works."""
+    from vllm_dedup.errors import RegistryTimeout
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    sock = run / "vllm-dedup.sock"
+    start_daemon(sock)
+    pid = registry_stats(sock).registry_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        client = BrokerClient(sock, timeout_s=1.0)  # connecting works: the kernel accepts for it
+        begin = time.monotonic()
+        try:
+            client.stats()
+            raise AssertionError("a stopped registry answered")
+        except RegistryTimeout:
+            pass
+        assert 1.0 <= time.monotonic() - begin < 5
+        begin = time.monotonic()
+        for call in (client.stats, lambda: client.hello("x", "cpu", "default")):
+            try:
+                call()
+                raise AssertionError("a timed-out connection was used again")
+            except RegistryTimeout:
+                pass
+        assert time.monotonic() - begin < 0.5 and not client.hung_up()
+        client.close()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert registry_stats(sock).registry_pid == pid  # it answers again
+    shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)

@@ -94,13 +94,15 @@ class Peer:
         return {"bytes": self.client.expected_shared_bytes()}
 
     def op_load(self, ordinal, tensors):
-        hits = {hit.key: (hit, fd) for hit, fd in self.client.acquire(list(tensors))}
+        hits = {}
+        for found in self.client.acquire(list(tensors)):
+            seg = CudaSegment.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), cudadrv.device_key(ordinal))
+            seg.close_fd()
+            hits.update({hit.key: (seg, hit) for hit in found.hits})
         shared = published = 0
         for key, nbytes in tensors.items():
             if key in hits:
-                hit, fd = hits[key]
-                seg = CudaSegment.attach(fd, hit.offset + hit.nbytes, cudadrv.device_key(ordinal))
-                seg.close_fd()
+                seg, hit = hits[key]
                 self.held[key] = (seg._mapping, hit.offset, hit.nbytes)
                 shared += nbytes
             else:

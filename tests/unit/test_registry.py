@@ -117,3 +117,23 @@ def test_a_recipe_of_the_same_checkpoint_replaces_the_old_one_and_old_ones_go_be
     assert len(reg.recipes_for(e, "sig")) == MAX_RECIPES
     reg.close()
     assert sorted(reg.closed) == sorted([300, 301, *range(400, 400 + MAX_RECIPES)])
+
+
+def test_a_registry_replacing_a_dead_one_grants_only_reclaims_for_a_while(reg, monkeypatch):
+    import vllm_dedup.registry.state as state
+
+    now = [1000.0]
+    monkeypatch.setattr(state.time, "monotonic", lambda: now[0])
+    holder, newcomer = engine(reg, 10), engine(reg, 11)
+    reg.begin_reclaim(10.0)
+    assert reg.try_lock(newcomer, "publish:cpu:default") == 0  # refused: the reclaim period
+    assert reg.try_lock(holder, "publish:cpu:default", reclaim=True) is None  # what it held before
+    now[0] += 10.0
+    assert reg.try_lock(newcomer, "publish:cpu:default") == 10  # held by the one that reclaimed it
+    reg.unlock(holder, "publish:cpu:default")
+    assert reg.try_lock(newcomer, "publish:cpu:default") is None
+    assert reg.try_lock(holder, "publish:cpu:default", reclaim=True) == 11  # a late reclaim is refused
+
+
+def test_a_fresh_registry_has_no_reclaim_period(reg):
+    assert reg.try_lock(engine(reg, 10), "publish:cpu:default") is None

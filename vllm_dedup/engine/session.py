@@ -126,12 +126,15 @@ class EngineSession:
         from ..registry.discovery import connect_registry
 
         try:
-            client = connect_registry(config.registry_namespace, config.registry_address, config.keep_warm_s)
+            client = connect_registry(config.registry_namespace, config.registry_address, config.keep_warm_s,
+                                      reply_timeout_s=config.registry_timeout_s)
             # Come back the way it came: a daemon is started again by whichever engine
             # notices first; a Ray actor by whoever created it (a new engine, the Serve helper).
+            # A registry that does not answer costs one `registry_timeout_s` (RegistryTimeout).
             restart = (functools.partial(start_daemon, keep_warm_s=config.keep_warm_s)
                        if is_daemon(client.stats().registry_pid) else None)
-            return Lease(client, model, device_key, config.share_group, signature, restart)
+            return Lease(client, model, device_key, config.share_group, signature, restart,
+                         timeout_s=config.registry_timeout_s)
         except RegistryUnavailable as e:
             if config.on_registry_error == "fail":
                 raise RuntimeError(

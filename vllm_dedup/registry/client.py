@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import stat
 import threading
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ProtocolError, RegistryUnavailable
+from ..errors import ProtocolError, RegistryTimeout, RegistryUnavailable
 from . import protocol as p
 from .state import Hit, RegistryStats
 
@@ -40,16 +41,24 @@ class BrokerClient:
 
     Args:
         path: the socket (`protocol.socket_path`).
-        timeout_s: seconds to wait for any one reply.
+        timeout_s: seconds to wait for any one reply.  A registry that does not answer in time
+            (hung, SIGSTOPped) costs one such wait: the connection is closed then, and every
+            later call fails at once.
+
+    Attributes:
+        timed_out: a reply did not come within ``timeout_s`` (the connection is closed).
 
     Raises (the constructor and every method):
         RegistryUnavailable: cannot connect, refused, the registry went away or answered an
             error (`ProtocolError`, a subclass, when a request cannot be sent as given: a field
-            out of its limits, too big, or a reply that broke the protocol).
+            out of its limits, too big, or a reply that broke the protocol; `RegistryTimeout`,
+            another, when no reply came within ``timeout_s``).
     """
 
     def __init__(self, path: Path, timeout_s: float = 30.0):
         self.path = Path(path)
+        self.timeout_s = timeout_s
+        self.timed_out = False
         p.ensure_private_dir(self.path.parent)
         try:
             info = os.lstat(self.path)
@@ -100,11 +109,20 @@ class BrokerClient:
         """Send ``request``, return ``(reply, descriptors)``; ``reply`` is a ``reply_type``
         (or the raw dict when None).  The caller owns the descriptors."""
         with self._lock:
+            if self.timed_out:
+                raise RegistryTimeout(f"the registry at {self.path} did not answer an earlier request within "
+                                      f"{self.timeout_s:g} s; this connection is closed")
             try:
                 p.send(self._sock, request.to_wire(), fds)
                 reply, got = p.recv(self._sock, p.MAX_REPLY)
             except ProtocolError:
                 raise
+            except TimeoutError:
+                # A late reply must never be read as the answer to a later request: close.
+                self.timed_out = True
+                self._sock.close()
+                raise RegistryTimeout(f"the registry at {self.path} did not answer within {self.timeout_s:g} s "
+                                      "(hung or stopped?); this connection is closed") from None
             except OSError as e:
                 if isinstance(e, ConnectionError) and (parting := self._parting_words()) is not None:
                     raise RegistryUnavailable(f"registry at {self.path}: {parting}") from None
@@ -134,21 +152,28 @@ class BrokerClient:
         return self._call(p.Expect(), p.ExpectReply)[0].bytes
 
     def acquire(self, keys: list[str], uids: list[str] | None = None) -> list[SegmentHits]:
-        """Look up ``keys`` (with ``uids``, one per key: each only in the segment of that uid);
-        returns the hits grouped by segment, one descriptor each (the caller owns them).  The
-        registry holds every segment returned until `release`."""
+        """Look up ``keys`` (with ``uids``, one per key: each only in the segment of that uid;
+        one round trip per `protocol.MAX_FDS` keys); returns the hits grouped by segment, one
+        descriptor each (the caller owns them).  The registry holds every segment returned until
+        `release`.  When a later round trip fails, the descriptors of the earlier ones are closed
+        before the error is raised."""
         out: dict[int, SegmentHits] = {}
-        for start in range(0, len(keys), p.MAX_FDS):
-            chunk = slice(start, start + p.MAX_FDS)
-            reply, fds = self._call(p.Acquire(keys[chunk], list(uids[chunk]) if uids else []), p.AcquireReply)
-            for seg, fd, uid, size in zip(reply.segments, fds, reply.uids, reply.sizes):
-                if seg in out:  # held already through an earlier chunk
-                    os.close(fd)
-                else:
-                    out[seg] = SegmentHits(seg, uid, size, fd)
-            for key, seg, offset, nbytes in reply.hits:
-                found = out[seg]
-                found.hits.append(Hit(key, seg, offset, nbytes, found.uid, found.nbytes))
+        try:
+            for start in range(0, len(keys), p.MAX_FDS):
+                chunk = slice(start, start + p.MAX_FDS)
+                reply, fds = self._call(p.Acquire(keys[chunk], list(uids[chunk]) if uids else []), p.AcquireReply)
+                for seg, fd, uid, size in zip(reply.segments, fds, reply.uids, reply.sizes):
+                    if seg in out:  # held already through an earlier chunk
+                        os.close(fd)
+                    else:
+                        out[seg] = SegmentHits(seg, uid, size, fd)
+                for key, seg, offset, nbytes in reply.hits:
+                    found = out[seg]
+                    found.hits.append(Hit(key, seg, offset, nbytes, found.uid, found.nbytes))
+        except BaseException:
+            for found in out.values():
+                os.close(found.fd)
+            raise
         return list(out.values())
 
     def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]], uid: str = "") -> int:
@@ -204,7 +229,7 @@ class BrokerClient:
         return RegistryStats.from_dict(self._call(p.Stats(), None)[0])
 
     def lock(self, names: str | list[str], owner: str | None = None, timeout_s: float = 600.0,
-             poll_s: float = 0.05) -> None:
+             poll_s: float = 0.05, reclaim: bool = False) -> None:
         """Take registry locks ``names``, all or none (`Registry.try_lock`; needs `hello` first).
 
         Waiting polls (``poll_s``) rather than blocking in the registry, so a waiter never
@@ -214,21 +239,24 @@ class BrokerClient:
         Args:
             names: one lock name or several.
             owner: connections passing the same owner share the locks (TP ranks of one engine).
-            timeout_s: give up after this many seconds.
+            timeout_s: give up after this many seconds (0: one try).
+            reclaim: these locks were held in a registry that died (`registry.lease`).
 
         Raises:
-            TimeoutError: still held by another engine after ``timeout_s`` (the message names its pid).
+            TimeoutError: still held by another engine after ``timeout_s`` (the message names its
+                pid), or refused that long by a restarted registry waiting for reclaims.
             RegistryUnavailable: as every method.
         """
         names = [names] if isinstance(names, str) else list(names)
         deadline = time.monotonic() + timeout_s
         while True:
-            reply, _ = self._call(p.Lock(names, owner), p.LockReply)
+            reply, _ = self._call(p.Lock(names, owner, reclaim), p.LockReply)
             if reply.granted:
                 return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"registry lock(s) {', '.join(names)} still held by engine pid "
-                                   f"{reply.holder_pid} after {timeout_s:.0f} s")
+            if time.monotonic() >= deadline:
+                why = ("the registry, restarted, is waiting for engines to reclaim their locks" if reply.recovering
+                       else f"still held by engine pid {reply.holder_pid}")
+                raise TimeoutError(f"registry lock(s) {', '.join(names)}: {why} after {timeout_s:.0f} s")
             time.sleep(poll_s)
 
     def unlock(self, names: str | list[str]) -> None:
@@ -251,6 +279,15 @@ class BrokerClient:
     def shutdown(self, force: bool = False) -> None:
         """Stop the registry (refused while engines are connected, unless ``force``)."""
         self._call(p.Shutdown(force), p.ShutdownReply)
+
+    def hung_up(self) -> bool:
+        """Whether the registry closed this connection (it died, or dropped this client); False
+        for a connection this client closed itself (`close`, or after a timeout)."""
+        if self.timed_out or self._sock.fileno() < 0:
+            return False
+        poller = select.poll()
+        poller.register(self._sock, select.POLLRDHUP)
+        return any(ev & (select.POLLHUP | select.POLLRDHUP | select.POLLERR) for _, ev in poller.poll(0))
 
     def close(self) -> None:
         self._sock.close()

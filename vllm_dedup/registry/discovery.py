@@ -44,7 +44,7 @@ def _ray_cluster_hint(address: str | None) -> bool:
 
 
 def connect_registry(namespace: str, address: str | None = None, keep_warm_s: float = 0.0,
-                     timeout_s: float = 60.0) -> BrokerClient:
+                     timeout_s: float = 60.0, reply_timeout_s: float = 30.0) -> BrokerClient:
     """A connection to this node's registry for ``namespace``, starting one if needed.
 
     Args:
@@ -52,6 +52,8 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
         address: ``None`` (decide as the module docstring says), ``"local"`` (standalone
             daemon, no Ray) or a Ray address (``"auto"``, ``"host:port"``).
         keep_warm_s: for a registry this call starts: seconds an unheld segment stays.
+        timeout_s: seconds to wait for a registry this call starts to answer.
+        reply_timeout_s: the connection's timeout for any one reply (`BrokerClient`).
 
     Raises:
         RegistryUnavailable: no registry could be reached or started.
@@ -62,7 +64,7 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     except Exception as e:  # Ray's node table unreachable: no registry, not a failed engine
         raise RegistryUnavailable(f"cannot tell which Ray node this process is on: {e}") from None
     try:
-        return BrokerClient(path)
+        return BrokerClient(path, reply_timeout_s)
     except RegistryUnavailable:
         pass
     if address != "local" and _ray_cluster_hint(address):  # an explicit Ray address always lands here
@@ -74,7 +76,7 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return BrokerClient(path)
+            return BrokerClient(path, reply_timeout_s)
         except RegistryUnavailable:
             if time.monotonic() > deadline:
                 raise

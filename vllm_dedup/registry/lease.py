@@ -6,43 +6,77 @@ the engine maps and the locks it holds stay registered in its name.  If the regi
 (crash, SIGKILL, an actor killed), the engine's mappings stay valid (descriptors and mappings
 keep the memory), but a new registry would know nothing, and later engines would load
 privately what is still resident.  So `Lease` remembers, per segment, a descriptor of it (its
-own duplicate), its size, its uid and the content keys the engine knows in it, and the recipes
-the engine gave or used; and a background thread (`watch`) waits for the connection to close.
-When it does, the thread reconnects with backoff (starting the standalone daemon again when
-that is what served the engine) and re-registers everything: hello, every segment (by uid: two
-engines re-registering one segment store it once, `state.Registry.publish`), every recipe, the
-load report.  The thread sleeps in ``poll`` on the socket and never touches the forward pass.
+own duplicate), its size, its uid and the content keys the engine knows in it; the locks it
+holds; and the recipes the engine gave or used.  When the connection closes it reconnects
+(starting the standalone daemon again when that is what served the engine) and re-registers
+everything: hello, every segment (by uid: two engines re-registering one segment store it
+once, `state.Registry.publish`), every recipe, every lock it held (a *reclaim*: the new
+registry grants reclaims only for a while, `state.Registry.begin_reclaim`, so that an engine in
+the middle of publishing keeps its lock and a newcomer waits to map what it publishes), and the
+load report.
+
+Two things notice a registry that died:
+
+- a call: a request on a connection the registry closed fails; the lease re-registers (trying
+  for up to ``timeout_s``) and sends it again once.  So a load in progress goes on across a
+  registry restart instead of keeping the rest of its tensors private;
+- after loading, a background thread (`watch`) that sleeps in ``poll`` on the connection (a
+  hang-up only; it never reads) and re-registers with backoff, for as long as it takes.  It
+  never touches the forward pass.
+
+A registry that does not answer (hung, SIGSTOPped) is another matter: the call waits
+``timeout_s`` once (`client.BrokerClient`), the connection is closed, the load goes on without
+the registry, and the watcher re-registers once a registry answers again.
+
+A lock that cannot be reclaimed (another engine took it first: the reclaim period was over) is
+lost: until the engine gives it back (``unlock``, the end of its ``locked`` block), `acquire`
+and `publish` fail with `RegistryUnavailable`, so what the lock protected stays private rather
+than published twice.
 
 `Lease` offers the `client.BrokerClient` methods the engine side uses, and records what they
-hold as they go.
+hold as they go.  Segment ids it returns (in hits, from `publish`) are its own and stay valid
+across registry restarts; `release` takes them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import itertools
 import logging
 import os
 import select
+import signal
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from ..errors import RegistryUnavailable, SegmentError
 from .client import BrokerClient, SegmentHits
 from .state import RegistryStats
 
-__all__ = ["Lease"]
+__all__ = ["STOP_AFTER_PUBLISHES_ENV", "Lease"]
 
 logger = logging.getLogger("vllm.dedup.lease")  # under "vllm": vLLM's handlers and format apply
+
+# Test hook: when set to N, the process stops itself (SIGSTOP) right after its N-th publish made
+# while holding a lock, so that a test can kill the registry at that exact point
+# (tests/e2e/test_registry_faults.py).
+STOP_AFTER_PUBLISHES_ENV = "VLLM_DEDUP_TEST_STOP_AFTER_PUBLISHES"
 
 
 @dataclass
 class _Held:
-    """A segment this engine holds: its own descriptor of it, size, and the keys it knows in it."""
+    """A segment this engine holds: its own descriptor of it (-1: the registry named no uid for
+    it, so it cannot be re-registered), size, uid, id in the current registry (-1: none), and
+    the keys the engine knows in it."""
 
     fd: int
     nbytes: int
+    uid: str
+    registry_id: int
     keys: dict[str, tuple[int, int]] = field(default_factory=dict)  # content key -> (offset, bytes)
 
 
@@ -55,6 +89,9 @@ class Lease:
         start_daemon: a function that starts the standalone registry daemon on the client's
             socket (used when reconnecting finds nothing there and the engine's registry was
             that daemon), or None.
+        timeout_s: seconds a call waits for a registry that died to be back (re-registering
+            with it) before it fails; also each reply's timeout on the connections the lease
+            opens (default: the client's).
 
     Attributes:
         reregistrations: how many times this lease re-registered with a new registry.
@@ -63,60 +100,103 @@ class Lease:
     """
 
     def __init__(self, client: BrokerClient, model: str, device: str, group: str, signature: str = "",
-                 start_daemon: Callable[[Path], None] | None = None):
+                 start_daemon: Callable[..., None] | None = None, timeout_s: float | None = None):
         self._hello = (model, device, group, signature)
         self._start_daemon = start_daemon
-        self._lock = threading.RLock()
+        self._timeout_s = client.timeout_s if timeout_s is None else timeout_s
+        self._lock = threading.RLock()  # the one lock: every field below, and the connection
         self._client = client
         self.engine_id = client.hello(*self._hello)
         self.group, self.path = group, client.path
-        self._held: dict[str, _Held] = {}  # segment uid -> what re-registering it needs
-        self._uid_of: dict[int, str] = {}  # segment id in the current registry -> uid
+        self._held: dict[int, _Held] = {}  # this lease's segment id -> what re-registering it needs
+        self._by_uid: dict[str, int] = {}  # segment uid -> this lease's id
+        self._by_registry: dict[int, int] = {}  # the current registry's segment id -> this lease's id
+        self._ids = itertools.count(1)
+        self._locks: dict[str, str | None] = {}  # locks held now: name -> owner
+        self._lost_locks: set[str] = set()  # held, not reclaimed after a restart, not yet given back
         self._recipes: dict[bytes, None] = {}  # recipes given or used, oldest first
         self._load: dict | None = None
         self.reregistrations = 0
+        self._publishes = 0
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
     # what the engine side calls --------------------------------------------------------------
     def acquire(self, keys: list[str], uids: list[str] | None = None) -> list[SegmentHits]:
+        """`BrokerClient.acquire`; each segment's id (and its hits') is this lease's id of it
+        (`release`, `uid_of`).
+
+        Raises:
+            RegistryUnavailable: as `BrokerClient.acquire`, or a lock this lease held was lost
+                across a registry restart (module docstring).
+        """
         with self._lock:
-            found = self._client.acquire(keys, uids)
+            self._check_locks()
+            found = self._call(lambda c: c.acquire(keys, uids))
             for seg in found:
-                if not seg.uid:
-                    continue  # a registry that names no segments: nothing to re-register
-                held = self._held.get(seg.uid)
-                if held is None:
-                    held = self._held[seg.uid] = _Held(os.dup(seg.fd), seg.nbytes)
+                lease_id = self._by_registry.get(seg.segment)
+                if lease_id is None and seg.uid:
+                    lease_id = self._by_uid.get(seg.uid)
+                if lease_id is None:
+                    lease_id = next(self._ids)
+                    self._held[lease_id] = _Held(os.dup(seg.fd) if seg.uid else -1, seg.nbytes, seg.uid, seg.segment)
+                    if seg.uid:
+                        self._by_uid[seg.uid] = lease_id
+                held = self._held[lease_id]
+                held.registry_id = seg.segment
                 held.keys.update({hit.key: (hit.offset, hit.nbytes) for hit in seg.hits})
-                self._uid_of[seg.segment] = seg.uid
+                self._by_registry[seg.segment] = lease_id
+                seg.segment = lease_id
+                seg.hits = [dataclasses.replace(hit, segment=lease_id) for hit in seg.hits]
             return found
 
+    def uid_of(self, segment: int) -> str:
+        """The uid of a segment this engine holds (by this lease's id of it), or ""."""
+        with self._lock:
+            held = self._held.get(segment)
+            return held.uid if held is not None else ""
+
     def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]]) -> int:
-        """`BrokerClient.publish`, under a uid drawn here."""
+        """`BrokerClient.publish`, under a uid drawn here; returns this lease's id of the segment.
+
+        Raises:
+            RegistryUnavailable: as `acquire`.
+        """
         uid = uuid.uuid4().hex
         with self._lock:
-            seg_id = self._client.publish(fd, nbytes, keys, uid)
-            self._held[uid] = _Held(os.dup(fd), nbytes, {k: (o, n) for k, o, n in keys})
-            self._uid_of[seg_id] = uid
-            return seg_id
-
-    def uid_of(self, segment: int) -> str:
-        """The uid of a segment this engine holds (by its id in the current registry), or ""."""
-        with self._lock:
-            return self._uid_of.get(segment, "")
+            self._check_locks()
+            seg_id = self._call(lambda c: c.publish(fd, nbytes, keys, uid))
+            lease_id = next(self._ids)
+            self._held[lease_id] = _Held(os.dup(fd), nbytes, uid, seg_id, {k: (o, n) for k, o, n in keys})
+            self._by_uid[uid] = lease_id
+            self._by_registry[seg_id] = lease_id
+            self._publishes += 1
+            stop_here = self._locks and os.environ.get(STOP_AFTER_PUBLISHES_ENV) == str(self._publishes)
+        if stop_here:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return lease_id
 
     def release(self, segments: list[int]) -> None:
+        """The engine no longer maps these segments (this lease's ids)."""
         with self._lock:
-            for seg_id in segments:
-                held = self._held.pop(self._uid_of.pop(seg_id, ""), None)
-                if held is not None:
+            ids = []
+            for lease_id in segments:
+                held = self._held.pop(lease_id, None)
+                if held is None:
+                    continue
+                self._by_uid.pop(held.uid, None)
+                if held.registry_id >= 0:
+                    self._by_registry.pop(held.registry_id, None)
+                    ids.append(held.registry_id)
+                if held.fd >= 0:
                     os.close(held.fd)
-            self._client.release(segments)
+            if ids:
+                # After a re-registration the new registry never heard of them: nothing to send.
+                self._call(lambda c: c.release(ids), again=False)
 
     def put_recipe(self, data: bytes) -> None:
         with self._lock:
-            self._client.put_recipe(data)
+            self._call(lambda c: c.put_recipe(data))
             self.keep_recipe(data)
 
     def keep_recipe(self, data: bytes) -> None:
@@ -126,40 +206,95 @@ class Lease:
             self._recipes[data] = None
 
     def report(self, load: dict) -> None:
+        """`BrokerClient.report`; with ``reregistered`` (how many times this lease re-registered)
+        once it has."""
         with self._lock:
             self._load = dict(load)
-            self._client.report(load)
+            self._call(lambda c: c.report({**load, "reregistered": self.reregistrations} if self.reregistrations
+                                          else load))
 
     def get_recipes(self, signature: str) -> list[bytes]:
         with self._lock:
-            return self._client.get_recipes(signature)
+            return self._call(lambda c: c.get_recipes(signature))
 
     def expected_shared_bytes(self) -> int:
         with self._lock:
-            return self._client.expected_shared_bytes()
+            return self._call(lambda c: c.expected_shared_bytes())
 
     def stats(self) -> RegistryStats:
         with self._lock:
-            return self._client.stats()
+            return self._call(lambda c: c.stats())
 
     def lock(self, names, owner: str | None = None, timeout_s: float = 600.0, poll_s: float = 0.05) -> None:
-        with self._lock:
-            client = self._client
-        client.lock(names, owner, timeout_s, poll_s)  # polls: never hold the lease's lock meanwhile
+        """`BrokerClient.lock`, across registry restarts: a registry that dies while this waits
+        is re-registered with (`timeout_s` of the lease), and the wait goes on there.  Held
+        locks are reclaimed by a re-registration.
+
+        Raises:
+            TimeoutError: as `BrokerClient.lock`.
+            RegistryUnavailable: as `BrokerClient.lock`, or no registry came back in time.
+        """
+        names = [names] if isinstance(names, str) else list(names)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                client = self._client
+            try:  # polls: never hold the lease's lock meanwhile
+                client.lock(names, owner, max(0.0, deadline - time.monotonic()), poll_s)
+            except RegistryUnavailable:
+                if not client.hung_up():
+                    raise
+                with self._lock:
+                    self._recover(client)
+                continue
+            with self._lock:
+                if self._client is client:  # else granted by a registry that has died since: again
+                    self._locks.update(dict.fromkeys(names, owner))
+                    return
 
     def unlock(self, names) -> None:
+        """Give locks back (a registry that is gone took them with it: no error then)."""
+        names = [names] if isinstance(names, str) else list(names)
         with self._lock:
+            for name in names:
+                self._locks.pop(name, None)
+                self._lost_locks.discard(name)
             client = self._client
         client.unlock(names)
 
+    @contextlib.contextmanager
     def locked(self, names, owner: str | None = None, timeout_s: float = 600.0, poll_s: float = 0.05):
-        with self._lock:
-            client = self._client
-        return client.locked(names, owner, timeout_s, poll_s)
+        """Hold registry locks for the ``with`` block (see `lock`, whose errors it raises)."""
+        self.lock(names, owner, timeout_s, poll_s)
+        try:
+            yield
+        finally:
+            self.unlock(names)
 
     @property
     def held_segments(self) -> int:
         return len(self._held)
+
+    def _check_locks(self) -> None:
+        if self._lost_locks:
+            raise RegistryUnavailable(f"registry lock(s) {', '.join(sorted(self._lost_locks))} were lost when the "
+                                      "registry restarted (another engine took them first)")
+
+    def _call(self, fn, again: bool = True):
+        """``fn(connection)``; when it fails because the registry closed the connection (it
+        died), re-register with the next one (`_recover`) and, with ``again``, call ``fn`` once
+        more there.  The caller holds ``self._lock``."""
+        client = self._client
+        try:
+            return fn(client)
+        except RegistryUnavailable:
+            if not client.hung_up():  # an error answer, or a registry that does not answer
+                raise
+        self._recover(client)
+        if not again:
+            return None
+        self._check_locks()
+        return fn(self._client)
 
     # the registry coming back ------------------------------------------------------------------
     def watch(self) -> None:
@@ -174,19 +309,24 @@ class Lease:
         with self._lock:
             self._client.close()
             for held in self._held.values():
-                os.close(held.fd)
+                if held.fd >= 0:
+                    os.close(held.fd)
             self._held.clear()
 
     def _watch(self) -> None:
         while not self._stop.is_set():
             if not self._closed(timeout_s=1.0):
                 continue
-            logger.warning("vllm-dedup: the registry at %s went away; this engine keeps its weights and will "
-                           "re-register them with the next one", self.path)
+            with self._lock:
+                old = self._client
+            logger.warning("vllm-dedup: the registry at %s went away or stopped answering; this engine keeps its "
+                           "weights and will re-register them with the next one", self.path)
             delay = 0.2
             while not self._stop.is_set():
                 try:
-                    self._reregister()
+                    with self._lock:
+                        if self._client is old:
+                            self._reregister(self._timeout_s)
                     break
                 except (RegistryUnavailable, SegmentError, OSError) as e:
                     logger.debug("vllm-dedup: no registry yet (%s); retrying in %.1f s", e, delay)
@@ -194,8 +334,9 @@ class Lease:
                     delay = min(delay * 2, 5.0)
 
     def _closed(self, timeout_s: float) -> bool:
-        """Whether the registry closed the connection (waits up to ``timeout_s``).  Only a
-        hang-up counts: a reply arriving for a request in flight is left to its reader."""
+        """Whether the connection is closed: by the registry (waits up to ``timeout_s`` for a
+        hang-up; a reply arriving for a request in flight is left to its reader), or by this
+        side after the registry did not answer in time."""
         poller = select.poll()
         with self._lock:
             sock = self._client._sock
@@ -204,34 +345,84 @@ class Lease:
             poller.register(sock, select.POLLRDHUP)
         return bool(poller.poll(timeout_s * 1000))
 
-    def _reregister(self) -> None:
-        client = self._reopen()
+    def _recover(self, old: BrokerClient) -> None:
+        """Re-register with the registry that replaces the one behind ``old``, trying for up
+        to ``self._timeout_s`` (nothing to do if that happened already).  The caller holds
+        ``self._lock``.
+
+        Raises:
+            RegistryUnavailable: no registry answered in time.
+        """
+        if self._client is not old:
+            return
+        deadline = time.monotonic() + self._timeout_s
+        delay = 0.1
+        while True:
+            try:
+                self._reregister(max(0.5, deadline - time.monotonic()))
+                return
+            except (RegistryUnavailable, SegmentError, OSError) as e:
+                if time.monotonic() + delay >= deadline:
+                    raise RegistryUnavailable(f"the registry at {self.path} went away and none answered within "
+                                              f"{self._timeout_s:g} s ({e})") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _reregister(self, timeout_s: float) -> None:
+        """Say hello to the registry at ``self.path`` (starting the daemon if that is what served
+        this engine) and give it everything held (module docstring).  The caller holds
+        ``self._lock``.  ``timeout_s``: for each reply, and for a daemon to start."""
+        client = self._reopen(timeout_s)
         try:
-            with self._lock:
-                client.hello(*self._hello)
-                uid_of = {}
-                for uid, held in self._held.items():
+            client.hello(*self._hello)
+            registry_ids: dict[int, int] = {}  # lease id -> id in the new registry
+            for lease_id, held in self._held.items():
+                if held.fd >= 0:
                     keys = [(k, o, n) for k, (o, n) in held.keys.items()]
-                    uid_of[client.publish(held.fd, held.nbytes, keys, uid)] = uid
-                for data in self._recipes:
-                    client.put_recipe(data)
-                self.reregistrations += 1
-                if self._load is not None:
-                    client.report({**self._load, "reregistered": self.reregistrations})
-                old, self._client, self._uid_of = self._client, client, uid_of
-                self.engine_id = client.engine_id
-                old.close()
+                    registry_ids[lease_id] = client.publish(held.fd, held.nbytes, keys, held.uid)
+            for data in self._recipes:
+                client.put_recipe(data)
+            lost = self._reclaim(client)
+            if self._load is not None:
+                client.report({**self._load, "reregistered": self.reregistrations + 1})
         except BaseException:
             client.close()
             raise
-        logger.info("vllm-dedup: re-registered with the registry at %s: %d segment(s) (%.1f MB), %d recipe(s)",
-                    self.path, len(self._held), sum(h.nbytes for h in self._held.values()) / 1e6, len(self._recipes))
+        for lease_id, held in self._held.items():
+            held.registry_id = registry_ids.get(lease_id, -1)
+        self._by_registry = {seg: lease_id for lease_id, seg in registry_ids.items()}
+        old, self._client = self._client, client
+        self.engine_id = client.engine_id
+        self.reregistrations += 1
+        old.close()
+        for name in lost:
+            self._locks.pop(name, None)
+            self._lost_locks.add(name)
+        logger.info("vllm-dedup: re-registered with the registry at %s: %d segment(s) (%.1f MB), %d recipe(s), "
+                    "%d lock(s) reclaimed", self.path, len(registry_ids),
+                    sum(h.nbytes for h in self._held.values() if h.fd >= 0) / 1e6, len(self._recipes),
+                    len(self._locks))
 
-    def _reopen(self) -> BrokerClient:
+    def _reclaim(self, client: BrokerClient) -> set[str]:
+        """Take again, as reclaims, the locks held; returns those another engine holds already."""
+        by_owner: dict[str | None, list[str]] = {}
+        for name, owner in self._locks.items():
+            by_owner.setdefault(owner, []).append(name)
+        lost: set[str] = set()
+        for owner, names in by_owner.items():
+            try:
+                client.lock(names, owner, timeout_s=0, reclaim=True)
+            except TimeoutError as e:
+                logger.warning("vllm-dedup: could not reclaim %s from the restarted registry (%s); what they "
+                               "protect stays private", ", ".join(names), e)
+                lost.update(names)
+        return lost
+
+    def _reopen(self, timeout_s: float) -> BrokerClient:
         try:
-            return BrokerClient(self.path)
+            return BrokerClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
         except RegistryUnavailable:
             if self._start_daemon is None:
                 raise
-        self._start_daemon(self.path)
-        return BrokerClient(self.path)
+        self._start_daemon(self.path, timeout_s=timeout_s)
+        return BrokerClient(self.path, timeout_s=min(timeout_s, self._timeout_s))

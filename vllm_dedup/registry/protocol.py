@@ -28,7 +28,9 @@ Requests (one dataclass each, below; ``op`` names it on the wire) and their repl
 ``publish``           bytes, keys ``[[key, offset, bytes]]`` + 1 fd -> segment id
 ``release``           segments -> {}
 ``report``            load (the engine's `engine.context.LoadReport` numbers) -> {}
-``lock``              names, owner -> granted (bool; all or none), holder_pid (when not granted)
+``lock``              names, owner, reclaim -> granted (bool; all or none), holder_pid (when not
+                      granted), recovering (refused: a restarted registry waits for engines to
+                      reclaim their locks)
 ``unlock``            names -> {}
 ``expect``            -> bytes (`Registry.expected_shared_bytes` for this engine)
 ``put_recipe``        bytes + 1 fd (a sealed memfd holding the recipe's JSON) -> {}
@@ -420,10 +422,13 @@ class Report(Message, op="report"):
 
 
 class Lock(Message, op="lock"):
-    """Take registry locks, all or none; ``owner`` shares them between connections."""
+    """Take registry locks, all or none; ``owner`` shares them between connections.
+    ``reclaim``: the engine held them in a registry that died and re-registers them
+    (`Registry.try_lock`)."""
 
     names: list[str]
     owner: str | None = None
+    reclaim: bool = False
 
 
 class Unlock(Message, op="unlock"):
@@ -501,8 +506,13 @@ class PublishReply(Message):
 
 
 class LockReply(Message):
+    """``granted``, else who holds a lock (``holder_pid``), or ``recovering``: a registry that
+    replaced one that died refuses new locks for a while, so that the engines re-registering
+    reclaim theirs first."""
+
     granted: bool
     holder_pid: int | None = None
+    recovering: bool = False
 
 
 class ExpectReply(Message):

@@ -23,7 +23,9 @@ Hostile and broken clients (tests/integration/test_hostile_clients.py, test_prot
 
 Lease: an engine keeps one connection open for its lifetime.  When it closes, for whatever
 reason (exit, crash, SIGKILL), the kernel closes the socket and the server drops that engine's
-references (`Registry.drop_engine`).
+references (`Registry.drop_engine`).  A server that finds a dead registry's socket where it
+starts (a clean stop removes it) replaces that registry: for ``reclaim_grace_s`` it grants locks
+only to engines reclaiming those they held (`Registry.begin_reclaim`).
 
 The same server runs inside the Ray actor (`ray_actor.py`) and in the standalone daemon
 (`daemon.py`).
@@ -45,7 +47,7 @@ from pathlib import Path
 from ..errors import ProtocolError, RegistryUnavailable, SegmentError
 from ..segments.host import check_sealed_memfd
 from . import protocol as p
-from .state import Registry, RegistryStats
+from .state import RECLAIM_GRACE_S, Registry, RegistryStats
 
 __all__ = ["BrokerServer"]
 
@@ -75,11 +77,15 @@ class BrokerServer:
         registry: the state to serve.
         path: the socket path; its directory must be private (see `protocol.ensure_private_dir`).
         max_connections: connections served at once (default: `default_max_connections`).
+        reclaim_grace_s: when the socket found at start is a dead registry's, seconds during
+            which only reclaimed locks are granted (`Registry.begin_reclaim`).
     """
 
-    def __init__(self, registry: Registry, path: Path, max_connections: int | None = None):
+    def __init__(self, registry: Registry, path: Path, max_connections: int | None = None,
+                 reclaim_grace_s: float = RECLAIM_GRACE_S):
         self.registry = registry
         self.path = Path(path)
+        self.reclaim_grace_s = reclaim_grace_s
         self.max_connections = max_connections or default_max_connections()
         self._sel = selectors.DefaultSelector()
         self._connections: dict[socket.socket, int | None] = {}  # -> engine id, None before hello
@@ -110,14 +116,22 @@ class BrokerServer:
         """
         p.ensure_private_dir(self.path.parent)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        replaces_dead = False
         try:
             probe.connect(str(self.path))
             raise RegistryUnavailable(f"a broker already serves {self.path}")
-        except (FileNotFoundError, ConnectionRefusedError):
+        except FileNotFoundError:
             pass
+        except ConnectionRefusedError:  # the socket of a registry that died (a clean stop removes it)
+            replaces_dead = True
         finally:
             probe.close()
         self.path.unlink(missing_ok=True)  # stale socket of a dead broker
+        if replaces_dead and self.reclaim_grace_s > 0:
+            # Its engines are re-registering now: let those holding locks reclaim them first.
+            self.registry.begin_reclaim(self.reclaim_grace_s)
+            logger.info("broker: replacing a registry that died at %s; new locks wait %.0f s for engines to "
+                        "reclaim theirs", self.path, self.reclaim_grace_s)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(str(self.path))
         os.chmod(self.path, 0o600)
@@ -363,8 +377,8 @@ class BrokerServer:
         return p.Empty(), []
 
     def _lock(self, conn, engine, req: p.Lock, fds):
-        holder = self.registry.try_lock(engine, req.names, req.owner)
-        return p.LockReply(holder is None, holder), []
+        holder = self.registry.try_lock(engine, req.names, req.owner, req.reclaim)
+        return p.LockReply(holder is None, holder or None, holder == 0), []
 
     def _unlock(self, conn, engine, req: p.Unlock, fds):
         self.registry.unlock(engine, req.names)

@@ -22,7 +22,11 @@ server, and tests call it directly.  Everything lives in one place, `Registry`:
   already resident (`expected_shared_bytes`, for vLLM's memory accounting).
 
 An engine's references and locks live exactly as long as its connection (its lease):
-`drop_engine` runs when the connection closes, however the engine ended.  A segment nobody holds is freed at once,
+`drop_engine` runs when the connection closes, however the engine ended.  A registry that
+replaces one that died (`begin_reclaim`, called by the server when it finds the dead one's
+socket) refuses new locks for `RECLAIM_GRACE_S` while the live engines re-register: an engine
+that held a lock (started publishing, or profiling its GPU) reclaims it first, so that a
+newcomer never publishes beside it a second copy of what it holds.  A segment nobody holds is freed at once,
 or after ``keep_warm_s`` seconds so that a restarting engine maps instead of loading.
 
 Keys never cross share groups or devices: a lookup only sees entries of its own pair.
@@ -40,6 +44,10 @@ __all__ = ["EngineEntry", "EngineStats", "GroupStats", "Hit", "LockEntry", "Reci
 
 STARTUP_LOCK_PREFIX = "startup:"
 MAX_RECIPES = 8  # per (share group, load signature): a base model and a few fine-tunes of it
+# Seconds a registry that replaced a dead one refuses new locks (reclaims are granted): live
+# engines notice the death at once and re-register within about a second (their lease starts a
+# daemon again if needed); ten leaves room for a machine under load.
+RECLAIM_GRACE_S = 10.0
 
 
 def startup_lock_name(device: str) -> str:
@@ -196,6 +204,12 @@ class Registry:
         self._uids: dict[str, int] = {}  # segment uid -> id
         self._ids = itertools.count(1)
         self.collisions = 0  # caught by engines' exact compares, over the registry's life
+        self.reclaim_until = 0.0  # time.monotonic() until which only reclaimed locks are granted
+
+    def begin_reclaim(self, seconds: float = RECLAIM_GRACE_S) -> None:
+        """This registry replaces one that died: for ``seconds``, grant locks only to engines
+        reclaiming what they held (`try_lock` with ``reclaim``)."""
+        self.reclaim_until = time.monotonic() + seconds
 
     # engines ---------------------------------------------------------------------------
     def add_engine(self, pid: int, uid: int, model: str, device: str, group: str, signature: str = "") -> int:
@@ -309,18 +323,23 @@ class Registry:
         return sum(n for key, n in kept[-1].final.items() if (device, group, key) in self.index)
 
     # locks -------------------------------------------------------------------------------
-    def try_lock(self, engine_id: int, names: str | list[str], owner: str | None = None) -> int | None:
+    def try_lock(self, engine_id: int, names: str | list[str], owner: str | None = None,
+                 reclaim: bool = False) -> int | None:
         """Take every lock of ``names`` for the engine, or none of them.
 
         All-or-nothing, so two engines each needing several locks (the TP ranks of two
         instances, each rank taking every device's start-up lock) cannot each hold a part and
         wait for the other.  A lock held for the same ``owner`` is shared (default owner: the
-        engine alone).
+        engine alone).  During the reclaim period (`begin_reclaim`) only ``reclaim`` requests
+        (an engine re-registering a lock it held in the registry that died) are granted.
 
         Returns:
-            None when granted, else the pid of an engine holding one of them for another owner.
+            None when granted; else the pid of an engine holding one of them for another owner,
+            or 0 when refused because the reclaim period is not over.
         """
         names = [names] if isinstance(names, str) else list(names)
+        if not reclaim and time.monotonic() < self.reclaim_until:
+            return 0
         owner = owner or f"engine:{engine_id}"
         for name in names:
             lock = self.locks.get(name)

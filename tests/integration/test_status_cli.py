@@ -64,11 +64,11 @@ def test_status_table_shows_the_live_broker(broker, two_peers):
     assert group[:4] == ["cpu", "default", "2", "1"]
     assert " ".join(group[4:6]) == " ".join(group[6:8]) == f"{resident / 1e6:.1f} MB"  # resident, shared
     header = next(line.split() for line in lines if line.lstrip().startswith("pid "))
-    assert header == ["pid", "device", "share", "group", "segments", "shared", "published", "private", "path",
-                      "re-registered", "model"]
+    assert header == ["pid", "device", "share", "group", "segments", "shared", "published", "private", "load",
+                      "path", "re-registered", "model"]
     for peer in (publisher, mapper):
         row = next(line.split() for line in lines if line.lstrip().startswith(f"{peer.pid} "))
-        # The peers report no load: no bytes, no path.
+        # The peers report no load: no bytes, no load path.
         assert row == [str(peer.pid), "cpu", "default", "1", "0", "B", "0", "B", "0", "B", "-", "-", "peer"]
 
 

@@ -6,7 +6,7 @@ without vLLM and without Ray.
 
 It needs torch, cuda-bindings (CUDA backend), nvidia-ml-py (NVML, CUDA backend), xxhash,
 safetensors and transformers; nothing is downloaded.  The registry runs in this process behind
-its Unix socket (`BrokerServer`), as on a machine without Ray; each engine is a child process
+its Unix socket (`RegistryServer`), as on a machine without Ray; each engine is a child process
 (``--child``) driven over stdin/stdout.  Every process checks that it never imported vLLM or Ray.
 It prints a table and writes ``gpu_check-<backend>.json`` and ``gpu_check-<backend>.txt`` to DIR.
 Exit status 0 only if every check passed.
@@ -97,7 +97,7 @@ def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
     import torch
 
     from vllm_dedup.content.fingerprint import device_fingerprints
-    from vllm_dedup.registry.client import BrokerClient
+    from vllm_dedup.registry.client import RegistryClient
     from vllm_dedup.registry.lease import Lease
     from vllm_dedup.segments import segment_class
 
@@ -110,7 +110,7 @@ def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
     contexts = ContextProbe(backend)
     device_key = seg_cls.device_key(device)
     keys_ok = contexts.unchanged_after(lambda: [seg_cls.device_key(i) for i in range(contexts.count)])
-    client = Lease(BrokerClient(sock), f"gpu-check-{os.getpid()}", device_key, "default", "gpu-check")
+    client = Lease(RegistryClient(sock), f"gpu-check-{os.getpid()}", device_key, "default", "gpu-check")
     state: dict = {}
     rows = segment_mb * MB // 2 // 4096
 
@@ -611,7 +611,7 @@ def step_model(run: Run, sock: Path, args) -> None:
 
 
 def run_all(args) -> dict:
-    from vllm_dedup.registry.server import BrokerServer
+    from vllm_dedup.registry.server import RegistryServer
     from vllm_dedup.registry.state import Registry
 
     key = None
@@ -622,7 +622,7 @@ def run_all(args) -> dict:
     run = Run(args.backend, DeviceMemory(args.backend, key))
     seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        server = BrokerServer(Registry(), Path(tmp) / "run" / "broker.sock").start()
+        server = RegistryServer(Registry(), Path(tmp) / "run" / "registry.sock").start()
         try:
             for step in args.steps:
                 began = time.perf_counter()

@@ -43,7 +43,7 @@ from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 
 from .engines import PROMPTS, ServeProcess, openai_complete
 from .oracle import differences
-from .procs import descendants, memfd_holders, processes_matching, tree_pss_bytes
+from .procs import descendants, fd_targets, memfd_holders, processes_matching, tree_pss_bytes
 from .references import serve_reference
 
 __all__ = ["CycleReport", "Interrupted", "Soak", "SoakReport"]
@@ -447,7 +447,7 @@ class Soak:
 
 
 def _fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    return len(fd_targets(pid))
 
 
 def _wait(predicate, timeout_s: float) -> bool:

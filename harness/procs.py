@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # that carry it, so that what other programs on the machine run never counts as a leak.
 SESSION_ENV = "VLLM_DEDUP_TEST_SESSION"
 
-__all__ = ["ROOT", "ChildExited", "PeerProcess", "descendants", "free_port", "memfd_holders", "processes_matching",
-           "pss_bytes", "read_reply", "SESSION_ENV", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
+__all__ = ["PSS_PARTS", "ROOT", "ChildExited", "PeerProcess", "descendants", "fd_targets", "free_port", "memfd_holders", "processes_matching",
+           "pss_bytes", "pss_parts", "read_reply", "SESSION_ENV", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
 
 
 class ChildExited(RuntimeError):
@@ -73,16 +73,49 @@ def read_reply(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeout_s:
     raise TimeoutError(f"{name} did not answer in {timeout_s} s")
 
 
+PSS_PARTS = ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
+
+
+def pss_parts(pid: int | str) -> dict[str, int]:
+    """``Pss`` of one process and its parts, in bytes (`PSS_PARTS`): ``Pss_Anon`` (private heap),
+    ``Pss_File`` (file-backed pages: libraries, Python modules, mapped checkpoints, which the page
+    cache holds once for every process that maps them) and ``Pss_Shmem`` (shared memory, e.g.
+    memfd segments), from its ``smaps_rollup``.
+
+    Raises:
+        FileNotFoundError: no such process.
+    """
+    parts = dict.fromkeys(PSS_PARTS, 0)
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in parts:
+            parts[name] = int(value.split()[0]) * 1024
+    return parts
+
+
 def pss_bytes(pid: int) -> int:
     """PSS of one process in bytes.
 
     Raises:
         FileNotFoundError: no such process.
     """
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/smaps_rollup has no Pss line")
+    return pss_parts(pid)["Pss"]
+
+
+def fd_targets(pid: int | str = "self") -> list[str]:
+    """What each open descriptor of a process is (``readlink`` of ``/proc/PID/fd/*``: a path,
+    ``/memfd:NAME``, ``socket:[...]``, ``pipe:[...]``, ``anon_inode:...``); [] once it exited."""
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor, for one)
+            pass
+    return out
 
 
 def descendants(pid: int) -> list[int]:
@@ -117,20 +150,15 @@ def tree_pss_bytes(pid: int) -> int:
 
 
 def tree_pss_parts(pid: int) -> dict[str, int]:
-    """``Pss`` of ``pid`` and all its descendants and its parts, in bytes: ``Pss_Anon`` (private
-    heap), ``Pss_File`` (file-backed pages: libraries, Python modules, mapped checkpoints, which
-    the page cache holds once for every process that maps them) and ``Pss_Shmem`` (shared
-    memory, e.g. memfd segments), summed from each process's ``smaps_rollup``."""
-    parts = dict.fromkeys(("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"), 0)
+    """`pss_parts` of ``pid`` and all its descendants, summed."""
+    parts = dict.fromkeys(PSS_PARTS, 0)
     for p in descendants(pid):
         try:
-            lines = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+            one = pss_parts(p)
         except (FileNotFoundError, ProcessLookupError):
             continue
-        for line in lines:
-            name, _, value = line.partition(":")
-            if name in parts:
-                parts[name] += int(value.split()[0]) * 1024
+        for name in parts:
+            parts[name] += one[name]
     return parts
 
 
@@ -195,16 +223,7 @@ def memfd_holders(name: str = SEGMENT_MEMFD_NAME) -> list[int]:
     targets = (f"/memfd:{name}", f"/memfd:{name} (deleted)")
     pids = []
     for proc in _ours():
-        try:
-            fds = list((proc / "fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(fd) in targets:
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
+        pids += [int(proc.name) for target in fd_targets(proc.name) if target in targets]
     return pids
 
 

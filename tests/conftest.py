@@ -1,11 +1,11 @@
 """Shared fixtures: the real checkpoints and their variants (built once per test session), a
-private registry location per test, an in-process broker, and a real Ray cluster on loopback.
+private registry location per test, an in-process registry_server, and a real Ray cluster on loopback.
 
 Everything a test writes lives under pytest's temporary directories: the manifest cache and
 the converted models are pointed there through ``VLLM_DEDUP_CACHE_DIR``.
 
 Layout: ``unit/`` (no engine, no child process beyond the CLI; seconds), ``integration/`` (real
-processes sharing real memory through a real broker), ``e2e/`` (real vLLM engines, Ray, Ray
+processes sharing real memory through a real registry), ``e2e/`` (real vLLM engines, Ray, Ray
 Serve; marked ``slow``).  ``bash tests/run.sh -m "not slow"`` runs the first two.
 """
 
@@ -29,7 +29,7 @@ from harness.procs import ROOT, SESSION_ENV, processes_matching
 from harness.sample_models import MODELS_ENV, minilm_dir, smollm2_gguf, smollm2_hf
 from harness.variants import VARIANT_KINDS, cached_variant
 from vllm_dedup.registry.client import registry_stats, shutdown_registry
-from vllm_dedup.registry.server import BrokerServer
+from vllm_dedup.registry.server import RegistryServer
 from vllm_dedup.registry.state import Registry, RegistryStats
 
 E2E = Path(__file__).parent / "e2e"
@@ -134,9 +134,9 @@ def model_lib(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def broker(tmp_path):
-    """A real broker serving a fresh `Registry` on a socket of this test's own, in this process."""
-    server = BrokerServer(Registry(), tmp_path / "run" / "test.sock").start()
+def registry_server(tmp_path):
+    """A real registry serving a fresh `Registry` on a socket of this test's own, in this process."""
+    server = RegistryServer(Registry(), tmp_path / "run" / "test.sock").start()
     yield server
     server.stop()
 

@@ -1,4 +1,5 @@
-"""Helpers for running the ``vllm-dedup`` command the way a user does: in a subprocess."""
+"""Helpers the tests share: the ``vllm-dedup`` command run the way a user does (in a
+subprocess), the child programs of `tests/peers/`, and waiting."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+PEERS = Path(__file__).resolve().parent / "peers"  # the child programs the tests drive
+
+
+def segment_peer(sock: Path, *args: str):
+    """``tests/peers/segment_peer.py SOCKET ARGS...`` (publish, map, write or lock; see there)."""
+    from harness.procs import PeerProcess
+
+    return PeerProcess([PEERS / "segment_peer.py", sock, *args], f"segment peer {' '.join(args)}")
 
 
 # Run as root, a command still obeys file permission bits once it lacks these capabilities: a

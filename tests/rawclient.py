@@ -1,6 +1,6 @@
-"""Tools for the hostile-client tests of the broker (tests/integration/test_hostile_clients.py,
+"""Tools for the hostile-client tests of the registry (tests/integration/test_hostile_clients.py,
 test_protocol_fuzz.py): a client that obeys nothing, descriptors of every kind to attach, and
-views of the broker's process (the test process) to prove that nothing leaked or changed.
+views of the registry's process (the test process) to prove that nothing leaked or changed.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 
 
 from helpers import wait_for
+from harness.procs import fd_targets
 from vllm_dedup.registry import protocol as p
-from vllm_dedup.registry.client import BrokerClient
-from vllm_dedup.registry.server import BrokerServer
+from vllm_dedup.registry.client import RegistryClient
+from vllm_dedup.registry.server import RegistryServer
 
 ALL_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 KEY = "uint8[8192]/[1]:" + "a5" * 16  # the content key of the segment `publisher` publishes
@@ -26,8 +27,8 @@ NBYTES = 8192
 
 
 class RawClient:
-    """One connection to a broker that sends whatever bytes and descriptors it is given: none of
-    `BrokerClient`'s checks stand between a test and the server.  Replies are read with the real
+    """One connection to a registry that sends whatever bytes and descriptors it is given: none of
+    `RegistryClient`'s checks stand between a test and the server.  Replies are read with the real
     framing (`protocol.recv`)."""
 
     def __init__(self, path: Path, timeout_s: float = 5.0):
@@ -49,7 +50,7 @@ class RawClient:
         return p.recv(self.sock)
 
     def ask(self, payload: bytes | dict, fds=()) -> dict | None:
-        """Send one message and return the reply (None: the broker hung up); descriptors that
+        """Send one message and return the reply (None: the registry hung up); descriptors that
         came with the reply are checked to be memfds and closed."""
         self.send(payload, fds)
         reply, got = self.recv()
@@ -73,9 +74,8 @@ class RawClient:
         self.close()
 
 
-def fd_kind(fd: int | str) -> str:
-    """What a descriptor of this process is: socket, pipe, memfd, anon_inode, or file."""
-    target = os.readlink(f"/proc/self/fd/{fd}")
+def target_kind(target: str) -> str:
+    """What a descriptor is, from its ``/proc/PID/fd`` link: socket, pipe, memfd, anon_inode, or file."""
     if target.startswith("/memfd:"):
         return "memfd"
     if target.startswith("/"):
@@ -83,22 +83,21 @@ def fd_kind(fd: int | str) -> str:
     return target.split(":", 1)[0]
 
 
+def fd_kind(fd: int | str) -> str:
+    """What a descriptor of this process is (`target_kind`)."""
+    return target_kind(os.readlink(f"/proc/self/fd/{fd}"))
+
+
 def fd_kinds() -> Counter:
-    """This process's open descriptors, counted by kind (`fd_kind`).  The broker runs in the
+    """This process's open descriptors, counted by kind (`target_kind`).  The registry runs in the
     test process, so its sockets and segment descriptors are among them."""
-    kinds = Counter()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            kinds[fd_kind(name)] += 1
-        except OSError:  # the directory listing's own descriptor, closed by now
-            pass
-    return kinds
+    return Counter(target_kind(t) for t in fd_targets())
 
 
-def publisher(server: BrokerServer) -> BrokerClient:
+def publisher(server: RegistryServer) -> RegistryClient:
     """An engine connected to ``server`` holding a published segment of ``KEY`` (``NBYTES``
     bytes) until it is closed."""
-    client = BrokerClient(server.path)
+    client = RegistryClient(server.path)
     client.hello("publisher", "cpu", "default")
     fd = memfd(NBYTES)
     client.publish(fd, NBYTES, [(KEY, 0, NBYTES)])
@@ -106,11 +105,11 @@ def publisher(server: BrokerServer) -> BrokerClient:
     return client
 
 
-def well_behaved(server: BrokerServer, timeout_s: float = 5.0) -> float:
+def well_behaved(server: RegistryServer, timeout_s: float = 5.0) -> float:
     """A normal client's stats, hello and acquire of ``KEY``, each answered; returns the seconds
-    they took, once the broker has let the client's lease go."""
+    they took, once the registry has let the client's lease go."""
     start = time.monotonic()
-    with BrokerClient(server.path, timeout_s=timeout_s) as client:
+    with RegistryClient(server.path, timeout_s=timeout_s) as client:
         client.stats()
         engine = client.hello("good", "cpu", "default")
         (found,) = client.acquire([KEY])
@@ -123,13 +122,13 @@ def well_behaved(server: BrokerServer, timeout_s: float = 5.0) -> float:
     return took
 
 
-def engine_ids(server: BrokerServer) -> set[int]:
+def engine_ids(server: RegistryServer) -> set[int]:
     """The ids of the engines the registry knows now."""
     with server._mutex:
         return set(server.registry.engines)
 
 
-def registry_state(server: BrokerServer):
+def registry_state(server: RegistryServer):
     """A deep copy of everything the registry holds, taken under the server's lock."""
     reg = server.registry
     with server._mutex:

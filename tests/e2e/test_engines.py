@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from harness.engines import PROMPTS, EngineProcess, ServeProcess, start_engines
-from harness.procs import free_port, memfd_holders, processes_matching
+from harness.procs import fd_targets, free_port, memfd_holders, processes_matching
 from vllm_dedup.registry.state import MAX_RECIPES
 from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 from helpers import wait_for
@@ -241,7 +241,7 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
             registry_pid = stats.registry_pid
         assert e.proc.returncode == 0
         assert wait_for(lambda: registry.stats().groups == [] and registry.stats().engines == [])
-        fds.append(len(os.listdir(f"/proc/{registry_pid}/fd")))
+        fds.append(len(fd_targets(registry_pid)))
         assert memfd_holders() == []  # no segment outlives its engines
         # The Ray actor outlives them and keeps the model's recipes (for the next engine's fast
         # path): held by it alone, never more than it keeps.

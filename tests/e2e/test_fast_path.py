@@ -14,7 +14,7 @@ import shutil
 from harness.engines import PROMPTS, EngineProcess, ServeProcess
 from harness.procs import evict_from_page_cache, resident_bytes
 from helpers import scan_json, wait_for
-from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.checkpoint.readers import SafetensorsFile
 
 # vLLM itself reads a checkpoint's header at start-up, with the kernel's readahead (128 to 256 kB
@@ -157,7 +157,7 @@ def test_segments_freed_after_the_recipe_was_made_are_loaded_again(smollm2, vari
             assert "is no longer resident" in again.log()
             same_tensors(again, smollm2)
             assert again.generate() == plain_tokens(smollm2)
-        watcher = BrokerClient(registry.socket)  # keeps the idle daemon (and its recipes) up
+        watcher = RegistryClient(registry.socket)  # keeps the idle daemon (and its recipes) up
     finally:
         tuned.stop()
     try:

@@ -12,9 +12,9 @@ from pathlib import Path
 from harness.oracle import differences
 from harness.references import REFERENCE_FORMAT, reference_options
 from harness.procs import PeerProcess, descendants
-from helpers import wait_for
+from helpers import PEERS, wait_for
 
-SCRIPT = Path(__file__).resolve().parents[1] / "peers" / "tp_engine.py"
+SCRIPT = PEERS / "tp_engine.py"
 TP = 3
 
 

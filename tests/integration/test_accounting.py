@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from test_broker import segment_peer
+from helpers import PEERS, segment_peer
 from vllm_dedup.cli import format_status
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.engine.session import EngineSession
-from vllm_dedup.registry.client import BrokerClient, registry_stats
+from vllm_dedup.registry.client import RegistryClient, registry_stats
 from vllm_dedup.registry.state import startup_lock_name
 from vllm_dedup.segments.host import HostSegment
 
@@ -30,13 +30,13 @@ GPU1 = "cuda:GPU-11111111-1111-1111-1111-111111111111"
 MB = 1 << 20
 
 
-def test_startup_lock_serialises_engines_and_defers_frees_on_its_device(broker):
+def test_startup_lock_serialises_engines_and_defers_frees_on_its_device(registry_server):
     import torch
 
     lock = startup_lock_name(GPU0)
-    starting = segment_peer(broker.path, "lock", lock, "vllm-instance:A", GPU0)
+    starting = segment_peer(registry_server.path, "lock", lock, "vllm-instance:A", GPU0)
     assert starting.read_json() == {"locked": lock}
-    with BrokerClient(broker.path) as other, BrokerClient(broker.path) as leaving:
+    with RegistryClient(registry_server.path) as other, RegistryClient(registry_server.path) as leaving:
         other.hello("other", GPU0, "default")
         leaving.hello("leaving", GPU0, "default")
         with pytest.raises(TimeoutError, match=f"pid {starting.pid}"):
@@ -48,7 +48,7 @@ def test_startup_lock_serialises_engines_and_defers_frees_on_its_device(broker):
         del seg
         leaving.close()
         time.sleep(0.2)
-        stats = registry_stats(broker.path)
+        stats = registry_stats(registry_server.path)
         (group,) = stats.groups
         assert (group.segments, group.deferred_segments, group.engines) == (1, 1, 2)
         human = format_status(stats)
@@ -56,17 +56,17 @@ def test_startup_lock_serialises_engines_and_defers_frees_on_its_device(broker):
         assert "1 unheld segment(s) kept until a start-up on their device ends" in human
         assert starting.end() == 0  # start-up done: lock back, the deferred segment goes
         other.lock(lock, owner="vllm-instance:B", timeout_s=10)
-        (group,) = registry_stats(broker.path).groups
+        (group,) = registry_stats(registry_server.path).groups
         assert (group.segments, group.engines) == (0, 1)
-        assert registry_stats(broker.path).locks == {lock: os.getpid()}
+        assert registry_stats(registry_server.path).locks == {lock: os.getpid()}
 
 
-def test_tp_ranks_share_their_instance_lock_and_take_every_gpu_at_once(broker):
+def test_tp_ranks_share_their_instance_lock_and_take_every_gpu_at_once(registry_server):
     names = ",".join(sorted([startup_lock_name(GPU0), startup_lock_name(GPU1)]))
-    rank0 = segment_peer(broker.path, "lock", names, "vllm-instance:A", GPU0)
-    rank1 = segment_peer(broker.path, "lock", names, "vllm-instance:A", GPU1)
+    rank0 = segment_peer(registry_server.path, "lock", names, "vllm-instance:A", GPU0)
+    rank1 = segment_peer(registry_server.path, "lock", names, "vllm-instance:A", GPU1)
     assert rank0.read_json()["locked"] == names and rank1.read_json()["locked"] == names  # no waiting
-    with BrokerClient(broker.path) as other:
+    with RegistryClient(registry_server.path) as other:
         other.hello("other", GPU1, "default")
         with pytest.raises(TimeoutError):
             other.lock(startup_lock_name(GPU1), owner="vllm-instance:B", timeout_s=0.3)
@@ -132,7 +132,7 @@ def test_kv_cache_mode_reports_the_bytes_to_map_only_when_the_full_budget_does_n
     assert EngineSession().plan_startup("external", 16 * gib, 80 * gib, 80 * gib, 0.45) == 16 * gib
 
 
-def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(broker, monkeypatch):
+def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(registry_server, monkeypatch):
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_dedup.engine import worker_hooks
@@ -140,7 +140,7 @@ def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(broker, mo
     worker_hooks.install()
     for name in ("load_model", "compile_or_warm_up_model"):
         assert getattr(Worker.__dict__[name], "__vllm_dedup_hook__", False), name
-    client = BrokerClient(broker.path)
+    client = RegistryClient(registry_server.path)
     client.hello("m", GPU0, "default")
     client.lock([startup_lock_name(GPU0)], owner="vllm-instance:X")
     session = EngineSession()
@@ -149,7 +149,7 @@ def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(broker, mo
     try:
         with pytest.raises(AttributeError):  # not a real worker: the warm-up itself fails
             Worker.compile_or_warm_up_model(object())
-        assert registry_stats(broker.path).locks == {}
+        assert registry_stats(registry_server.path).locks == {}
         session.end_startup()  # idempotent
     finally:
         client.close()
@@ -183,7 +183,7 @@ def test_the_budget_correction_is_applied_once_with_or_without_the_patches(tmp_p
                                   capture_output=True, text=True)
             assert proc.returncode == 0, proc.stdout
         worker_py = str(tree / "gpu_worker.py")
-    peer = Path(__file__).resolve().parents[1] / "peers" / "patched_worker_peer.py"
+    peer = PEERS / "patched_worker_peer.py"
     proc = subprocess.run([sys.executable, str(peer), worker_py], capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -213,7 +213,7 @@ def engines(model_lib):
         p.end()
 
 
-def start_engine(engines, broker, name: str, accounting: str, tensors: dict, check_memory=None):
+def start_engine(engines, registry_server, name: str, accounting: str, tensors: dict, check_memory=None):
     """One engine's start-up as vLLM 0.32's GPU worker sizes it, on the driver model: the
     loader's `EngineSession.plan_startup` (what ``get_external_weight_memory`` reports), vLLM's
     ``MemorySnapshot`` and ``request_memory`` (the budget, and the start-up check of free
@@ -227,7 +227,7 @@ def start_engine(engines, broker, name: str, accounting: str, tensors: dict, che
     from vllm.utils.mem_utils import MemorySnapshot
     from vllm.v1.worker.utils import request_memory
 
-    p = engines.peer(broker.path, name, devices=1, CUDAMODEL_MEMORY_MB=str(DEVICE_MB))
+    p = engines.peer(registry_server.path, name, devices=1, CUDAMODEL_MEMORY_MB=str(DEVICE_MB))
     ask(p, "hello", ordinal=0, signature="llama")
     predicted = ask(p, "expect")["bytes"]
     before = ask(p, "memory", ordinal=0)
@@ -253,7 +253,7 @@ def start_engine(engines, broker, name: str, accounting: str, tensors: dict, che
 
 
 @pytest.mark.parametrize("accounting", ["kv_cache", "external"])
-def test_the_engine_that_created_the_segments_restarts_while_another_maps_them(broker, engines, accounting):
+def test_the_engine_that_created_the_segments_restarts_while_another_maps_them(registry_server, engines, accounting):
     """Blue/green restart of the creator (issue 18): A publishes the weights, B maps them, A
     exits (its segments stay: B maps them), A starts again.  In ``kv_cache`` mode B's budget
     holds none of the weights, so A's full budget no longer fits in the free memory; A's
@@ -262,9 +262,9 @@ def test_the_engine_that_created_the_segments_restarts_while_another_maps_them(b
     from vllm.v1.worker.utils import request_memory
 
     budget, weights = 72 * MB, sum(WEIGHTS.values())
-    a, first = start_engine(engines, broker, "A", accounting, WEIGHTS)
+    a, first = start_engine(engines, registry_server, "A", accounting, WEIGHTS)
     assert (first["external"], first["published"], first["kv"]) == (0, weights, budget - weights)
-    b, second = start_engine(engines, broker, "B", accounting, WEIGHTS)
+    b, second = start_engine(engines, registry_server, "B", accounting, WEIGHTS)
     assert second["shared"] == weights
     assert second["kv"] == (budget if accounting == "kv_cache" else budget - weights)
     assert a.end() == 0
@@ -275,12 +275,12 @@ def test_the_engine_that_created_the_segments_restarts_while_another_maps_them(b
             with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
                 request_memory(snapshot, cache, 0)
 
-    _, again = start_engine(engines, broker, "A2", accounting, WEIGHTS, full_budget_check)
+    _, again = start_engine(engines, registry_server, "A2", accounting, WEIGHTS, full_budget_check)
     assert (again["external"], again["shared"], again["published"]) == (weights, weights, 0)
     assert again["requested"] == budget - weights and again["kv"] == first["kv"]
 
 
-def test_an_engine_that_maps_less_than_predicted_fails_with_vllms_message_not_out_of_memory(broker, engines):
+def test_an_engine_that_maps_less_than_predicted_fails_with_vllms_message_not_out_of_memory(registry_server, engines):
     """``external`` mode: the registry predicts the base model's 32 MiB for a fine-tune that
     maps 16 MiB.  vLLM approves ``budget - 32 MiB`` against the free memory; once loaded the
     budget must grow by 16 MiB, which the device no longer has.  The correction runs vLLM's
@@ -288,10 +288,10 @@ def test_an_engine_that_maps_less_than_predicted_fails_with_vllms_message_not_ou
     run out of device memory."""
     from test_cuda_model import ask
 
-    start_engine(engines, broker, "A", "external", WEIGHTS)
-    start_engine(engines, broker, "B", "external", WEIGHTS)  # free: 160 - 72 - 40 = 48 MiB
+    start_engine(engines, registry_server, "A", "external", WEIGHTS)
+    start_engine(engines, registry_server, "B", "external", WEIGHTS)  # free: 160 - 72 - 40 = 48 MiB
     with pytest.raises(ValueError, match="less than the engine's budget after excluding external"):
-        start_engine(engines, broker, "C", "external", FINE_TUNE)
+        start_engine(engines, registry_server, "C", "external", FINE_TUNE)
     c = engines.peers[-1]
     left = ask(c, "memory", ordinal=0)["free"]  # C loaded 16 MiB of its own: 32 MiB free
     unchecked = 72 * MB - 16 * MB - 16 * MB  # budget + 16 MiB, minus what C's load took: its KV cache

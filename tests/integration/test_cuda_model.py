@@ -1,5 +1,5 @@
 """The CUDA segment backend's driver layer (`segments.cudadrv`, `segments.vmm`,
-`CudaSegment.attach`) against the CUDA driver model, with real processes and a real broker.
+`CudaSegment.attach`) against the CUDA driver model, with real processes and a real registry.
 
 THE DRIVER HERE IS A MODEL (``tests/cuda_model``): NVIDIA's documented driver contract over host
 memory, not a GPU.  It catches what breaks the contract (sizes, offsets, reservations, a missing
@@ -22,11 +22,10 @@ import xxhash
 
 import cuda_model
 from harness.procs import PeerProcess
-from helpers import wait_for
+from helpers import PEERS, wait_for
 from peers.vmm_peer import pattern
 from vllm_dedup.registry.client import registry_stats
 
-PEERS = Path(__file__).resolve().parents[1] / "peers"
 # cuda-bindings 12.x beside the venv (scripts/ensure-venv.sh installs it there, off the path).
 BINDINGS_12 = Path(__file__).resolve().parents[2] / ".venv" / "cuda-bindings-12"
 MB = 1 << 20
@@ -98,8 +97,8 @@ def test_the_model_enforces_the_documented_preconditions(model_lib):
     }
 
 
-def test_two_and_three_processes_map_one_allocation_which_outlives_its_creator(broker, model):
-    a = model.peer(broker.path, "A")
+def test_two_and_three_processes_map_one_allocation_which_outlives_its_creator(registry_server, model):
+    a = model.peer(registry_server.path, "A")
     ask(a, "hello", ordinal=0)
     created = ask(a, "create", ordinal=0, nbytes=3 * MB, members=[["w", 0, 3 * MB]])
     want = {"w": digest("w", 3 * MB)}
@@ -108,14 +107,14 @@ def test_two_and_three_processes_map_one_allocation_which_outlives_its_creator(b
     assert created["stats"]["allocations"] == 0 and created["stats"]["mappings"] == 1
     others = []
     for name in ("B", "C"):
-        p = model.peer(broker.path, name)
+        p = model.peer(registry_server.path, name)
         ask(p, "hello", ordinal=0)
         mapped = ask(p, "map", ordinal=0, keys=["w"])
         assert mapped["digests"] == want and mapped["read_only"] is True
         assert mapped["stats"]["allocations"] == 0 and mapped["stats"]["mappings"] == 1
         others.append(p)
     b, c = others
-    # The broker (this process) holds the registry's descriptor; A, B, C each a mapping.
+    # The registry (this process) holds the registry's descriptor; A, B, C each a mapping.
     assert set(model.holders()) == {os.getpid(), a.pid, b.pid, c.pid}
     assert a.end() == 0
     for p in (b, c):
@@ -124,22 +123,22 @@ def test_two_and_three_processes_map_one_allocation_which_outlives_its_creator(b
     assert ask(c, "read")["digests"] == want
     assert set(model.holders()) == {os.getpid(), c.pid}
     assert b.end() == 0 and c.end() == 0
-    assert wait_for(lambda: registry_stats(broker.path).groups == [])
+    assert wait_for(lambda: registry_stats(registry_server.path).groups == [])
     assert wait_for(lambda: model.holders() == [])  # the last holder let go: the memory is freed
 
 
-def test_a_write_through_a_read_only_mapping_kills_the_writer(broker, model):
+def test_a_write_through_a_read_only_mapping_kills_the_writer(registry_server, model):
     """Under the model a write faults with SIGSEGV (mprotect); on a GPU the kernel faults instead."""
-    a = model.peer(broker.path, "A")
+    a = model.peer(registry_server.path, "A")
     ask(a, "hello", ordinal=0)
     ask(a, "create", ordinal=0, nbytes=MB, members=[["w", 0, MB]])
-    w = model.peer(broker.path, "W")
+    w = model.peer(registry_server.path, "W")
     ask(w, "hello", ordinal=0)
     ask(w, "map", ordinal=0, keys=["w"])
     w.send({"op": "write", "key": "w"})
     assert w.proc.wait(timeout=60) == -signal.SIGSEGV
     assert "WROTE" not in w.proc.stdout.read()
-    b = model.peer(broker.path, "B")
+    b = model.peer(registry_server.path, "B")
     ask(b, "hello", ordinal=0)
     assert ask(b, "map", ordinal=0, keys=["w"])["digests"] == {"w": digest("w", MB)}
     assert ask(a, "read")["digests"] == {"w": digest("w", MB)}
@@ -163,15 +162,15 @@ def test_device_key_needs_no_context_and_survives_renumbering(model):
     assert [ask(v, "key", ordinal=i)["key"] for i in range(2)] == [keys[2], keys[0]]
 
 
-def test_create_and_attach_on_device_1_leave_device_0_current(broker, model):
-    a = model.peer(broker.path, "A")
+def test_create_and_attach_on_device_1_leave_device_0_current(registry_server, model):
+    a = model.peer(registry_server.path, "A")
     ask(a, "push", ordinal=0)
     ask(a, "hello", ordinal=1)
     for key in ("x", "y"):
         s = ask(a, "create", ordinal=1, nbytes=MB, members=[[key, 0, MB]])["stats"]
         # torch's context on device 0 plus the backend's on device 1, retained once per process.
         assert (s["current_device"], s["context_depth"], s["retained_contexts"]) == (0, 1, 2)
-    b = model.peer(broker.path, "B")
+    b = model.peer(registry_server.path, "B")
     ask(b, "push", ordinal=0)
     ask(b, "hello", ordinal=1)
     mapped = ask(b, "map", ordinal=1, keys=["x", "y"])
@@ -180,12 +179,12 @@ def test_create_and_attach_on_device_1_leave_device_0_current(broker, model):
     assert (s["current_device"], s["context_depth"], s["retained_contexts"], s["mappings"]) == (0, 1, 2, 0)
 
 
-def test_a_pack_mapped_in_part(broker, model):
+def test_a_pack_mapped_in_part(registry_server, model):
     members = [["p0", 0, MB], ["p1", 2 * MB, MB], ["p2", 4 * MB, 3 * MB // 2]]
-    a = model.peer(broker.path, "A")
+    a = model.peer(registry_server.path, "A")
     ask(a, "hello", ordinal=0)
     assert ask(a, "create", ordinal=0, nbytes=4 * MB + 3 * MB // 2, members=members)["size"] == 6 * MB
-    b = model.peer(broker.path, "B")
+    b = model.peer(registry_server.path, "B")
     ask(b, "hello", ordinal=0)
     first = ask(b, "map", ordinal=0, keys=["p0"])
     assert first["sizes"] == {"p0": 2 * MB}  # one granule of a three-granule allocation
@@ -290,17 +289,17 @@ def test_a_device_whose_create_fails_although_its_attributes_say_yes_is_refused_
     assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
 
 
-def test_a_driver_that_refuses_read_only_mappings_maps_read_write_and_says_so_once(broker, model):
+def test_a_driver_that_refuses_read_only_mappings_maps_read_write_and_says_so_once(registry_server, model):
     """Where ``cuMemSetAccess`` refuses ``PROT_READ``, creator and importers keep read-write
     mappings (documented fallback: `vmm.Mapping.protect`), sharing still works, one warning per
     process says that a stray write is not caught, and such a write indeed is not."""
     env = {"CUDAMODEL_UNSUPPORTED": "read_only"}
-    a = model.peer(broker.path, "A", **env)
+    a = model.peer(registry_server.path, "A", **env)
     ask(a, "hello", ordinal=0)
     for key in ("w", "x"):
         created = ask(a, "create", ordinal=0, nbytes=MB, members=[[key, 0, MB]])
         assert created["read_only"] is False
-    b = model.peer(broker.path, "B", **env)
+    b = model.peer(registry_server.path, "B", **env)
     ask(b, "hello", ordinal=0)
     mapped = ask(b, "map", ordinal=0, keys=["w", "x"])
     assert mapped["digests"] == {"w": digest("w", MB), "x": digest("x", MB)} and mapped["read_only"] is False

@@ -1,9 +1,9 @@
-"""Hostile and broken clients against a real broker on a real socket: a client that never reads
+"""Hostile and broken clients against a real registry on a real socket: a client that never reads
 its replies, hundreds of connections at once, descriptors that are not sealed memfds, field
-values out of range, empty and oversized messages, a broker out of descriptors.  In each case
-the broker answers with a clear error, keeps serving the others and leaks nothing.
+values out of range, empty and oversized messages, a registry out of descriptors.  In each case
+the registry answers with a clear error, keeps serving the others and leaks nothing.
 
-The broker runs in the test process, so ``/proc/self/fd`` shows its descriptors.
+The registry runs in the test process, so ``/proc/self/fd`` shows its descriptors.
 (Property-based tests of the same protocol: test_protocol_fuzz.py.)
 """
 
@@ -23,16 +23,16 @@ from rawclient import (DESCRIPTOR_KINDS, KEY, NBYTES, RawClient, descriptor, eng
                        publisher, registry_state, well_behaved)
 from vllm_dedup.errors import ProtocolError, RegistryUnavailable
 from vllm_dedup.registry import protocol as p
-from vllm_dedup.registry.client import BrokerClient
-from vllm_dedup.registry.server import BrokerServer
+from vllm_dedup.registry.client import RegistryClient
+from vllm_dedup.registry.server import RegistryServer
 from vllm_dedup.registry.state import Registry
 
 
 @pytest.fixture
-def published(broker):
-    """The broker, with one engine holding a published segment of ``KEY``."""
-    with publisher(broker):
-        yield broker
+def published(registry_server):
+    """The registry, with one engine holding a published segment of ``KEY``."""
+    with publisher(registry_server):
+        yield registry_server
 
 
 def test_a_client_that_never_reads_is_dropped_while_others_get_prompt_answers(published):
@@ -48,12 +48,12 @@ def test_a_client_that_never_reads_is_dropped_while_others_get_prompt_answers(pu
             for _ in range(50):
                 flood.sock.send(request)
                 sent += 1
-        except BlockingIOError:  # the broker reads at its own pace
+        except BlockingIOError:  # the registry reads at its own pace
             pass
         except (BrokenPipeError, ConnectionResetError):
             dropped = True
         slowest = max(slowest, well_behaved(published))
-    assert dropped, f"the broker never dropped a client that sent {sent} requests and read no reply"
+    assert dropped, f"the registry never dropped a client that sent {sent} requests and read no reply"
     assert slowest < 2.0, f"a well-behaved client waited {slowest:.1f} s for its answers"
     assert wait_for(lambda: len(engine_ids(published)) == 1)  # the flooder's lease is gone
     flood.close()
@@ -71,7 +71,7 @@ def test_hundreds_of_simultaneous_connections_are_all_served_and_leak_nothing(pu
     def engine(i: int) -> None:
         try:
             start.wait(timeout=60)  # every thread connects at the same moment
-            with BrokerClient(published.path, timeout_s=60) as client:
+            with RegistryClient(published.path, timeout_s=60) as client:
                 client.hello(f"model-{i}", "cpu", "default")
                 (found,) = client.acquire([KEY])
                 fd = found.fd
@@ -92,7 +92,7 @@ def test_hundreds_of_simultaneous_connections_are_all_served_and_leak_nothing(pu
         except threading.BrokenBarrierError:  # an engine failed: its error is in ``errors``
             pass
         assert errors == [], f"{len(errors)} engines failed, e.g. {errors[:3]}"
-        stats = BrokerClient(published.path).stats()
+        stats = RegistryClient(published.path).stats()
         assert len(stats.engines) == n + 1 and stats.groups[0].mapped_bytes == (n + 1) * NBYTES
     finally:
         finish.set()
@@ -116,21 +116,21 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("kind", [k for k in DESCRIPTOR_KINDS if k != "sealed memfd"])
-def test_publish_refuses_a_descriptor_that_is_not_a_sealed_memfd(broker, kind):
+def test_publish_refuses_a_descriptor_that_is_not_a_sealed_memfd(registry_server, kind):
     request = {"op": "publish", "nbytes": NBYTES, "keys": [[KEY, 0, NBYTES]]}
-    with RawClient(broker.path) as raw:
+    with RawClient(registry_server.path) as raw:
         raw.hello()
-        fds_before, state_before = fd_kinds(), registry_state(broker)
+        fds_before, state_before = fd_kinds(), registry_state(registry_server)
         fd = descriptor(kind, NBYTES)
         reply = raw.ask(request, [fd])
         os.close(fd)
         assert reply == {"error": f"request 'publish': {REFUSALS[kind]}"}
-        assert fd_kinds() == fds_before  # the broker closed its copy
-        assert registry_state(broker) == state_before  # nothing registered
+        assert fd_kinds() == fds_before  # the registry closed its copy
+        assert registry_state(registry_server) == state_before  # nothing registered
         fd = descriptor("sealed memfd", NBYTES)  # the same connection publishes a real segment
         assert "segment" in raw.ask(request, [fd])
         os.close(fd)
-        with BrokerClient(broker.path) as client:
+        with RegistryClient(registry_server.path) as client:
             client.hello("m", "cpu", "default")
             (found,) = client.acquire([KEY])
             os.close(found.fd)
@@ -166,7 +166,7 @@ def test_field_values_out_of_range_are_refused_and_change_nothing(published, req
         if request_["op"] != "hello":
             raw.hello()
         else:
-            raw.ask({"op": "stats"})  # the broker has accepted the connection: its socket is counted
+            raw.ask({"op": "stats"})  # the registry has accepted the connection: its socket is counted
         fds_before, state_before = fd_kinds(), registry_state(published)
         fd = memfd(NBYTES) if request_["op"] == "publish" else None
         p.send(raw.sock, request_, [fd] if fd is not None else [])  # framed as a real client would
@@ -215,11 +215,11 @@ def test_messages_too_big_for_a_datagram_travel_in_a_memfd(published):
     """A reply larger than a datagram can be (the stats of many engines with long names) and a
     request as large (a publish of many keys) both arrive whole."""
     long = "m" * 4000
-    clients = [BrokerClient(published.path) for _ in range(60)]
+    clients = [RegistryClient(published.path) for _ in range(60)]
     try:
         for c in clients:
             c.hello(long, "cpu", "default", signature=long)
-        stats = BrokerClient(published.path).stats()  # about 500 kB of JSON
+        stats = RegistryClient(published.path).stats()  # about 500 kB of JSON
         assert len(stats.engines) == 61 and sum(e.model == long for e in stats.engines) == 60
         keys = [(f"{KEY}-{i:05}", i * 2, 2) for i in range(NBYTES // 2)]  # 4096 keys: about 300 kB
         fd = memfd(NBYTES)
@@ -238,18 +238,18 @@ def test_messages_too_big_for_a_datagram_travel_in_a_memfd(published):
 
 
 def test_the_connection_limit_refuses_newcomers_with_a_clear_error(tmp_path):
-    server = BrokerServer(Registry(), tmp_path / "run" / "limit.sock", max_connections=3).start()
+    server = RegistryServer(Registry(), tmp_path / "run" / "limit.sock", max_connections=3).start()
     try:
-        clients = [BrokerClient(server.path) for _ in range(3)]
+        clients = [RegistryClient(server.path) for _ in range(3)]
         for c in clients:
             c.hello("m", "cpu", "default")
-        extra = BrokerClient(server.path)
+        extra = RegistryClient(server.path)
         with pytest.raises(RegistryUnavailable, match="serving its limit of 3 connections"):
             extra.hello("m", "cpu", "default")
         extra.close()
         clients.pop().close()
         assert wait_for(lambda: len(engine_ids(server)) == 2)
-        with BrokerClient(server.path) as late:
+        with RegistryClient(server.path) as late:
             assert late.hello("m", "cpu", "default") > 0
         for c in clients:
             c.close()
@@ -258,7 +258,7 @@ def test_the_connection_limit_refuses_newcomers_with_a_clear_error(tmp_path):
 
 
 def test_a_broker_out_of_descriptors_keeps_serving_and_recovers(published):
-    """With no descriptor left in its process, the broker can neither accept a connection nor
+    """With no descriptor left in its process, the registry can neither accept a connection nor
     receive a descriptor: the connection waits, the message is answered with an error, and both
     work once descriptors are free again."""
     raw = RawClient(published.path)
@@ -274,7 +274,7 @@ def test_a_broker_out_of_descriptors_keeps_serving_and_recovers(published):
                 fillers.append(os.dup(0))
             except OSError:
                 break
-        waiting.connect(str(published.path))  # queued: the broker cannot accept it now
+        waiting.connect(str(published.path))  # queued: the registry cannot accept it now
         time.sleep(0.3)
         reply = raw.ask({"op": "publish", "nbytes": NBYTES, "keys": [[KEY + "x", 0, NBYTES]]}, [segment])
         assert reply["error"].startswith("bad request: registry message truncated")
@@ -307,7 +307,7 @@ def test_a_client_waits_while_the_registry_backlog_is_full(tmp_path):
     later = threading.Timer(0.3, lambda: accepted.extend(listener.accept()[0] for _ in range(2)))
     later.start()
     start = time.monotonic()
-    with BrokerClient(path, timeout_s=10):
+    with RegistryClient(path, timeout_s=10):
         waited = time.monotonic() - start
     later.join()
     assert waited >= 0.25 and len(accepted) == 2

@@ -1,8 +1,8 @@
-"""Property-based tests of the broker protocol (Hypothesis): arbitrary bytes, arbitrary JSON
+"""Property-based tests of the registry protocol (Hypothesis): arbitrary bytes, arbitrary JSON
 objects, valid requests with mutated fields, and any number of descriptors of any kind, each
-sent on a raw socket to a real `BrokerServer` serving from this process.
+sent on a raw socket to a real `RegistryServer` serving from this process.
 
-After every message: the broker answered with a JSON object (an ``"error"`` string, or the
+After every message: the registry answered with a JSON object (an ``"error"`` string, or the
 valid reply of an accepted request); no descriptor leaked or was lost in this process; a
 rejected request left the registry exactly as it was; and a well-behaved client still gets
 its stats, hello and acquire answered.  (Targeted cases: test_hostile_clients.py.)
@@ -25,14 +25,14 @@ from helpers import wait_for
 from rawclient import (DESCRIPTOR_KINDS, KEY, NBYTES, RawClient, descriptor, engine_ids, fd_kind, fd_kinds, publisher,
                        registry_state, well_behaved)
 from vllm_dedup.registry import protocol as p
-from vllm_dedup.registry.server import BrokerServer
+from vllm_dedup.registry.server import RegistryServer
 from vllm_dedup.registry.state import Registry, RegistryStats
 
-# Generous deadlines: the machine is shared, and a stalled broker fails on its socket timeout.
+# Generous deadlines: the machine is shared, and a stalled registry fails on its socket timeout.
 FUZZ = settings(max_examples=int(os.environ.get("VLLM_DEDUP_FUZZ_EXAMPLES", "100")), deadline=5000,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-# A valid body of every request but shutdown (a forced one would stop the broker under test).
+# A valid body of every request but shutdown (a forced one would stop the registry under test).
 VALID = {
     "hello": {"pid": 4242, "model": "m", "device": "cpu", "group": "default", "signature": "s"},
     "acquire": {"keys": [KEY, "absent"]},
@@ -49,16 +49,16 @@ REPLIES = {"hello": p.HelloReply, "acquire": p.AcquireReply, "publish": p.Publis
 
 
 @pytest.fixture(scope="module")
-def fuzz_broker(tmp_path_factory):
-    """One broker for every example (it must survive them all), with ``KEY`` published by an
+def fuzz_registry(tmp_path_factory):
+    """One registry for every example (it must survive them all), with ``KEY`` published by an
     engine that stays connected."""
-    server = BrokerServer(Registry(), tmp_path_factory.mktemp("fuzz") / "run" / "fuzz.sock").start()
+    server = RegistryServer(Registry(), tmp_path_factory.mktemp("fuzz") / "run" / "fuzz.sock").start()
     with publisher(server):
         yield server
     server.stop()
 
 
-def exchange(server: BrokerServer, payload: bytes | dict, kinds: list[str] = (), hello: bool = True) -> dict:
+def exchange(server: RegistryServer, payload: bytes | dict, kinds: list[str] = (), hello: bool = True) -> dict:
     """Send one message with descriptors of ``kinds`` (`rawclient.descriptor`) on a fresh
     connection (that said hello first, with ``hello``); check everything the module docstring
     promises and return the reply."""
@@ -67,7 +67,7 @@ def exchange(server: BrokerServer, payload: bytes | dict, kinds: list[str] = (),
         if hello:
             raw.hello()
         else:
-            raw.ask({"op": "stats"})  # the broker has accepted the connection: its socket is counted
+            raw.ask({"op": "stats"})  # the registry has accepted the connection: its socket is counted
         fds_before, state_before = fd_kinds(), registry_state(server)
         fds = [descriptor(kind, NBYTES) for kind in kinds]
         try:
@@ -79,13 +79,13 @@ def exchange(server: BrokerServer, payload: bytes | dict, kinds: list[str] = (),
         got_kinds = [fd_kind(fd) for fd in got]
         for fd in got:
             os.close(fd)
-        assert isinstance(reply, dict), "the broker hung up instead of answering"
+        assert isinstance(reply, dict), "the registry hung up instead of answering"
         event("refused" if "error" in reply else "accepted")  # --hypothesis-show-statistics
         assert got_kinds == ["memfd"] * len(reply.get("segments", ()))
         if "error" in reply:
             assert isinstance(reply["error"], str) and 0 < len(reply["error"]) < 1000
             assert registry_state(server) == state_before, "a rejected request changed the registry"
-        # The broker kept exactly the descriptor of a segment it accepted, nothing else.
+        # The registry kept exactly the descriptor of a segment it accepted, nothing else.
         expected = fds_before + Counter(memfd=1) if "segment" in reply else fds_before
         assert fd_kinds() == expected, f"{fd_kinds() - expected} leaked, {expected - fd_kinds()} lost"
     assert wait_for(lambda: engine_ids(server) == engines_before, timeout_s=10, poll_s=0.001), \
@@ -119,8 +119,8 @@ FIELDS = sorted({name for body in VALID.values() for name in body} | {"force", "
 
 @FUZZ
 @given(payload=st.binary(max_size=2048))
-def test_arbitrary_bytes_are_answered(fuzz_broker, payload):
-    reply = exchange(fuzz_broker, payload)
+def test_arbitrary_bytes_are_answered(fuzz_registry, payload):
+    reply = exchange(fuzz_registry, payload)
     if not is_json_object(payload):
         assert reply["error"].startswith("bad request: ")
 
@@ -128,11 +128,11 @@ def test_arbitrary_bytes_are_answered(fuzz_broker, payload):
 @FUZZ
 @given(msg=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=12), json_values, max_size=6),
        op=st.sampled_from([*VALID, "shutdown"]) | st.text(max_size=12) | json_values)
-def test_arbitrary_json_objects_are_answered(fuzz_broker, msg, op):
+def test_arbitrary_json_objects_are_answered(fuzz_registry, msg, op):
     msg = {**msg, "op": op}
     if op == "shutdown" and msg.get("force") is True:
         msg["force"] = False
-    reply = exchange(fuzz_broker, msg)
+    reply = exchange(fuzz_registry, msg)
     if not isinstance(op, str) or op not in p.REQUESTS:
         assert reply["error"].startswith("unknown op")
     elif "error" not in reply:
@@ -177,9 +177,9 @@ def _paths(obj, prefix=()):
 
 @FUZZ
 @given(msg=mutated_requests())
-def test_requests_with_mutated_fields_are_refused_or_valid(fuzz_broker, msg):
+def test_requests_with_mutated_fields_are_refused_or_valid(fuzz_registry, msg):
     op = msg["op"]
-    reply = exchange(fuzz_broker, msg, ["sealed memfd"] if op == "publish" else [])
+    reply = exchange(fuzz_registry, msg, ["sealed memfd"] if op == "publish" else [])
     if "error" in reply:
         return
     check_reply(op, reply)
@@ -197,8 +197,8 @@ def test_requests_with_mutated_fields_are_refused_or_valid(fuzz_broker, msg):
 @given(op=st.sampled_from([op for op in VALID if op != "hello"]),
        kinds=st.lists(st.sampled_from(DESCRIPTOR_KINDS), max_size=4)
        | st.builds(lambda kind, n: [kind] * n, st.sampled_from(DESCRIPTOR_KINDS), st.integers(0, 253)))
-def test_any_number_of_descriptors_of_any_kind(fuzz_broker, op, kinds):
-    reply = exchange(fuzz_broker, {"op": op, **VALID[op]}, kinds)
+def test_any_number_of_descriptors_of_any_kind(fuzz_registry, op, kinds):
+    reply = exchange(fuzz_registry, {"op": op, **VALID[op]}, kinds)
     cls = p.REQUESTS[op]
     valid = len(kinds) == cls.fds and (op != "publish" or kinds == ["sealed memfd"])
     assert ("error" not in reply) == valid, reply
@@ -208,6 +208,6 @@ def test_any_number_of_descriptors_of_any_kind(fuzz_broker, op, kinds):
 
 @FUZZ
 @given(op=st.sampled_from([op for op in VALID if op not in ("hello", "stats")]))
-def test_requests_before_hello_are_refused(fuzz_broker, op):
-    reply = exchange(fuzz_broker, {"op": op, **VALID[op]}, ["sealed memfd"] if op == "publish" else [], hello=False)
+def test_requests_before_hello_are_refused(fuzz_registry, op):
+    reply = exchange(fuzz_registry, {"op": op, **VALID[op]}, ["sealed memfd"] if op == "publish" else [], hello=False)
     assert reply == {"error": f"op {op!r} needs a hello first"}

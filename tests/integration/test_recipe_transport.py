@@ -1,4 +1,4 @@
-"""Recipes through a real broker: kept per share group and signature, handed to later engines as
+"""Recipes through a real registry: kept per share group and signature, handed to later engines as
 sealed memfds, refused when they are not what they claim."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import os
 
 import pytest
 
+from harness.procs import fd_targets
 from vllm_dedup.engine.recipe import ModuleRecipe, Recipe, TensorRecipe
 from vllm_dedup.errors import RegistryUnavailable
-from vllm_dedup.registry.client import BrokerClient, registry_stats
+from vllm_dedup.registry.client import RegistryClient, registry_stats
 
 
 def recipe(norm_key: str) -> Recipe:
@@ -20,13 +21,12 @@ def recipe(norm_key: str) -> Recipe:
 
 
 def memfds() -> int:
-    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:") for fd in os.listdir("/proc/self/fd")
-               if os.path.exists(f"/proc/self/fd/{fd}"))
+    return sum(t.startswith("/memfd:") for t in fd_targets())
 
 
-def test_recipes_are_kept_per_group_and_signature_and_handed_out_newest_first(broker):
+def test_recipes_are_kept_per_group_and_signature_and_handed_out_newest_first(registry_server):
     before = memfds()
-    with BrokerClient(broker.path) as a, BrokerClient(broker.path) as b, BrokerClient(broker.path) as other:
+    with RegistryClient(registry_server.path) as a, RegistryClient(registry_server.path) as b, RegistryClient(registry_server.path) as other:
         a.hello("base", "cpu", "default", "sig")
         b.hello("tuned", "cpu", "default", "sig")
         other.hello("x", "cpu", "elsewhere", "sig")
@@ -38,13 +38,13 @@ def test_recipes_are_kept_per_group_and_signature_and_handed_out_newest_first(br
         a.put_recipe(recipe("n0").to_bytes())  # the same checkpoint again: replaces, becomes newest
         assert [Recipe.from_bytes(d).sources["norm"] for d in a.get_recipes("sig")] == ["n0", "n1"]
     # Engines gone: the recipes stay (they name keys, not holds); the registry keeps one memfd each.
-    assert registry_stats(broker.path).engines == []
-    assert len(broker.registry.recipes[("default", "sig")]) == 2
-    assert memfds() == before + 2  # the broker runs in this process: its two, none of ours leaked
+    assert registry_stats(registry_server.path).engines == []
+    assert len(registry_server.registry.recipes[("default", "sig")]) == 2
+    assert memfds() == before + 2  # the registry runs in this process: its two, none of ours leaked
 
 
-def test_a_recipe_that_is_not_a_sealed_memfd_or_not_a_recipe_is_refused(broker):
-    with BrokerClient(broker.path) as client:
+def test_a_recipe_that_is_not_a_sealed_memfd_or_not_a_recipe_is_refused(registry_server):
+    with RegistryClient(registry_server.path) as client:
         client.hello("m", "cpu", "default", "sig")
         with pytest.raises(RegistryUnavailable, match="not a recipe"):
             client.put_recipe(json.dumps({"signature": "sig"}).encode())
@@ -56,4 +56,4 @@ def test_a_recipe_that_is_not_a_sealed_memfd_or_not_a_recipe_is_refused(broker):
             client._call(p.PutRecipe(2), p.Empty, [unsealed])
         os.close(unsealed)
         assert client.get_recipes("sig") == []
-    assert broker.registry.recipes == {}
+    assert registry_server.registry.recipes == {}

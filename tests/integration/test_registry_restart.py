@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 from harness.procs import PeerProcess, memfd_holders, processes_matching
-from helpers import run_cli, wait_for
+from helpers import PEERS, run_cli, wait_for
 from vllm_dedup.errors import RegistryUnavailable
-from vllm_dedup.registry.client import BrokerClient, registry_stats, shutdown_registry
+from vllm_dedup.registry.client import RegistryClient, registry_stats, shutdown_registry
 from vllm_dedup.registry.daemon import start_daemon
 from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 
-PEER = Path(__file__).resolve().parents[1] / "peers" / "lease_peer.py"
+PEER = PEERS / "lease_peer.py"
 MB = 1 << 20
 
 
@@ -33,7 +33,7 @@ def stats_or_none(sock: Path):
 
 
 def recipes(sock: Path) -> list[bytes]:
-    with BrokerClient(sock) as client:
+    with RegistryClient(sock) as client:
         client.hello("probe", "cpu", "default", "sig")
         return client.get_recipes("sig")
 
@@ -171,7 +171,7 @@ def test_a_lock_not_reclaimed_in_time_is_lost_and_what_it_protects_stays_private
     """A holds the publish lock and is stopped (SIGSTOP) past the new registry's reclaim period;
     B takes the lock meanwhile and publishes.  When A wakes, its reclaim is refused: its next
     publish fails instead of publishing a second copy."""
-    from vllm_dedup.registry.server import BrokerServer
+    from vllm_dedup.registry.server import RegistryServer
     from vllm_dedup.registry.state import Registry
 
     run = tmp_path / "run"
@@ -185,7 +185,7 @@ def test_a_lock_not_reclaimed_in_time_is_lost_and_what_it_protects_stays_private
         os.kill(a.pid, signal.SIGSTOP)
         os.kill(registry_stats(sock).registry_pid, signal.SIGKILL)
         assert wait_for(lambda: stats_or_none(sock) is None, 15)
-        server = BrokerServer(Registry(), sock, reclaim_grace_s=1.0).start()  # finds the dead one's socket
+        server = RegistryServer(Registry(), sock, reclaim_grace_s=1.0).start()  # finds the dead one's socket
         begin = time.monotonic()
         b = lease_peer(sock, "share", "k1,k2", str(4 * MB), "hold", restart=False)
         b.read("HOLDING", timeout_s=30)
@@ -224,7 +224,7 @@ def test_a_hung_registry_costs_one_timeout_and_the_connection_is_not_reused(tmp_
     pid = registry_stats(sock).registry_pid
     os.kill(pid, signal.SIGSTOP)
     try:
-        client = BrokerClient(sock, timeout_s=1.0)  # connecting works: the kernel accepts for it
+        client = RegistryClient(sock, timeout_s=1.0)  # connecting works: the kernel accepts for it
         begin = time.monotonic()
         try:
             client.stats()

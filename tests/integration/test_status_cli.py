@@ -1,4 +1,4 @@
-"""`vllm-dedup status` against a real broker holding a segment two peer processes share: the
+"""`vllm-dedup status` against a real registry holding a segment two peer processes share: the
 JSON shape, the table's values, and ``--watch`` (redraws, survives the registry going away and
 coming back, redraws in place on a terminal, ends cleanly on Ctrl-C)."""
 
@@ -17,30 +17,30 @@ from pathlib import Path
 import pytest
 
 from harness.procs import PeerProcess
-from helpers import run_cli
-from vllm_dedup.registry.server import BrokerServer
+from helpers import PEERS, run_cli
+from vllm_dedup.registry.server import RegistryServer
 from vllm_dedup.registry.state import Registry
 
-PEER = Path(__file__).resolve().parents[1] / "peers" / "segment_peer.py"
+PEER = PEERS / "segment_peer.py"
 CLI = str(Path(sys.executable).with_name("vllm-dedup"))
 MIB = 1 << 20
 
 
 @pytest.fixture
-def two_peers(broker, monkeypatch):
-    """The test broker (namespace ``test``) with a 2 MiB segment that one peer published and
-    another maps; the CLI finds the broker through ``VLLM_DEDUP_RUNTIME_DIR``."""
-    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(broker.path.parent))
-    assert broker.path.name == "test.sock"
-    publisher = PeerProcess([PEER, broker.path, "publish", "s1", str(2 * MIB)], "publisher")
+def two_peers(registry_server, monkeypatch):
+    """The test registry (namespace ``test``) with a 2 MiB segment that one peer published and
+    another maps; the CLI finds the registry through ``VLLM_DEDUP_RUNTIME_DIR``."""
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(registry_server.path.parent))
+    assert registry_server.path.name == "test.sock"
+    publisher = PeerProcess([PEER, registry_server.path, "publish", "s1", str(2 * MIB)], "publisher")
     publisher.read_json()
-    mapper = PeerProcess([PEER, broker.path, "map", "s1"], "mapper")
+    mapper = PeerProcess([PEER, registry_server.path, "map", "s1"], "mapper")
     assert mapper.read_json()["hit"] is True
     yield publisher, mapper
     assert publisher.end() == 0 and mapper.end() == 0
 
 
-def test_status_json_keeps_its_shape(broker, two_peers):
+def test_status_json_keeps_its_shape(registry_server, two_peers):
     proc = run_cli("status", "--json", "--namespace", "test", check=True)
     data = json.loads(proc.stdout)
     assert list(data) == ["groups", "engines", "locks", "collisions", "keep_warm_s", "registry_pid"]
@@ -50,16 +50,16 @@ def test_status_json_keeps_its_shape(broker, two_peers):
     assert len(data["engines"]) == 2
     for engine in data["engines"]:
         assert list(engine) == ["id", "pid", "model", "device", "share_group", "signature", "segments", "load"]
-    assert data["registry_pid"] == os.getpid()  # the broker runs in this process
+    assert data["registry_pid"] == os.getpid()  # the registry runs in this process
     assert group["engines"] == 2 and group["segments"] == 1 and group["shared_bytes"] >= 2 * MIB
 
 
-def test_status_table_shows_the_live_broker(broker, two_peers):
+def test_status_table_shows_the_live_broker(registry_server, two_peers):
     publisher, mapper = two_peers
     out = run_cli("status", "--namespace", "test", check=True).stdout
     lines = out.splitlines()
-    assert lines[0].startswith(f"registry pid {os.getpid()} at {broker.path}")
-    resident = broker.stats().groups[0].resident_bytes  # 2 MiB rounded up to whole pages
+    assert lines[0].startswith(f"registry pid {os.getpid()} at {registry_server.path}")
+    resident = registry_server.stats().groups[0].resident_bytes  # 2 MiB rounded up to whole pages
     group = next(line.split() for line in lines if line.startswith("cpu "))
     assert group[:4] == ["cpu", "default", "2", "1"]
     assert " ".join(group[4:6]) == " ".join(group[6:8]) == f"{resident / 1e6:.1f} MB"  # resident, shared
@@ -99,7 +99,7 @@ def interrupt(proc: subprocess.Popen, fd: int) -> tuple[int, str]:
         raise
 
 
-def test_watch_redraws_and_outlives_the_registry(broker, two_peers):
+def test_watch_redraws_and_outlives_the_registry(registry_server, two_peers):
     publisher, _ = two_peers
     heading = "vllm-dedup status, every 0.2s"
     proc = subprocess.Popen([CLI, "status", "--watch", "0.2", "--namespace", "test"], stdout=subprocess.PIPE,
@@ -110,14 +110,14 @@ def test_watch_redraws_and_outlives_the_registry(broker, two_peers):
         assert shown.count(heading) >= 2, shown
         assert "\x1b[" not in shown  # not a terminal: frames follow one another, no escape codes
 
-        broker.stop()
+        registry_server.stop()
         gone = read_until(fd, lambda t: t.count("no registry for namespace 'test'") >= 2)
         assert gone.count("no registry for namespace 'test'") >= 2, gone  # still redrawn, still trying
 
-        again = BrokerServer(Registry(keep_warm_s=7.0), broker.path).start()
+        again = RegistryServer(Registry(keep_warm_s=7.0), registry_server.path).start()
         try:
             back = read_until(fd, lambda t: "keep_warm_s 7" in t)
-            assert f"registry pid {os.getpid()} at {broker.path}   keep_warm_s 7" in back, back
+            assert f"registry pid {os.getpid()} at {registry_server.path}   keep_warm_s 7" in back, back
         finally:
             again.stop()
         status, rest = interrupt(proc, fd)
@@ -129,7 +129,7 @@ def test_watch_redraws_and_outlives_the_registry(broker, two_peers):
     assert "Traceback" not in shown + gone + back + rest
 
 
-def test_watch_redraws_in_place_on_a_terminal(broker, two_peers):
+def test_watch_redraws_in_place_on_a_terminal(registry_server, two_peers):
     publisher, mapper = two_peers
     master, slave = pty.openpty()
     proc = subprocess.Popen([CLI, "status", "--watch", "0.2", "--namespace", "test"], stdin=slave, stdout=slave,

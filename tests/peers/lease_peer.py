@@ -39,7 +39,7 @@ from pathlib import Path
 import xxhash
 
 from vllm_dedup.errors import RegistryUnavailable
-from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.registry.daemon import start_daemon
 from vllm_dedup.registry.lease import Lease
 from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME, HostSegment
@@ -103,7 +103,7 @@ def main() -> None:
     sock, mode, key = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     restart = None if os.environ.get("LEASE_PEER_RESTART") == "none" else functools.partial(start_daemon,
                                                                                           keep_warm_s=0.0)
-    lease = Lease(BrokerClient(sock), f"peer-{mode}", "cpu", "default", "sig", restart)
+    lease = Lease(RegistryClient(sock), f"peer-{mode}", "cpu", "default", "sig", restart)
     if mode in ("publish-locked", "share"):
         locked_modes(lease, mode, key.split(","), int(sys.argv[4]), sys.argv[5:] == ["hold"])
         return

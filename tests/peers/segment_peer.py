@@ -1,4 +1,4 @@
-"""A process that publishes or maps one segment through a broker (for the broker tests).
+"""A process that publishes or maps one segment through a registry (for the registry tests).
 
     python tests/peers/segment_peer.py SOCKET publish KEY NBYTES [GROUP]
     python tests/peers/segment_peer.py SOCKET map KEY [GROUP]
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import xxhash
 
-from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.segments.host import HostSegment
 
 
@@ -32,7 +32,7 @@ def pattern(key: str, nbytes: int) -> bytes:
 
 def main() -> None:
     sock, mode, key = sys.argv[1], sys.argv[2], sys.argv[3]
-    client = BrokerClient(sock)
+    client = RegistryClient(sock)
     if mode == "lock":
         owner = sys.argv[4] if len(sys.argv) > 4 else None
         client.hello("peer", sys.argv[5] if len(sys.argv) > 5 else "cpu", "default")

@@ -25,7 +25,7 @@ from vllm_dedup.config import DedupConfig
 from vllm_dedup.content.views import tensor_bytes
 from vllm_dedup.engine.context import LoadContext
 from vllm_dedup.engine.share import share_model
-from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.registry.lease import Lease
 
 # name -> bytes (bfloat16: 2 bytes per element)
@@ -50,7 +50,7 @@ def digests(model: nn.Module) -> dict[str, str]:
 def main() -> None:
     sock, variant, granularity = sys.argv[1], sys.argv[2], int(sys.argv[3])
     fail = sys.argv[4:] == ["fail"]
-    lease = Lease(BrokerClient(sock), f"test-{variant}", "cpu", "default", variant)
+    lease = Lease(RegistryClient(sock), f"test-{variant}", "cpu", "default", variant)
     model = build(variant)
     expected = digests(model)
     config = DedupConfig(min_tensor_bytes=1, on_registry_error="fail" if fail else "fallback")

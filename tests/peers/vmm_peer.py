@@ -10,7 +10,7 @@ answer carries the model's counters (``stats``) and this thread's current device
 
 - ``key {ordinal}``: the device key; ``push {ordinal}``: retain device ``ordinal``'s primary
   context and push it, as torch does when it makes a device current;
-- ``hello {ordinal, signature}``: open a lease with the broker on that device;
+- ``hello {ordinal, signature}``: open a lease with the registry on that device;
 - ``expect``: the registry's prediction of the bytes this engine will map;
 - ``load {ordinal, tensors: {key: bytes}}``: what an engine's load does with its weights: map
   the resident ones, create and publish the others (one allocation each); ``recipe
@@ -44,7 +44,7 @@ if os.environ.get("VMM_PEER_BINDINGS"):
 import xxhash
 
 from vllm_dedup.errors import SegmentError
-from vllm_dedup.registry.client import BrokerClient
+from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.segments import cudadrv, vmm
 from vllm_dedup.segments.cuda import CudaSegment
 
@@ -69,7 +69,7 @@ def stats() -> dict:
 
 class Peer:
     def __init__(self, sock: str):
-        self.client = BrokerClient(sock) if sock != "-" else None
+        self.client = RegistryClient(sock) if sock != "-" else None
         self.held: dict[str, tuple[object, int, int]] = {}  # key -> (mapping, offset, bytes)
         self.keep: list = []  # segments, contexts: alive until the peer ends
 

@@ -1,6 +1,6 @@
 """The registry's start-up locks, deferred frees and shared-bytes prediction, in-process.
 
-The same `Registry` serves engines through the broker (tests/test_broker.py and
+The same `Registry` serves engines through the registry (tests/test_registry_server.py and
 tests/test_accounting.py drive it from real processes); here its rules are checked directly.
 """
 

@@ -31,7 +31,7 @@ class LoadContext:
     Attributes:
         config: the load format's options (`config.DedupConfig`).
         lease: this engine's registry connection (`registry.lease.Lease`, or a bare
-            `registry.client.BrokerClient` in tests).
+            `registry.client.RegistryClient` in tests).
         device: the torch device the weights live on.
         device_key: the registry's name of that device (`segments.Segment.device_key`).
         signature: the load signature (`signature.load_signature`); empty outside vLLM.

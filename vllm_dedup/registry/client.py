@@ -1,4 +1,4 @@
-"""A connection to the registry: `BrokerClient`, one method per request of `protocol.py`.
+"""A connection to the registry: `RegistryClient`, one method per request of `protocol.py`.
 
 For an engine, the connection is its lease (docs/architecture.md, "Registry"): keep the client
 open as long as the engine maps shared tensors; when it closes, however the engine ended, the
@@ -21,7 +21,7 @@ from ..errors import ProtocolError, RegistryTimeout, RegistryUnavailable
 from . import protocol as p
 from .state import Hit, RegistryStats
 
-__all__ = ["BrokerClient", "SegmentHits", "registry_stats", "shutdown_registry"]
+__all__ = ["RegistryClient", "SegmentHits", "registry_stats", "shutdown_registry"]
 
 
 @dataclass
@@ -36,7 +36,7 @@ class SegmentHits:
     hits: list[Hit] = field(default_factory=list)
 
 
-class BrokerClient:
+class RegistryClient:
     """One connection to a registry's socket.
 
     Args:
@@ -292,7 +292,7 @@ class BrokerClient:
     def close(self) -> None:
         self._sock.close()
 
-    def __enter__(self) -> BrokerClient:
+    def __enter__(self) -> RegistryClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -305,14 +305,14 @@ def registry_stats(path: Path | None = None) -> RegistryStats:
     Raises:
         RegistryUnavailable: no registry answers there.
     """
-    with BrokerClient(path or p.socket_path(), timeout_s=10) as client:
+    with RegistryClient(path or p.socket_path(), timeout_s=10) as client:
         return client.stats()
 
 
 def shutdown_registry(path: Path | None = None) -> bool:
     """Stop the registry at ``path`` even with engines connected; False if none answered."""
     try:
-        with BrokerClient(path or p.socket_path(), timeout_s=10) as client:
+        with RegistryClient(path or p.socket_path(), timeout_s=10) as client:
             client.shutdown(force=True)
         return True
     except RegistryUnavailable:

@@ -2,7 +2,7 @@
 
 The first engine that finds no registry starts one (`start_daemon`, called by
 `discovery.connect_registry`); nobody starts it by hand.  It serves a `state.Registry` with the
-same `server.BrokerServer` the Ray actor uses, outlives the engine that started it, and exits
+same `server.RegistryServer` the Ray actor uses, outlives the engine that started it, and exits
 when nothing has been connected or held for a while.
 """
 
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from ..errors import RegistryUnavailable
-from .client import BrokerClient
+from .client import RegistryClient
 from .protocol import ensure_private_dir, socket_path
-from .server import BrokerServer
+from .server import RegistryServer
 from .state import Registry
 
 __all__ = ["is_daemon", "main", "start_daemon"]
@@ -54,7 +54,7 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                BrokerClient(path, timeout_s=5).close()
+                RegistryClient(path, timeout_s=5).close()
                 return
             except RegistryUnavailable:
                 if time.monotonic() > deadline:
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return 0  # another daemon owns this socket
         raise
-    server = BrokerServer(Registry(keep_warm_s=args.keep_warm_s), path).start()
+    server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path).start()
     try:
         server.wait(args.idle_exit_s)
     finally:

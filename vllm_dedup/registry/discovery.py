@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..errors import RegistryUnavailable
-from .client import BrokerClient
+from .client import RegistryClient
 from .daemon import start_daemon
 from .nodes import NODE_ID_ENV, node_socket_path
 from .protocol import socket_path
@@ -44,7 +44,7 @@ def _ray_cluster_hint(address: str | None) -> bool:
 
 
 def connect_registry(namespace: str, address: str | None = None, keep_warm_s: float = 0.0,
-                     timeout_s: float = 60.0, reply_timeout_s: float = 30.0) -> BrokerClient:
+                     timeout_s: float = 60.0, reply_timeout_s: float = 30.0) -> RegistryClient:
     """A connection to this node's registry for ``namespace``, starting one if needed.
 
     Args:
@@ -53,7 +53,7 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
             daemon, no Ray) or a Ray address (``"auto"``, ``"host:port"``).
         keep_warm_s: for a registry this call starts: seconds an unheld segment stays.
         timeout_s: seconds to wait for a registry this call starts to answer.
-        reply_timeout_s: the connection's timeout for any one reply (`BrokerClient`).
+        reply_timeout_s: the connection's timeout for any one reply (`RegistryClient`).
 
     Raises:
         RegistryUnavailable: no registry could be reached or started.
@@ -64,7 +64,7 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     except Exception as e:  # Ray's node table unreachable: no registry, not a failed engine
         raise RegistryUnavailable(f"cannot tell which Ray node this process is on: {e}") from None
     try:
-        return BrokerClient(path, reply_timeout_s)
+        return RegistryClient(path, reply_timeout_s)
     except RegistryUnavailable:
         pass
     if address != "local" and _ray_cluster_hint(address):  # an explicit Ray address always lands here
@@ -76,7 +76,7 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return BrokerClient(path, reply_timeout_s)
+            return RegistryClient(path, reply_timeout_s)
         except RegistryUnavailable:
             if time.monotonic() > deadline:
                 raise

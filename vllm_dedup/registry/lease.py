@@ -25,7 +25,7 @@ Two things notice a registry that died:
   never touches the forward pass.
 
 A registry that does not answer (hung, SIGSTOPped) is another matter: the call waits
-``timeout_s`` once (`client.BrokerClient`), the connection is closed, the load goes on without
+``timeout_s`` once (`client.RegistryClient`), the connection is closed, the load goes on without
 the registry, and the watcher re-registers once a registry answers again.
 
 A lock that cannot be reclaimed (another engine took it first: the reclaim period was over) is
@@ -33,7 +33,7 @@ lost: until the engine gives it back (``unlock``, the end of its ``locked`` bloc
 and `publish` fail with `RegistryUnavailable`, so what the lock protected stays private rather
 than published twice.
 
-`Lease` offers the `client.BrokerClient` methods the engine side uses, and records what they
+`Lease` offers the `client.RegistryClient` methods the engine side uses, and records what they
 hold as they go.  Segment ids it returns (in hits, from `publish`) are its own and stay valid
 across registry restarts; `release` takes them.
 """
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import RegistryUnavailable, SegmentError
-from .client import BrokerClient, SegmentHits
+from .client import RegistryClient, SegmentHits
 from .state import RegistryStats
 
 __all__ = ["STOP_AFTER_PUBLISHES_ENV", "Lease"]
@@ -84,7 +84,7 @@ class Lease:
     """This engine's registry connection and what it holds (module docstring).
 
     Args:
-        client: a connected `BrokerClient` (not yet said hello).
+        client: a connected `RegistryClient` (not yet said hello).
         model, device, group, signature: what the engine says in ``hello``.
         start_daemon: a function that starts the standalone registry daemon on the client's
             socket (used when reconnecting finds nothing there and the engine's registry was
@@ -96,10 +96,10 @@ class Lease:
     Attributes:
         reregistrations: how many times this lease re-registered with a new registry.
 
-    Raises (the constructor): RegistryUnavailable, as `BrokerClient.hello`.
+    Raises (the constructor): RegistryUnavailable, as `RegistryClient.hello`.
     """
 
-    def __init__(self, client: BrokerClient, model: str, device: str, group: str, signature: str = "",
+    def __init__(self, client: RegistryClient, model: str, device: str, group: str, signature: str = "",
                  start_daemon: Callable[..., None] | None = None, timeout_s: float | None = None):
         self._hello = (model, device, group, signature)
         self._start_daemon = start_daemon
@@ -123,11 +123,11 @@ class Lease:
 
     # what the engine side calls --------------------------------------------------------------
     def acquire(self, keys: list[str], uids: list[str] | None = None) -> list[SegmentHits]:
-        """`BrokerClient.acquire`; each segment's id (and its hits') is this lease's id of it
+        """`RegistryClient.acquire`; each segment's id (and its hits') is this lease's id of it
         (`release`, `uid_of`).
 
         Raises:
-            RegistryUnavailable: as `BrokerClient.acquire`, or a lock this lease held was lost
+            RegistryUnavailable: as `RegistryClient.acquire`, or a lock this lease held was lost
                 across a registry restart (module docstring).
         """
         with self._lock:
@@ -157,7 +157,7 @@ class Lease:
             return held.uid if held is not None else ""
 
     def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]]) -> int:
-        """`BrokerClient.publish`, under a uid drawn here; returns this lease's id of the segment.
+        """`RegistryClient.publish`, under a uid drawn here; returns this lease's id of the segment.
 
         Raises:
             RegistryUnavailable: as `acquire`.
@@ -206,7 +206,7 @@ class Lease:
             self._recipes[data] = None
 
     def report(self, load: dict) -> None:
-        """`BrokerClient.report`; with ``reregistered`` (how many times this lease re-registered)
+        """`RegistryClient.report`; with ``reregistered`` (how many times this lease re-registered)
         once it has."""
         with self._lock:
             self._load = dict(load)
@@ -226,13 +226,13 @@ class Lease:
             return self._call(lambda c: c.stats())
 
     def lock(self, names, owner: str | None = None, timeout_s: float = 600.0, poll_s: float = 0.05) -> None:
-        """`BrokerClient.lock`, across registry restarts: a registry that dies while this waits
+        """`RegistryClient.lock`, across registry restarts: a registry that dies while this waits
         is re-registered with (`timeout_s` of the lease), and the wait goes on there.  Held
         locks are reclaimed by a re-registration.
 
         Raises:
-            TimeoutError: as `BrokerClient.lock`.
-            RegistryUnavailable: as `BrokerClient.lock`, or no registry came back in time.
+            TimeoutError: as `RegistryClient.lock`.
+            RegistryUnavailable: as `RegistryClient.lock`, or no registry came back in time.
         """
         names = [names] if isinstance(names, str) else list(names)
         deadline = time.monotonic() + timeout_s
@@ -345,7 +345,7 @@ class Lease:
             poller.register(sock, select.POLLRDHUP)
         return bool(poller.poll(timeout_s * 1000))
 
-    def _recover(self, old: BrokerClient) -> None:
+    def _recover(self, old: RegistryClient) -> None:
         """Re-register with the registry that replaces the one behind ``old``, trying for up
         to ``self._timeout_s`` (nothing to do if that happened already).  The caller holds
         ``self._lock``.
@@ -403,7 +403,7 @@ class Lease:
                     sum(h.nbytes for h in self._held.values() if h.fd >= 0) / 1e6, len(self._recipes),
                     len(self._locks))
 
-    def _reclaim(self, client: BrokerClient) -> set[str]:
+    def _reclaim(self, client: RegistryClient) -> set[str]:
         """Take again, as reclaims, the locks held; returns those another engine holds already."""
         by_owner: dict[str | None, list[str]] = {}
         for name, owner in self._locks.items():
@@ -418,11 +418,11 @@ class Lease:
                 lost.update(names)
         return lost
 
-    def _reopen(self, timeout_s: float) -> BrokerClient:
+    def _reopen(self, timeout_s: float) -> RegistryClient:
         try:
-            return BrokerClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
+            return RegistryClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
         except RegistryUnavailable:
             if self._start_daemon is None:
                 raise
         self._start_daemon(self.path, timeout_s=timeout_s)
-        return BrokerClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
+        return RegistryClient(self.path, timeout_s=min(timeout_s, self._timeout_s))

@@ -40,7 +40,7 @@ class RegistryMetrics:
     """Exports ``stats()`` as Ray gauges from a daemon thread.
 
     Args:
-        stats: returns the current `Registry.stats` (thread-safe: `BrokerServer.stats`).
+        stats: returns the current `Registry.stats` (thread-safe: `RegistryServer.stats`).
         node: the Ray node id of the registry, the ``node`` tag of every gauge.
         interval_s: seconds between updates (Ray's agent itself reports every few seconds).
 

@@ -1,6 +1,6 @@
 """The registry as a Ray actor: a named, detached actor per node, pinned to its node.
 
-Its process serves the registry socket (`server.BrokerServer`) for the engines of that node,
+Its process serves the registry socket (`server.RegistryServer`) for the engines of that node,
 because Ray cannot carry file descriptors.  Engines talk to the socket only: they need Ray just
 to create the actor the first time (`ensure_actor`, called by `discovery.connect_registry`).
 The socket's directory is the node's own (`nodes.py`), so several nodes on one machine never
@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import RegistryUnavailable
 from .metrics import RegistryMetrics
 from .nodes import HEAD_RESOURCE, node_socket_path, ray_node, this_node
-from .server import BrokerServer
+from .server import RegistryServer
 from .state import Registry, RegistryStats
 
 __all__ = ["ACTOR_PREFIX", "NodeRegistry", "RegistryActor", "actor_name", "ensure_actor", "node_registries",
@@ -33,10 +33,10 @@ ACTOR_PREFIX = "vllm-dedup-registry-"
 
 
 class RegistryActor:
-    """The registry and its broker in a Ray actor's process.  Plain class; Ray wraps it.
+    """The registry and its socket server in a Ray actor's process.  Plain class; Ray wraps it.
 
     Args:
-        path: the broker socket path on this node.
+        path: the registry's socket path on this node.
         keep_warm_s: see `Registry`.
     """
 
@@ -44,7 +44,7 @@ class RegistryActor:
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.server = BrokerServer(Registry(keep_warm_s=keep_warm_s), Path(path)).start()
+        self.server = RegistryServer(Registry(keep_warm_s=keep_warm_s), Path(path)).start()
         self.metrics = RegistryMetrics(self.server.stats, node=self.node_id).start()
         # A registry stopped through its socket (`client.shutdown_registry`) takes its actor
         # with it, so that the name is free and the next engine creates a working one.

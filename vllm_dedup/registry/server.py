@@ -1,7 +1,7 @@
-"""The registry behind its Unix socket: `BrokerServer` serves a `state.Registry` to engines.
+"""The registry behind its Unix socket: `RegistryServer` serves a `state.Registry` to engines.
 
 Messages and framing are `protocol.py`'s.  Each request type has one handler in a dispatch
-table (`BrokerServer._handlers`); a bad request is answered with an error and the connection
+table (`RegistryServer._handlers`); a bad request is answered with an error and the connection
 stays usable, so one broken client never takes the registry down for the others.
 
 Hostile and broken clients (tests/integration/test_hostile_clients.py, test_protocol_fuzz.py):
@@ -49,7 +49,7 @@ from ..segments.host import check_sealed_memfd
 from . import protocol as p
 from .state import RECLAIM_GRACE_S, Registry, RegistryStats
 
-__all__ = ["BrokerServer"]
+__all__ = ["RegistryServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def default_max_connections() -> int:
     return max(16, min(4096, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 2))
 
 
-class BrokerServer:
+class RegistryServer:
     """Serves a `Registry` on a Unix socket from one background thread.
 
     One thread serves the socket and handles requests one at a time; `stats` may be called
@@ -108,29 +108,29 @@ class BrokerServer:
         }
         assert set(self._handlers) == set(p.REQUESTS.values()), "every request type needs a handler"
 
-    def start(self) -> BrokerServer:
+    def start(self) -> RegistryServer:
         """Bind the socket and start serving.
 
         Raises:
-            RegistryUnavailable: the directory is unsafe, or another broker serves this path.
+            RegistryUnavailable: the directory is unsafe, or another registry serves this path.
         """
         p.ensure_private_dir(self.path.parent)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         replaces_dead = False
         try:
             probe.connect(str(self.path))
-            raise RegistryUnavailable(f"a broker already serves {self.path}")
+            raise RegistryUnavailable(f"a registry already serves {self.path}")
         except FileNotFoundError:
             pass
         except ConnectionRefusedError:  # the socket of a registry that died (a clean stop removes it)
             replaces_dead = True
         finally:
             probe.close()
-        self.path.unlink(missing_ok=True)  # stale socket of a dead broker
+        self.path.unlink(missing_ok=True)  # stale socket of a dead registry
         if replaces_dead and self.reclaim_grace_s > 0:
             # Its engines are re-registering now: let those holding locks reclaim them first.
             self.registry.begin_reclaim(self.reclaim_grace_s)
-            logger.info("broker: replacing a registry that died at %s; new locks wait %.0f s for engines to "
+            logger.info("registry: replacing a registry that died at %s; new locks wait %.0f s for engines to "
                         "reclaim theirs", self.path, self.reclaim_grace_s)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(str(self.path))
@@ -138,7 +138,7 @@ class BrokerServer:
         self._listener.listen(socket.SOMAXCONN)  # engines starting together must not find it full
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._loop, name="vllm-dedup-broker", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="vllm-dedup-registry", daemon=True)
         self._thread.start()
         return self
 
@@ -203,8 +203,8 @@ class BrokerServer:
                 self._flush(sock)
             if events & selectors.EVENT_READ and self._is_open(sock):
                 self._serve_one(sock)
-        except Exception:  # whatever one connection did, the broker goes on serving the others
-            logger.exception("broker: unexpected error; closing that connection")
+        except Exception:  # whatever one connection did, the registry goes on serving the others
+            logger.exception("registry: unexpected error; closing that connection")
             if sock is not self._listener and self._is_open(sock):
                 self._disconnect(sock)
 
@@ -217,7 +217,7 @@ class BrokerServer:
         except BlockingIOError:
             return
         except OSError as e:  # out of descriptors or memory: the connection waits in the backlog
-            logger.warning("broker cannot accept a connection (%s); retrying in %.1f s", e, ACCEPT_PAUSE_S)
+            logger.warning("registry cannot accept a connection (%s); retrying in %.1f s", e, ACCEPT_PAUSE_S)
             self._sel.unregister(self._listener)
             self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
             return
@@ -246,7 +246,7 @@ class BrokerServer:
 
     def _turn_away(self, conn: socket.socket, why: str) -> None:
         """Say ``why`` and close: the client reads it when its request finds the socket closed."""
-        logger.warning("broker: %s", why)
+        logger.warning("registry: %s", why)
         try:
             conn.send(p.frame({"error": why})[0])
         except OSError:
@@ -285,9 +285,9 @@ class BrokerServer:
         except (PermissionError, ProtocolError, ValueError) as e:
             _close(fds)
             reply, out_fds = {"error": str(e)[:1000]}, []
-        except Exception as e:  # a bad request must not take the broker down
+        except Exception as e:  # a bad request must not take the registry down
             _close(fds)
-            logger.exception("broker request %r failed", msg.get("op"))
+            logger.exception("registry request %r failed", msg.get("op"))
             reply, out_fds = {"error": f"{type(e).__name__}: {e}"[:1000]}, []
         self._reply(conn, reply, out_fds)
 
@@ -307,7 +307,7 @@ class BrokerServer:
                 except BlockingIOError:  # the client has not read its earlier replies yet
                     pass
             if queue is not None and len(queue) >= MAX_PENDING_REPLIES:
-                logger.warning("broker: dropping a client that reads none of its replies")
+                logger.warning("registry: dropping a client that reads none of its replies")
                 self._disconnect(conn)
                 return
             # The queue holds its own duplicates: the registry may free a segment, and close its

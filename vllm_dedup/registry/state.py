@@ -4,7 +4,7 @@ Plain state and small methods, no I/O: the server (`server.py`) drives it from i
 thread, the Ray actor (`ray_actor.py`) and the standalone daemon (`daemon.py`) host that
 server, and tests call it directly.  Everything lives in one place, `Registry`:
 
-- segments: id -> `SegmentEntry` (the broker's own descriptor, size, device, share group, the
+- segments: id -> `SegmentEntry` (the registry's own descriptor, size, device, share group, the
   content keys it holds, the engines holding it);
 - index: (device, share group, content key) -> (segment id, offset, bytes);
 - engines: id -> `EngineEntry` (pid, uid, model, device, share group, segments held);

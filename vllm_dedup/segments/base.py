@@ -1,7 +1,7 @@
 """Segments: memory that several processes map, freed when the last holder lets go.
 
 A segment is a file descriptor plus a size.  The descriptor is what crosses processes (the
-broker passes it with SCM_RIGHTS) and what keeps the memory alive: the engine that created a
+registry passes it with SCM_RIGHTS) and what keeps the memory alive: the engine that created a
 segment can exit, even by SIGKILL, while the others go on using it (docs/architecture.md, "Segments").
 
 One backend per device type, one module each, behind `Segment`:

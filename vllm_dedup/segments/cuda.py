@@ -277,7 +277,7 @@ class CudaSegment(Segment):
         The caller's current CUDA context is left as it was.
 
         Args:
-            fd: the segment's exported POSIX descriptor (from the broker).
+            fd: the segment's exported POSIX descriptor (from the registry).
             nbytes: bytes this process needs (the hit's offset plus its size); only those,
                 rounded up to the granularity, are mapped.
             device: the device key the registry filed the segment under.

@@ -1,4 +1,4 @@
-"""Host segments, the broker and the registry, with real processes sharing real memory."""
+"""Host segments, the registry and the registry, with real processes sharing real memory."""
 
 from __future__ import annotations
 
@@ -15,63 +15,54 @@ from pathlib import Path
 
 import pytest
 
-from harness.procs import PeerProcess
-from helpers import wait_for
+from harness.procs import PeerProcess, fd_targets, pss_parts
+from helpers import segment_peer, wait_for
 from vllm_dedup.errors import RegistryUnavailable
-from vllm_dedup.registry.client import BrokerClient, registry_stats
-from vllm_dedup.registry.server import BrokerServer
+from vllm_dedup.registry.client import RegistryClient, registry_stats
+from vllm_dedup.registry.server import RegistryServer
 from vllm_dedup.registry.state import Registry, RegistryStats
 
-PEER = Path(__file__).resolve().parents[1] / "peers" / "segment_peer.py"
 MB = 1 << 20
-
-
-def segment_peer(sock: Path, *args: str) -> PeerProcess:
-    """``tests/peers/segment_peer.py SOCKET ARGS...`` (publish, map, write or lock; see there)."""
-    return PeerProcess([PEER, sock, *args], f"segment peer {' '.join(args)}")
 
 
 def pss_shmem(peer: PeerProcess) -> int:
     """The peer's PSS of shared memory (memfd pages), bytes."""
-    for line in Path(f"/proc/{peer.pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss_Shmem:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no Pss_Shmem")
+    return pss_parts(peer.pid)["Pss_Shmem"]
 
 
-def stats(server: BrokerServer) -> RegistryStats:
+def stats(server: RegistryServer) -> RegistryStats:
     return registry_stats(server.path)
 
 
-def test_second_process_maps_the_same_bytes_and_pages_count_once(broker):
-    a = segment_peer(broker.path, "publish", "k1", str(64 * MB))
+def test_second_process_maps_the_same_bytes_and_pages_count_once(registry_server):
+    a = segment_peer(registry_server.path, "publish", "k1", str(64 * MB))
     published = a.read_json()
-    b = segment_peer(broker.path, "map", "k1")
+    b = segment_peer(registry_server.path, "map", "k1")
     mapped = b.read_json()
     assert mapped == {"hit": True, "digest": published["digest"]}
     # 64 MiB resident once, mapped (and populated) by two processes: each is charged half.
     assert wait_for(lambda: abs(pss_shmem(a) - 32 * MB) < 4 * MB and abs(pss_shmem(b) - 32 * MB) < 4 * MB)
-    (group,) = stats(broker).groups
+    (group,) = stats(registry_server).groups
     assert group.resident_bytes == 64 * MB and group.saved_bytes == 0
     assert a.end() == 0 and b.end() == 0
 
 
-def test_sigkill_drops_the_lease_and_the_survivor_keeps_its_bytes(broker):
-    a = segment_peer(broker.path, "publish", "k2", str(8 * MB))
+def test_sigkill_drops_the_lease_and_the_survivor_keeps_its_bytes(registry_server):
+    a = segment_peer(registry_server.path, "publish", "k2", str(8 * MB))
     digest = a.read_json()["digest"]
-    b = segment_peer(broker.path, "map", "k2")
+    b = segment_peer(registry_server.path, "map", "k2")
     assert b.read_json()["digest"] == digest
     a.kill()
-    assert wait_for(lambda: len(stats(broker).engines) == 1)
-    assert stats(broker).groups[0].segments == 1  # still held by b
-    c = segment_peer(broker.path, "map", "k2")  # a newcomer maps what survived
+    assert wait_for(lambda: len(stats(registry_server).engines) == 1)
+    assert stats(registry_server).groups[0].segments == 1  # still held by b
+    c = segment_peer(registry_server.path, "map", "k2")  # a newcomer maps what survived
     assert c.read_json()["digest"] == digest
     assert b.end() == 0 and c.end() == 0
-    assert wait_for(lambda: stats(broker).groups == [])  # nobody holds it: freed
+    assert wait_for(lambda: stats(registry_server).groups == [])  # nobody holds it: freed
 
 
 def test_keep_warm_holds_an_unmapped_segment_then_frees_it(tmp_path):
-    server = BrokerServer(Registry(keep_warm_s=4.0), tmp_path / "run" / "w.sock").start()
+    server = RegistryServer(Registry(keep_warm_s=4.0), tmp_path / "run" / "w.sock").start()
     try:
         a = segment_peer(server.path, "publish", "k3", str(MB))
         digest = a.read_json()["digest"]
@@ -88,24 +79,24 @@ def test_keep_warm_holds_an_unmapped_segment_then_frees_it(tmp_path):
         server.stop()
 
 
-def test_write_through_a_shared_mapping_faults(broker):
-    a = segment_peer(broker.path, "publish", "k4", str(MB))
+def test_write_through_a_shared_mapping_faults(registry_server):
+    a = segment_peer(registry_server.path, "publish", "k4", str(MB))
     digest = a.read_json()["digest"]
-    w = segment_peer(broker.path, "write", "k4")
+    w = segment_peer(registry_server.path, "write", "k4")
     assert w.proc.wait(timeout=60) == -signal.SIGSEGV
     assert "WROTE" not in w.proc.stdout.read()
     w.end()
-    b = segment_peer(broker.path, "map", "k4")
+    b = segment_peer(registry_server.path, "map", "k4")
     assert b.read_json()["digest"] == digest  # the bytes are unchanged
     assert a.end() == 0 and b.end() == 0
 
 
-def test_share_groups_never_see_each_other(broker):
-    a = segment_peer(broker.path, "publish", "k5", str(MB), "group-a")
+def test_share_groups_never_see_each_other(registry_server):
+    a = segment_peer(registry_server.path, "publish", "k5", str(MB), "group-a")
     a.read_json()
-    other = segment_peer(broker.path, "map", "k5", "group-b")
+    other = segment_peer(registry_server.path, "map", "k5", "group-b")
     assert other.read_json() == {"hit": False}
-    same = segment_peer(broker.path, "map", "k5", "group-a")
+    same = segment_peer(registry_server.path, "map", "k5", "group-a")
     assert same.read_json()["hit"] is True
     for p in (a, other, same):
         assert p.end() == 0
@@ -133,13 +124,13 @@ def stdlib_python_for(uid: int) -> str:
 
 def test_another_uid_is_refused_even_through_loose_permissions():
     """The kernel's permission checks are loosened on purpose, and the intruder skips the
-    client's own checks: only the broker's SO_PEERCRED check stands in the way."""
+    client's own checks: only the registry's SO_PEERCRED check stands in the way."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a peer as another uid (CI runs as root)")
     python = stdlib_python_for(65534)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        server = BrokerServer(Registry(), run / "x.sock").start()
+        server = RegistryServer(Registry(), run / "x.sock").start()
         try:
             os.chmod(tmp, 0o755)
             os.chmod(run, 0o755)
@@ -156,42 +147,36 @@ def test_another_uid_is_refused_even_through_loose_permissions():
             server.stop()
 
 
-def test_bad_requests_get_errors_and_the_broker_keeps_serving(broker):
+def test_bad_requests_get_errors_and_the_broker_keeps_serving(registry_server):
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    raw.connect(str(broker.path))
+    raw.connect(str(registry_server.path))
     for payload in (b"not json", json.dumps({"op": "nope"}).encode(), json.dumps({"op": "acquire", "keys": []}).encode()):
         raw.send(payload)
         assert "error" in json.loads(raw.recv(65536))
     raw.close()
-    client = BrokerClient(broker.path)
+    client = RegistryClient(registry_server.path)
     with pytest.raises(RegistryUnavailable, match="hello sent twice"):
         client.hello("m", "cpu", "g")
         client.hello("m", "cpu", "g")
     client.close()
-    assert stats(broker).engines == []
+    assert stats(registry_server).engines == []
 
 
-def test_connections_leak_no_descriptors(broker):
+def test_connections_leak_no_descriptors(registry_server):
     def fd_count() -> int:
-        """This process's sockets and memfds: what the broker opens (pipes are the test's)."""
-        kinds = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                kinds.append(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:
-                pass
-        return sum(k.startswith(("socket:", "/memfd:")) for k in kinds)
+        """This process's sockets and memfds: what the registry opens (pipes are the test's)."""
+        return sum(k.startswith(("socket:", "/memfd:")) for k in fd_targets())
 
-    a = segment_peer(broker.path, "publish", "k7", str(MB))
+    a = segment_peer(registry_server.path, "publish", "k7", str(MB))
     a.read_json()
     before = fd_count()
     for _ in range(5):
-        p = segment_peer(broker.path, "map", "k7")
+        p = segment_peer(registry_server.path, "map", "k7")
         assert p.read_json()["hit"]
         assert p.end() == 0
     assert wait_for(lambda: fd_count() == before)
     assert a.end() == 0
-    assert wait_for(lambda: stats(broker).groups == [])
+    assert wait_for(lambda: stats(registry_server).groups == [])
     # The publisher's connection and the segment's own descriptor are both closed.
     assert wait_for(lambda: fd_count() == before - 2)
 
@@ -203,7 +188,7 @@ def test_status_command_reports_the_registry(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
     missing = run_cli("status")
     assert missing.returncode == 1 and "no registry for namespace 'vllm-dedup'" in missing.stderr
-    server = BrokerServer(Registry(), run / "vllm-dedup.sock").start()
+    server = RegistryServer(Registry(), run / "vllm-dedup.sock").start()
     try:
         a = segment_peer(server.path, "publish", "k8", str(2 * MB), "g1")
         a.read_json()
@@ -221,12 +206,12 @@ def test_status_command_reports_the_registry(tmp_path, monkeypatch):
         server.stop()
 
 
-def test_a_lock_waits_for_its_holder_and_is_freed_when_the_holder_dies(broker):
-    holder = segment_peer(broker.path, "lock", "publish:cpu:default")
+def test_a_lock_waits_for_its_holder_and_is_freed_when_the_holder_dies(registry_server):
+    holder = segment_peer(registry_server.path, "lock", "publish:cpu:default")
     assert holder.read_json() == {"locked": "publish:cpu:default"}
-    with BrokerClient(broker.path) as client:
+    with RegistryClient(registry_server.path) as client:
         client.hello("m", "cpu", "default")
-        assert registry_stats(broker.path).locks == {"publish:cpu:default": holder.pid}
+        assert registry_stats(registry_server.path).locks == {"publish:cpu:default": holder.pid}
         with pytest.raises(TimeoutError, match=f"held by engine pid {holder.pid}"):
             with client.locked("publish:cpu:default", timeout_s=0.3):
                 pass
@@ -235,18 +220,18 @@ def test_a_lock_waits_for_its_holder_and_is_freed_when_the_holder_dies(broker):
         holder.kill()  # no unlock: the lock goes with the connection
         start = time.monotonic()
         with client.locked("publish:cpu:default", timeout_s=10):
-            assert registry_stats(broker.path).locks == {"publish:cpu:default": os.getpid()}
+            assert registry_stats(registry_server.path).locks == {"publish:cpu:default": os.getpid()}
         assert time.monotonic() - start < 5
-        assert registry_stats(broker.path).locks == {}
+        assert registry_stats(registry_server.path).locks == {}
     holder.end()
 
 
-def test_lock_waiters_get_the_lock_one_after_another(broker):
+def test_lock_waiters_get_the_lock_one_after_another(registry_server):
     inside, overlaps, rounds, errors = [], [], [], []
 
     def worker(n: int) -> None:
         try:
-            with BrokerClient(broker.path) as client:
+            with RegistryClient(registry_server.path) as client:
                 client.hello(f"m{n}", "cpu", "default")
                 for _ in range(5):
                     with client.locked("publish:cpu:default", timeout_s=30):

@@ -590,8 +590,11 @@ def step_model(run: Run, sock: Path, args) -> None:
               shared2.get("equal_to_private") is True and shared2.get("fingerprint") == private1.get("fingerprint"),
               json.dumps(shared2)[:400])
     freed = after_build2 - after_share2
+    # On a GPU the private copy goes back to the driver whole; on the host, glibc keeps a part of
+    # the freed heap and the processes' PSS moves by a few MB meanwhile.
+    enough = 0.9 if run.backend == "cuda" else 0.75
     run.check(step, "M2's private copy is given back once it maps M1's weights",
-              freed >= 0.9 * shareable, f"-{freed / MB:.1f} MiB for {shareable / MB:.1f} MiB mapped")
+              freed >= enough * shareable, f"-{freed / MB:.1f} MiB for {shareable / MB:.1f} MiB mapped")
     run.check(step, "M1 exits normally", m1.end() == 0)
     run.read(step, "M1 exited")
     after_exit = m2.ask("logits")

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from vllm_dedup.registry.client import shutdown_registry
-from vllm_dedup.registry.protocol import DEFAULT_NAMESPACE
+from vllm_dedup.registry.wire import DEFAULT_NAMESPACE
 
 from .engines import PROMPTS, EngineProcess, ServeProcess
 
@@ -46,7 +46,7 @@ class _PrivateRegistry:
         return {"VLLM_DEDUP_RUNTIME_DIR": str(self.dir / "run")}
 
     def __exit__(self, *exc) -> None:
-        shutdown_registry(self.dir / "run" / f"{DEFAULT_NAMESPACE}.sock")  # `protocol.socket_path` there
+        shutdown_registry(self.dir / "run" / f"{DEFAULT_NAMESPACE}.sock")  # `wire.socket_path` there
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from helpers import wait_for
 from harness.procs import fd_targets
-from vllm_dedup.registry import protocol as p
+from vllm_dedup.registry import wire
 from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.registry.server import RegistryServer
 
@@ -29,7 +29,7 @@ NBYTES = 8192
 class RawClient:
     """One connection to a registry that sends whatever bytes and descriptors it is given: none of
     `RegistryClient`'s checks stand between a test and the server.  Replies are read with the real
-    framing (`protocol.recv`)."""
+    framing (`wire.recv`)."""
 
     def __init__(self, path: Path, timeout_s: float = 5.0):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -38,8 +38,8 @@ class RawClient:
 
     def send(self, payload: bytes | dict, fds=()) -> None:
         """``payload`` as one datagram of these bytes, or a dict framed as a real client would
-        (`protocol.frame`: large JSON travels in a memfd), but with any number of ``fds``."""
-        data, carrier = (payload, None) if isinstance(payload, bytes) else p.frame(payload, p.MAX_REPLY)
+        (`wire.frame`: large JSON travels in a memfd), but with any number of ``fds``."""
+        data, carrier = (payload, None) if isinstance(payload, bytes) else wire.frame(payload, wire.MAX_REPLY)
         try:
             socket.send_fds(self.sock, [data], [*fds, carrier] if carrier is not None else list(fds))
         finally:
@@ -47,7 +47,7 @@ class RawClient:
                 os.close(carrier)
 
     def recv(self) -> tuple[dict | None, list[int]]:
-        return p.recv(self.sock)
+        return wire.recv(self.sock)
 
     def ask(self, payload: bytes | dict, fds=()) -> dict | None:
         """Send one message and return the reply (None: the registry hung up); descriptors that

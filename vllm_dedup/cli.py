@@ -171,7 +171,7 @@ def _cmd_status_all_nodes(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from .registry.client import registry_stats
-    from .registry.protocol import socket_path
+    from .registry.wire import socket_path
 
     if args.all_nodes:
         return _cmd_status_all_nodes(args)

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .registry.nodes import NODE_ENV, ray_node
-from .registry.protocol import DEFAULT_NAMESPACE
+from .registry.wire import DEFAULT_NAMESPACE
 
 __all__ = ["DRIVER_NODE", "build_dedup_app", "dedup_engine_kwargs", "dedup_llm_config", "ensure_registry"]
 

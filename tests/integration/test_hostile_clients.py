@@ -22,7 +22,7 @@ from helpers import wait_for
 from rawclient import (DESCRIPTOR_KINDS, KEY, NBYTES, RawClient, descriptor, engine_ids, fd_kind, fd_kinds, memfd,
                        publisher, registry_state, well_behaved)
 from vllm_dedup.errors import ProtocolError, RegistryUnavailable
-from vllm_dedup.registry import protocol as p
+from vllm_dedup.registry import wire
 from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.registry.server import RegistryServer
 from vllm_dedup.registry.state import Registry
@@ -142,8 +142,8 @@ BAD_FIELDS = [
      "request 'hello' field 'pid' must be between 1 and"),
     ({"op": "hello", "pid": 1, "model": "m" * 5000, "device": "cpu", "group": "g"},
      "request 'hello' field 'model' holds 5000 characters; the limit is 4096"),
-    ({"op": "acquire", "keys": [f"k{i}" for i in range(p.MAX_FDS + 1)]},
-     f"request 'acquire': at most {p.MAX_FDS} keys per request, not {p.MAX_FDS + 1}"),
+    ({"op": "acquire", "keys": [f"k{i}" for i in range(wire.MAX_FDS + 1)]},
+     f"request 'acquire': at most {wire.MAX_FDS} keys per request, not {wire.MAX_FDS + 1}"),
     ({"op": "acquire", "keys": ["k"] * 70000}, "request 'acquire' field 'keys' holds 70000 items; the limit is"),
     ({"op": "publish", "nbytes": -8, "keys": [[KEY, 0, 8]]}, "request 'publish' field 'nbytes' must be between 0 and"),
     ({"op": "publish", "nbytes": 2**64, "keys": [[KEY, 0, 8]]}, "field 'nbytes' must be between 0 and"),
@@ -169,7 +169,7 @@ def test_field_values_out_of_range_are_refused_and_change_nothing(published, req
             raw.ask({"op": "stats"})  # the registry has accepted the connection: its socket is counted
         fds_before, state_before = fd_kinds(), registry_state(published)
         fd = memfd(NBYTES) if request_["op"] == "publish" else None
-        p.send(raw.sock, request_, [fd] if fd is not None else [])  # framed as a real client would
+        wire.send(raw.sock, request_, [fd] if fd is not None else [])  # framed as a real client would
         reply, _ = raw.recv()
         if fd is not None:
             os.close(fd)
@@ -182,7 +182,7 @@ def test_field_values_out_of_range_are_refused_and_change_nothing(published, req
 def test_an_error_reply_never_breaks_the_broker(published):
     """An op of 150,000 DEL characters: quoted whole in the error, the reply would be 750 kB."""
     with RawClient(published.path) as raw:
-        p.send(raw.sock, {"op": "\x7f" * 150_000})
+        wire.send(raw.sock, {"op": "\x7f" * 150_000})
         reply, _ = raw.recv()
         assert reply["error"].startswith("unknown op '\\x7f\\x7f") and len(reply["error"]) < 500
     assert well_behaved(published) < 2.0
@@ -192,7 +192,7 @@ def test_empty_and_oversized_datagrams_are_answered_and_the_lease_kept(published
     with RawClient(published.path) as raw:
         engine = raw.hello()
         assert raw.ask(b"") == {"error": "bad request: empty registry message"}
-        reply = raw.ask(b"{" + b" " * (p.INLINE_MAX + 10) + b"}")  # over the inline limit: truncated
+        reply = raw.ask(b"{" + b" " * (wire.INLINE_MAX + 10) + b"}")  # over the inline limit: truncated
         assert reply["error"].startswith("bad request: registry message truncated")
         reply = raw.ask({"$memfd": 100})  # a carrier without its descriptor
         assert reply["error"] == "bad request: a registry message of 100 bytes announced, but no memfd attached"
@@ -234,7 +234,7 @@ def test_messages_too_big_for_a_datagram_travel_in_a_memfd(published):
             c.close()
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b, pytest.raises(ProtocolError, match="exceeds the limit"):
-        p.send(a, {"op": "stats", "pad": "x" * p.MAX_MESSAGE})
+        wire.send(a, {"op": "stats", "pad": "x" * wire.MAX_MESSAGE})
 
 
 def test_the_connection_limit_refuses_newcomers_with_a_clear_error(tmp_path):
@@ -297,7 +297,7 @@ def test_a_client_waits_while_the_registry_backlog_is_full(tmp_path):
     waits until it is accepted instead of failing at once.  A bare listener with a backlog of
     one stands for the busy registry (a real one's backlog takes 4096 connections to fill)."""
     path = tmp_path / "run" / "busy.sock"
-    p.ensure_private_dir(path.parent)
+    wire.ensure_private_dir(path.parent)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(str(path))
     listener.listen(0)

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from helpers import wait_for
 from rawclient import (DESCRIPTOR_KINDS, KEY, NBYTES, RawClient, descriptor, engine_ids, fd_kind, fd_kinds, publisher,
                        registry_state, well_behaved)
-from vllm_dedup.registry import protocol as p
+from vllm_dedup.registry import messages as m
+from vllm_dedup.registry import wire
 from vllm_dedup.registry.server import RegistryServer
 from vllm_dedup.registry.state import Registry, RegistryStats
 
@@ -44,8 +45,8 @@ VALID = {
     "expect": {},
     "stats": {},
 }
-REPLIES = {"hello": p.HelloReply, "acquire": p.AcquireReply, "publish": p.PublishReply, "release": p.Empty,
-           "report": p.Empty, "lock": p.LockReply, "unlock": p.Empty, "expect": p.ExpectReply, "shutdown": p.ShutdownReply}
+REPLIES = {"hello": m.HelloReply, "acquire": m.AcquireReply, "publish": m.PublishReply, "release": m.Empty,
+           "report": m.Empty, "lock": m.LockReply, "unlock": m.Empty, "expect": m.ExpectReply, "shutdown": m.ShutdownReply}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def test_arbitrary_json_objects_are_answered(fuzz_registry, msg, op):
     if op == "shutdown" and msg.get("force") is True:
         msg["force"] = False
     reply = exchange(fuzz_registry, msg)
-    if not isinstance(op, str) or op not in p.REQUESTS:
+    if not isinstance(op, str) or op not in m.REQUESTS:
         assert reply["error"].startswith("unknown op")
     elif "error" not in reply:
         check_reply(op, reply)
@@ -187,7 +188,7 @@ def test_requests_with_mutated_fields_are_refused_or_valid(fuzz_registry, msg):
         assert 0 <= msg["nbytes"] <= NBYTES and msg["keys"]
         assert all(0 <= off and 0 <= n and off + n <= msg["nbytes"] and len(k) <= 4096 for k, off, n in msg["keys"])
     if op == "acquire":
-        assert len(msg["keys"]) <= p.MAX_FDS
+        assert len(msg["keys"]) <= wire.MAX_FDS
     if op == "report":
         collisions = msg["load"].get("collisions", 0)
         assert type(collisions) is int and collisions >= 0 and len(msg["load"]) <= 64
@@ -199,7 +200,7 @@ def test_requests_with_mutated_fields_are_refused_or_valid(fuzz_registry, msg):
        | st.builds(lambda kind, n: [kind] * n, st.sampled_from(DESCRIPTOR_KINDS), st.integers(0, 253)))
 def test_any_number_of_descriptors_of_any_kind(fuzz_registry, op, kinds):
     reply = exchange(fuzz_registry, {"op": op, **VALID[op]}, kinds)
-    cls = p.REQUESTS[op]
+    cls = m.REQUESTS[op]
     valid = len(kinds) == cls.fds and (op != "publish" or kinds == ["sealed memfd"])
     assert ("error" not in reply) == valid, reply
     if len(kinds) != cls.fds:

@@ -50,10 +50,10 @@ def test_a_recipe_that_is_not_a_sealed_memfd_or_not_a_recipe_is_refused(registry
             client.put_recipe(json.dumps({"signature": "sig"}).encode())
         unsealed = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
         os.write(unsealed, b"{}")
-        from vllm_dedup.registry import protocol as p
+        from vllm_dedup.registry import messages as m
 
         with pytest.raises(RegistryUnavailable, match="sealed memfd"):
-            client._call(p.PutRecipe(2), p.Empty, [unsealed])
+            client._call(m.PutRecipe(2), m.Empty, [unsealed])
         os.close(unsealed)
         assert client.get_recipes("sig") == []
     assert registry_server.registry.recipes == {}

@@ -11,7 +11,7 @@ import time
 from harness.procs import free_port
 from helpers import run_cli
 from vllm_dedup.registry.nodes import NODE_DIR_ENV, NODE_ID_ENV, RayNode, node_socket_path, this_node
-from vllm_dedup.registry.protocol import socket_path
+from vllm_dedup.registry.wire import socket_path
 
 NODE = "ab" * 28  # a Ray node id: 56 hex digits
 

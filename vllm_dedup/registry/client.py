@@ -1,4 +1,4 @@
-"""A connection to the registry: `RegistryClient`, one method per request of `protocol.py`.
+"""A connection to the registry: `RegistryClient`, one method per request of `messages.py`.
 
 For an engine, the connection is its lease (docs/architecture.md, "Registry"): keep the client
 open as long as the engine maps shared tensors; when it closes, however the engine ended, the
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ProtocolError, RegistryTimeout, RegistryUnavailable
-from . import protocol as p
+from . import messages as m
+from . import wire
 from .state import Hit, RegistryStats
 
 __all__ = ["RegistryClient", "SegmentHits", "registry_stats", "shutdown_registry"]
@@ -40,7 +41,7 @@ class RegistryClient:
     """One connection to a registry's socket.
 
     Args:
-        path: the socket (`protocol.socket_path`).
+        path: the socket (`wire.socket_path`).
         timeout_s: seconds to wait for any one reply.  A registry that does not answer in time
             (hung, SIGSTOPped) costs one such wait: the connection is closed then, and every
             later call fails at once.
@@ -59,7 +60,7 @@ class RegistryClient:
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.timed_out = False
-        p.ensure_private_dir(self.path.parent)
+        wire.ensure_private_dir(self.path.parent)
         try:
             info = os.lstat(self.path)
             if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
@@ -95,7 +96,7 @@ class RegistryClient:
         self._sock.setblocking(False)
         for _ in range(2):  # the first read may report the reset itself
             try:
-                reply, fds = p.recv(self._sock, p.MAX_REPLY)
+                reply, fds = wire.recv(self._sock, wire.MAX_REPLY)
             except (ConnectionError, ProtocolError):
                 continue
             except OSError:
@@ -105,7 +106,7 @@ class RegistryClient:
             return reply.get("error") if reply else None
         return None
 
-    def _call(self, request: p.Message, reply_type: type[p.Message] | None, fds: list[int] = ()):
+    def _call(self, request: m.Message, reply_type: type[m.Message] | None, fds: list[int] = ()):
         """Send ``request``, return ``(reply, descriptors)``; ``reply`` is a ``reply_type``
         (or the raw dict when None).  The caller owns the descriptors."""
         with self._lock:
@@ -113,8 +114,8 @@ class RegistryClient:
                 raise RegistryTimeout(f"the registry at {self.path} did not answer an earlier request within "
                                       f"{self.timeout_s:g} s; this connection is closed")
             try:
-                p.send(self._sock, request.to_wire(), fds)
-                reply, got = p.recv(self._sock, p.MAX_REPLY)
+                wire.send(self._sock, request.to_wire(), fds)
+                reply, got = wire.recv(self._sock, wire.MAX_REPLY)
             except ProtocolError:
                 raise
             except TimeoutError:
@@ -142,26 +143,26 @@ class RegistryClient:
         """Make this connection an engine's lease.  ``device`` is a device key
         (`Segment.device_key`); ``signature`` names what decides the engine's tensors' bytes
         (default: ``model``), for `expected_shared_bytes`.  Returns the engine id."""
-        reply, _ = self._call(p.Hello(os.getpid(), model, device, group, signature), p.HelloReply)
+        reply, _ = self._call(m.Hello(os.getpid(), model, device, group, signature), m.HelloReply)
         self.engine_id, self.group = reply.engine, group
         return self.engine_id
 
     def expected_shared_bytes(self) -> int:
         """Bytes of this engine's tensors predicted to be resident already (bytes; 0 when no
         engine with its signature has reported; `Registry.expected_shared_bytes`)."""
-        return self._call(p.Expect(), p.ExpectReply)[0].bytes
+        return self._call(m.Expect(), m.ExpectReply)[0].bytes
 
     def acquire(self, keys: list[str], uids: list[str] | None = None) -> list[SegmentHits]:
         """Look up ``keys`` (with ``uids``, one per key: each only in the segment of that uid;
-        one round trip per `protocol.MAX_FDS` keys); returns the hits grouped by segment, one
+        one round trip per `wire.MAX_FDS` keys); returns the hits grouped by segment, one
         descriptor each (the caller owns them).  The registry holds every segment returned until
         `release`.  When a later round trip fails, the descriptors of the earlier ones are closed
         before the error is raised."""
         out: dict[int, SegmentHits] = {}
         try:
-            for start in range(0, len(keys), p.MAX_FDS):
-                chunk = slice(start, start + p.MAX_FDS)
-                reply, fds = self._call(p.Acquire(keys[chunk], list(uids[chunk]) if uids else []), p.AcquireReply)
+            for start in range(0, len(keys), wire.MAX_FDS):
+                chunk = slice(start, start + wire.MAX_FDS)
+                reply, fds = self._call(m.Acquire(keys[chunk], list(uids[chunk]) if uids else []), m.AcquireReply)
                 for seg, fd, uid, size in zip(reply.segments, fds, reply.uids, reply.sizes):
                     if seg in out:  # held already through an earlier chunk
                         os.close(fd)
@@ -179,14 +180,14 @@ class RegistryClient:
     def publish(self, fd: int, nbytes: int, keys: list[tuple[str, int, int]], uid: str = "") -> int:
         """Publish a segment (its descriptor ``fd``, ``nbytes`` usable bytes) holding
         ``(content key, offset, bytes)`` tensors; returns its id.  ``uid`` names the segment
-        across registry restarts (`protocol.Publish`).  The caller keeps ``fd``."""
-        return self._call(p.Publish(nbytes, list(keys), uid), p.PublishReply, [fd])[0].segment
+        across registry restarts (`messages.Publish`).  The caller keeps ``fd``."""
+        return self._call(m.Publish(nbytes, list(keys), uid), m.PublishReply, [fd])[0].segment
 
     def release(self, segments: list[int]) -> None:
-        self._call(p.Release(list(segments)), p.Empty)
+        self._call(m.Release(list(segments)), m.Empty)
 
     def report(self, load: dict) -> None:
-        self._call(p.Report(load), p.Empty)
+        self._call(m.Report(load), m.Empty)
 
     def put_recipe(self, data: bytes) -> None:
         """Give the registry a recipe (its JSON bytes; `engine.recipe.Recipe.to_bytes`).
@@ -199,7 +200,7 @@ class RegistryClient:
 
         seg = HostSegment.from_bytes(data)
         try:
-            self._call(p.PutRecipe(len(data)), p.Empty, [seg.fileno()])
+            self._call(m.PutRecipe(len(data)), m.Empty, [seg.fileno()])
         finally:
             seg.close_fd()
 
@@ -213,7 +214,7 @@ class RegistryClient:
         """
         from ..segments.host import HostSegment
 
-        reply, fds = self._call(p.GetRecipes(signature), p.RecipesReply)
+        reply, fds = self._call(m.GetRecipes(signature), m.RecipesReply)
         out = []
         try:
             for i, (fd, size) in enumerate(zip(fds, reply.sizes)):
@@ -226,7 +227,7 @@ class RegistryClient:
         return out
 
     def stats(self) -> RegistryStats:
-        return RegistryStats.from_dict(self._call(p.Stats(), None)[0])
+        return RegistryStats.from_dict(self._call(m.Stats(), None)[0])
 
     def lock(self, names: str | list[str], owner: str | None = None, timeout_s: float = 600.0,
              poll_s: float = 0.05, reclaim: bool = False) -> None:
@@ -250,7 +251,7 @@ class RegistryClient:
         names = [names] if isinstance(names, str) else list(names)
         deadline = time.monotonic() + timeout_s
         while True:
-            reply, _ = self._call(p.Lock(names, owner, reclaim), p.LockReply)
+            reply, _ = self._call(m.Lock(names, owner, reclaim), m.LockReply)
             if reply.granted:
                 return
             if time.monotonic() >= deadline:
@@ -262,7 +263,7 @@ class RegistryClient:
     def unlock(self, names: str | list[str]) -> None:
         """Give locks back; a registry that is gone took them with it (no error then)."""
         try:
-            self._call(p.Unlock([names] if isinstance(names, str) else list(names)), p.Empty)
+            self._call(m.Unlock([names] if isinstance(names, str) else list(names)), m.Empty)
         except RegistryUnavailable:
             pass
 
@@ -278,7 +279,7 @@ class RegistryClient:
 
     def shutdown(self, force: bool = False) -> None:
         """Stop the registry (refused while engines are connected, unless ``force``)."""
-        self._call(p.Shutdown(force), p.ShutdownReply)
+        self._call(m.Shutdown(force), m.ShutdownReply)
 
     def hung_up(self) -> bool:
         """Whether the registry closed this connection (it died, or dropped this client); False
@@ -305,14 +306,14 @@ def registry_stats(path: Path | None = None) -> RegistryStats:
     Raises:
         RegistryUnavailable: no registry answers there.
     """
-    with RegistryClient(path or p.socket_path(), timeout_s=10) as client:
+    with RegistryClient(path or wire.socket_path(), timeout_s=10) as client:
         return client.stats()
 
 
 def shutdown_registry(path: Path | None = None) -> bool:
     """Stop the registry at ``path`` even with engines connected; False if none answered."""
     try:
-        with RegistryClient(path or p.socket_path(), timeout_s=10) as client:
+        with RegistryClient(path or wire.socket_path(), timeout_s=10) as client:
             client.shutdown(force=True)
         return True
     except RegistryUnavailable:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import RegistryUnavailable
 from .client import RegistryClient
-from .protocol import ensure_private_dir, socket_path
+from .wire import ensure_private_dir, socket_path
 from .server import RegistryServer
 from .state import Registry
 

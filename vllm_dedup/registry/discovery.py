@@ -22,7 +22,7 @@ from ..errors import RegistryUnavailable
 from .client import RegistryClient
 from .daemon import start_daemon
 from .nodes import NODE_ID_ENV, node_socket_path
-from .protocol import socket_path
+from .wire import socket_path
 from .ray_actor import ensure_actor
 
 __all__ = ["connect_registry"]

@@ -5,7 +5,7 @@ node has its own registry actor serving its own socket.  Nodes on different mach
 different file systems, but several Ray nodes can run on one machine (``ray start`` twice,
 ``ray.cluster_utils.Cluster``), so the socket's directory is named after the node:
 
-- the head node, and any process outside Ray: ``protocol.runtime_dir()`` itself, exactly as
+- the head node, and any process outside Ray: ``wire.runtime_dir()`` itself, exactly as
   on a single node;
 - every other node: a sibling of it, ``<runtime_dir()>-node-<first 16 hex digits of its node
   id>`` (e.g. ``$XDG_RUNTIME_DIR/vllm-dedup-node-0123456789abcdef``).  A sibling, not a
@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .protocol import runtime_dir, socket_path
+from .wire import runtime_dir, socket_path
 
 __all__ = ["NODE_DIR_ENV", "NODE_ENV", "NODE_ID_ENV", "RayNode", "export_node", "node_socket_path", "ray_node",
            "this_node"]
@@ -132,10 +132,10 @@ def export_node() -> None:
 
 def node_socket_path(namespace: str, node: RayNode | None = None) -> Path:
     """The registry socket of ``namespace`` on ``node`` (default: `this_node`); outside Ray,
-    ``protocol.socket_path(namespace)``.
+    ``wire.socket_path(namespace)``.
 
     Raises:
-        ValueError: a bad namespace (see ``protocol.socket_path``).
+        ValueError: a bad namespace (see ``wire.socket_path``).
     """
     plain = socket_path(namespace)  # checks the namespace
     node = node or this_node()

@@ -1,6 +1,6 @@
 """The registry behind its Unix socket: `RegistryServer` serves a `state.Registry` to engines.
 
-Messages and framing are `protocol.py`'s.  Each request type has one handler in a dispatch
+Messages are `messages.py`'s, framing `wire.py`'s.  Each request type has one handler in a dispatch
 table (`RegistryServer._handlers`); a bad request is answered with an error and the connection
 stays usable, so one broken client never takes the registry down for the others.
 
@@ -46,7 +46,8 @@ from pathlib import Path
 
 from ..errors import ProtocolError, RegistryUnavailable, SegmentError
 from ..segments.host import check_sealed_memfd
-from . import protocol as p
+from . import messages as m
+from . import wire
 from .state import RECLAIM_GRACE_S, Registry, RegistryStats
 
 __all__ = ["RegistryServer"]
@@ -75,7 +76,7 @@ class RegistryServer:
 
     Args:
         registry: the state to serve.
-        path: the socket path; its directory must be private (see `protocol.ensure_private_dir`).
+        path: the socket path; its directory must be private (see `wire.ensure_private_dir`).
         max_connections: connections served at once (default: `default_max_connections`).
         reclaim_grace_s: when the socket found at start is a dead registry's, seconds during
             which only reclaimed locks are granted (`Registry.begin_reclaim`).
@@ -101,12 +102,12 @@ class RegistryServer:
         self.refused_uids: list[int] = []
         # request type -> handler(conn, engine id or None, request, descriptors) -> (reply, descriptors)
         self._handlers = {
-            p.Hello: self._hello, p.Acquire: self._acquire, p.Publish: self._publish, p.Release: self._release,
-            p.Report: self._report, p.Lock: self._lock, p.Unlock: self._unlock, p.Expect: self._expect,
-            p.PutRecipe: self._put_recipe, p.GetRecipes: self._get_recipes, p.Stats: self._stats,
-            p.Shutdown: self._shutdown,
+            m.Hello: self._hello, m.Acquire: self._acquire, m.Publish: self._publish, m.Release: self._release,
+            m.Report: self._report, m.Lock: self._lock, m.Unlock: self._unlock, m.Expect: self._expect,
+            m.PutRecipe: self._put_recipe, m.GetRecipes: self._get_recipes, m.Stats: self._stats,
+            m.Shutdown: self._shutdown,
         }
-        assert set(self._handlers) == set(p.REQUESTS.values()), "every request type needs a handler"
+        assert set(self._handlers) == set(m.REQUESTS.values()), "every request type needs a handler"
 
     def start(self) -> RegistryServer:
         """Bind the socket and start serving.
@@ -114,7 +115,7 @@ class RegistryServer:
         Raises:
             RegistryUnavailable: the directory is unsafe, or another registry serves this path.
         """
-        p.ensure_private_dir(self.path.parent)
+        wire.ensure_private_dir(self.path.parent)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         replaces_dead = False
         try:
@@ -223,7 +224,7 @@ class RegistryServer:
             return
         conn.setblocking(False)  # replies never wait for a client (see the module docstring)
         try:
-            uid = p.peer_uid(conn)
+            uid = wire.peer_uid(conn)
         except OSError:  # already gone
             conn.close()
             return
@@ -248,7 +249,7 @@ class RegistryServer:
         """Say ``why`` and close: the client reads it when its request finds the socket closed."""
         logger.warning("registry: %s", why)
         try:
-            conn.send(p.frame({"error": why})[0])
+            conn.send(wire.frame({"error": why})[0])
         except OSError:
             pass
         conn.close()
@@ -266,7 +267,7 @@ class RegistryServer:
 
     def _serve_one(self, conn: socket.socket) -> None:
         try:
-            msg, fds = p.recv(conn)
+            msg, fds = wire.recv(conn)
         except BlockingIOError:  # woken for nothing
             return
         except ProtocolError as e:  # answer, keep the connection
@@ -279,8 +280,8 @@ class RegistryServer:
             return
         try:
             if conn in self._refused:
-                raise PermissionError(f"refused: peer uid {p.peer_uid(conn)} is not the registry's uid {os.getuid()}")
-            request = p.parse_request(msg, fds)
+                raise PermissionError(f"refused: peer uid {wire.peer_uid(conn)} is not the registry's uid {os.getuid()}")
+            request = m.parse_request(msg, fds)
             reply, out_fds = self._handle(conn, request, fds)
         except (PermissionError, ProtocolError, ValueError) as e:
             _close(fds)
@@ -294,9 +295,9 @@ class RegistryServer:
     def _reply(self, conn: socket.socket, reply: dict, fds: list[int]) -> None:
         """Send now, or queue (see the module docstring); never waits.  ``fds`` stay the caller's."""
         try:
-            data, carrier = p.frame(reply, p.MAX_REPLY)
+            data, carrier = wire.frame(reply, wire.MAX_REPLY)
         except (ProtocolError, OSError) as e:  # too big even for a memfd, or no memfd to be had
-            data, carrier, fds = p.frame({"error": f"the reply cannot be sent: {e}"})[0], None, []
+            data, carrier, fds = wire.frame({"error": f"the reply cannot be sent: {e}"})[0], None, []
         out = [*fds, carrier] if carrier is not None else list(fds)
         try:
             queue = self._outbox.get(conn)
@@ -337,74 +338,74 @@ class RegistryServer:
         del self._outbox[conn]
         self._sel.modify(conn, selectors.EVENT_READ)
 
-    def _handle(self, conn, request: p.Message, fds: list[int]) -> tuple[dict, list[int]]:
+    def _handle(self, conn, request: m.Message, fds: list[int]) -> tuple[dict, list[int]]:
         engine = self._connections.get(conn)
-        if engine is None and not isinstance(request, (p.Hello, p.Stats, p.Shutdown)):
+        if engine is None and not isinstance(request, (m.Hello, m.Stats, m.Shutdown)):
             raise ValueError(f"op {request.op!r} needs a hello first")
         reply, out_fds = self._handlers[type(request)](conn, engine, request, fds)
-        return reply.to_wire() if isinstance(reply, p.Message) else reply, out_fds
+        return reply.to_wire() if isinstance(reply, m.Message) else reply, out_fds
 
     # handlers: one per request type --------------------------------------------------------
-    def _hello(self, conn, engine, req: p.Hello, fds):
+    def _hello(self, conn, engine, req: m.Hello, fds):
         if engine is not None:
             raise ValueError("hello sent twice")
-        self._connections[conn] = self.registry.add_engine(req.pid, p.peer_uid(conn), req.model, req.device,
+        self._connections[conn] = self.registry.add_engine(req.pid, wire.peer_uid(conn), req.model, req.device,
                                                            req.group, req.signature)
-        return p.HelloReply(self._connections[conn]), []
+        return m.HelloReply(self._connections[conn]), []
 
-    def _acquire(self, conn, engine, req: p.Acquire, fds):
-        hits = self.registry.acquire(engine, req.keys[: p.MAX_FDS], req.uids[: p.MAX_FDS] or None)
+    def _acquire(self, conn, engine, req: m.Acquire, fds):
+        hits = self.registry.acquire(engine, req.keys[: wire.MAX_FDS], req.uids[: wire.MAX_FDS] or None)
         segments = list(dict.fromkeys(h.segment for h in hits))
         entries = [self.registry.segments[s] for s in segments]
-        reply = p.AcquireReply([(h.key, h.segment, h.offset, h.nbytes) for h in hits], segments,
+        reply = m.AcquireReply([(h.key, h.segment, h.offset, h.nbytes) for h in hits], segments,
                                [e.uid for e in entries], [e.nbytes for e in entries])
         return reply, [e.fd for e in entries]
 
-    def _publish(self, conn, engine, req: p.Publish, fds):
+    def _publish(self, conn, engine, req: m.Publish, fds):
         if not self.registry.engines[engine].device.startswith("cuda:"):  # cuda: see the module docstring
             try:
                 check_sealed_memfd(fds[0], req.nbytes)
             except SegmentError as e:
                 raise ProtocolError(f"request 'publish': {e}") from None
-        return p.PublishReply(self.registry.publish(engine, fds[0], req.nbytes, req.keys, req.uid)), []
+        return m.PublishReply(self.registry.publish(engine, fds[0], req.nbytes, req.keys, req.uid)), []
 
-    def _release(self, conn, engine, req: p.Release, fds):
+    def _release(self, conn, engine, req: m.Release, fds):
         self.registry.release(engine, req.segments)
-        return p.Empty(), []
+        return m.Empty(), []
 
-    def _report(self, conn, engine, req: p.Report, fds):
+    def _report(self, conn, engine, req: m.Report, fds):
         self.registry.report(engine, req.load)
-        return p.Empty(), []
+        return m.Empty(), []
 
-    def _lock(self, conn, engine, req: p.Lock, fds):
+    def _lock(self, conn, engine, req: m.Lock, fds):
         holder = self.registry.try_lock(engine, req.names, req.owner, req.reclaim)
-        return p.LockReply(holder is None, holder or None, holder == 0), []
+        return m.LockReply(holder is None, holder or None, holder == 0), []
 
-    def _unlock(self, conn, engine, req: p.Unlock, fds):
+    def _unlock(self, conn, engine, req: m.Unlock, fds):
         self.registry.unlock(engine, req.names)
-        return p.Empty(), []
+        return m.Empty(), []
 
-    def _expect(self, conn, engine, req: p.Expect, fds):
+    def _expect(self, conn, engine, req: m.Expect, fds):
         e = self.registry.engines[engine]
-        return p.ExpectReply(self.registry.expected_shared_bytes(e.device, e.group, e.signature)), []
+        return m.ExpectReply(self.registry.expected_shared_bytes(e.device, e.group, e.signature)), []
 
-    def _put_recipe(self, conn, engine, req: p.PutRecipe, fds):
+    def _put_recipe(self, conn, engine, req: m.PutRecipe, fds):
         signature, recipe_id, final = _recipe_summary(fds[0], req.nbytes)
         self.registry.put_recipe(engine, fds[0], req.nbytes, signature, recipe_id, final)
-        return p.Empty(), []
+        return m.Empty(), []
 
-    def _get_recipes(self, conn, engine, req: p.GetRecipes, fds):
-        kept = self.registry.recipes_for(engine, req.signature)[: p.MAX_FDS]
-        return p.RecipesReply([r.nbytes for r in kept]), [r.fd for r in kept]
+    def _get_recipes(self, conn, engine, req: m.GetRecipes, fds):
+        kept = self.registry.recipes_for(engine, req.signature)[: wire.MAX_FDS]
+        return m.RecipesReply([r.nbytes for r in kept]), [r.fd for r in kept]
 
-    def _stats(self, conn, engine, req: p.Stats, fds):
+    def _stats(self, conn, engine, req: m.Stats, fds):
         return self.registry.stats().to_dict(), []
 
-    def _shutdown(self, conn, engine, req: p.Shutdown, fds):
+    def _shutdown(self, conn, engine, req: m.Shutdown, fds):
         if self.engines and not req.force:
             raise ValueError(f"{self.engines} engine(s) still connected; use force")
         self._stop.set()
-        return p.ShutdownReply(True), []
+        return m.ShutdownReply(True), []
 
 
 def _recipe_summary(fd: int, nbytes: int) -> tuple[str, str, dict[str, int]]:

@@ -7,8 +7,7 @@ the offline scan.  The package's folders are its architecture (docs/architecture
 """
 
 from .config import DedupConfig
-from .errors import (CheckpointError, DedupError, ProtocolError, RegistryUnavailable, SegmentError,
-                     SharedWeightsError)
+from .errors import CheckpointError, DedupError, ProtocolError, RegistryUnavailable, SegmentError, SharedWeightsError
 
 __version__ = "0.1.0"
 

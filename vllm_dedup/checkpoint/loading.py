@@ -7,18 +7,18 @@ through a read-only mapping), and chosen tensors read without touching the other
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..log import init_logger
 from .manifest import FileIdentity, Manifest, ManifestCache, file_manifest
 from .readers import SafetensorsFile
 
 __all__ = ["checkpoint_files", "checkpoint_keys", "read_tensors", "write_manifests"]
 
-logger = logging.getLogger("vllm.dedup.checkpoint")
+logger = init_logger(__name__)
 
 
 def checkpoint_files(model_dir: str | os.PathLike) -> list[Path] | None:
@@ -108,7 +108,7 @@ def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], key
                 now = FileIdentity.of(path, wf.header())
                 entries = wf.entries()
         except (CheckpointError, OSError) as e:
-            logger.debug("vllm-dedup: no manifest for %s (%s)", path, e)
+            logger.debug("no manifest for %s (%s)", path, e)
             continue
         if now != identities.get(path) or any(e.name not in keys for e in entries):
             continue

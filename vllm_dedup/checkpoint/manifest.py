@@ -25,7 +25,6 @@ file, then ``os.replace``).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -34,11 +33,12 @@ from pathlib import Path
 import xxhash
 
 from ..content.keys import ContentKey, content_keys, source_key
+from ..log import init_logger
 from .readers import TensorEntry, open_weight_file
 
 __all__ = ["FileIdentity", "Manifest", "ManifestCache", "default_cache_dir", "file_manifest"]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 _VERSION = 3  # 2: identity carries st_ctime_ns; 3: source keys are BLAKE3-256
 

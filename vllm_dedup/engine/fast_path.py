@@ -15,7 +15,6 @@ one log line, and the load goes on without the fast path (or without leaving a r
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,13 +22,14 @@ from ..checkpoint.loading import checkpoint_files, checkpoint_keys, write_manife
 from ..checkpoint.manifest import FileIdentity, ManifestCache, default_cache_dir
 from ..checkpoint.readers import SafetensorsFile
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
+from ..log import init_logger
 from .context import LoadContext, LoadReport
 from .recipe import Match, Recipe, build_recipe, choose, model_attrs
 from .sources import SourceRecorder
 
 __all__ = ["Decision", "RecordedLoad", "decide", "fast_path_files", "leave_recipe"]
 
-logger = logging.getLogger("vllm.dedup")
+logger = init_logger(__name__)
 
 FORMATS = ("auto", "safetensors", "hf")  # inner load formats whose files `sources.read_tensors` reads
 INLINE_MAX = 1 << 20  # bytes: private tensors up to this size travel inside a recipe
@@ -160,8 +160,8 @@ def leave_recipe(ctx: LoadContext, model, report: LoadReport, recorded: Recorded
                               min(ctx.config.min_tensor_bytes, INLINE_MAX), attrs_before, inherited)
         ctx.lease.put_recipe(recipe.to_bytes())
     except (RegistryUnavailable, SegmentError) as e:
-        logger.warning("vllm-dedup: %s: the recipe of this load was not kept (%s); the next engine loads as "
+        logger.warning("%s: the recipe of this load was not kept (%s); the next engine loads as "
                        "usual", ctx.model_name, e)
     except Exception as e:  # building a recipe must never stop an engine that loaded
-        logger.warning("vllm-dedup: %s: no recipe could be made of this load (%s: %s); the next engine loads as "
+        logger.warning("%s: no recipe could be made of this load (%s: %s); the next engine loads as "
                        "usual", ctx.model_name, type(e).__name__, e)

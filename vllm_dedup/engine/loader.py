@@ -39,7 +39,6 @@ compiled artifact of a plain engine is never loaded into such a model, nor the o
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 from torch import nn
@@ -51,6 +50,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..config import DedupConfig
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
+from ..log import init_logger
 from .context import LoadContext, LoadReport
 from .meter import LoadMeter
 from .session import EngineSession
@@ -58,7 +58,7 @@ from .signature import load_signature
 
 __all__ = ["DedupModelLoader"]
 
-logger = logging.getLogger("vllm.dedup")  # under "vllm": vLLM's handlers and format apply
+logger = init_logger(__name__)
 
 
 class DedupModelLoader(BaseModelLoader):
@@ -115,7 +115,7 @@ class DedupModelLoader(BaseModelLoader):
         if self.config.cpu_share_linear:
             marked = _keep_cpu_weights_plain(model)
             logger.warning(
-                "vllm-dedup: cpu_share_linear=true: %d linear layers and vocabulary embeddings keep plain "
+                "cpu_share_linear=true: %d linear layers and vocabulary embeddings keep plain "
                 "weights (F.linear) so that they can be shared; on CPU that is slower than vLLM's oneDNN path "
                 "(benchmarks/cpu_linear.py). Set cpu_share_linear=false to keep oneDNN and share only "
                 "embeddings and norms.", marked,
@@ -149,7 +149,7 @@ class DedupModelLoader(BaseModelLoader):
         session.hold(ctx.lease, report.segment_bytes, report.shared_bytes)
         ctx.lease.watch()  # re-registers what it holds with a registry that comes back
         _describe_for_upstream_hooks(model, session)
-        logger.info("vllm-dedup: %s: %s", ctx.model_name, report.summary())
+        logger.info("%s: %s", ctx.model_name, report.summary())
         return model
 
     def _load(self, ctx: LoadContext, report: LoadReport):
@@ -178,20 +178,20 @@ class DedupModelLoader(BaseModelLoader):
                     report.load_path = "modules" if decision.match.unmatched else "full"
                     ctx.lease.keep_recipe(decision.recipe_bytes)  # given again to a registry that comes back
                     return model, replay.placement, replay, None, decision
-        logger.info("vllm-dedup: %s: loading from the checkpoint: %s", ctx.model_name, why)
+        logger.info("%s: loading from the checkpoint: %s", ctx.model_name, why)
         recorded = None
         if files:
             try:
                 recorded = RecordedLoad(files)
             except (CheckpointError, OSError) as e:
-                logger.info("vllm-dedup: %s: this load leaves no recipe (%s)", ctx.model_name, e)
+                logger.info("%s: this load leaves no recipe (%s)", ctx.model_name, e)
         model = self._load_as_usual(ctx.vllm_config, ctx.model_config, ctx.prefix, recorded)
         if recorded is not None:
             try:
                 recorded.finish()
                 report.checkpoint_bytes_read += recorded.recorder.bytes_read
             except Exception as e:  # recording never stops a load that succeeded
-                logger.warning("vllm-dedup: %s: this load leaves no recipe (%s: %s)", ctx.model_name,
+                logger.warning("%s: this load leaves no recipe (%s: %s)", ctx.model_name,
                                type(e).__name__, e)
                 recorded = None
         return model, {}, None, recorded, decision
@@ -200,11 +200,11 @@ class DedupModelLoader(BaseModelLoader):
     def _log_replay(ctx: LoadContext, match, replay) -> None:
         if match.unmatched:
             first, reason = sorted(match.unmatched.items())[0]
-            logger.info("vllm-dedup: %s: a recipe maps %d of %d modules (%.1f MB); %d loaded from the checkpoint "
+            logger.info("%s: a recipe maps %d of %d modules (%.1f MB); %d loaded from the checkpoint "
                         "(%s: %s)", ctx.model_name, len(match.matched), len(match.recipe.modules),
                         replay.mapped_bytes / 1e6, len(match.unmatched), first, reason)
         else:
-            logger.info("vllm-dedup: %s: a recipe maps every module (%.1f MB); no checkpoint tensor read",
+            logger.info("%s: a recipe maps every module (%.1f MB); no checkpoint tensor read",
                         ctx.model_name, replay.mapped_bytes / 1e6)
 
     def _load_as_usual(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
@@ -239,7 +239,7 @@ class DedupModelLoader(BaseModelLoader):
 
         reason = private_reason(vllm_config)
         if reason is not None:
-            logger.warning("vllm-dedup: this engine's weights stay private: %s, which shared read-only weights "
+            logger.warning("this engine's weights stay private: %s, which shared read-only weights "
                            "cannot allow", reason)
             return None
         try:
@@ -249,7 +249,7 @@ class DedupModelLoader(BaseModelLoader):
         except (NotImplementedError, RuntimeError, SegmentError) as e:  # no backend, driver or cuda-bindings
             if self.config.on_registry_error == "fail":
                 raise RuntimeError(f"vllm-dedup: cannot share weights on {device}: {e}") from None
-            logger.warning("vllm-dedup: cannot share weights on %s (%s); loading privately", device, e)
+            logger.warning("cannot share weights on %s (%s); loading privately", device, e)
             return None
         signature = load_signature(vllm_config, model_config, self.config.inner_load_format,
                                    self.config.cpu_share_linear and device.type == "cpu")

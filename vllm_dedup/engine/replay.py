@@ -33,12 +33,12 @@ keys, the load signature and the segments the recipe names (docs/architecture.md
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 from torch import nn
 
 from ..checkpoint.loading import read_tensors
+from ..log import init_logger
 from ..segments import segment_class
 from .context import LoadContext, Placement
 from .recipe import Match, RecipeDeclined, TensorRecipe
@@ -48,7 +48,7 @@ from .sources import SourceRecorder
 
 __all__ = ["Replay"]
 
-logger = logging.getLogger("vllm.dedup.replay")
+logger = init_logger(__name__)
 
 
 class Replay:
@@ -116,7 +116,7 @@ class Replay:
             _check_no_meta(model)
             return model.eval()
         except Exception as e:  # a fast path never stops an engine: the usual load follows
-            logger.debug("vllm-dedup: building the model from a recipe failed", exc_info=True)
+            logger.debug("building the model from a recipe failed", exc_info=True)
             self.release()
             if model is not None:
                 _forget_layers(self.ctx.vllm_config, model)
@@ -151,7 +151,7 @@ class Replay:
         resident: dict[tuple[str, str], tuple[torch.Tensor, str]] = {}
         for got in found:
             if got.error is not None:  # released already
-                logger.warning("vllm-dedup: %s; its modules are loaded", got.error)
+                logger.warning("%s; its modules are loaded", got.error)
                 continue
             self.held.append(got.found.segment)
             for hit in got.found.hits:

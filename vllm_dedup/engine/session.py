@@ -65,17 +65,17 @@ meanwhile is outside the lock's reach.
 
 from __future__ import annotations
 
-import logging
 from typing import ClassVar
 
 from ..config import DedupConfig
 from ..errors import RegistryUnavailable
+from ..log import init_logger
 from ..registry.lease import Lease
 from ..registry.state import startup_lock_name
 
 __all__ = ["EngineSession", "startup_devices"]
 
-logger = logging.getLogger("vllm.dedup.session")  # under "vllm": vLLM's handlers and format apply
+logger = init_logger(__name__)
 
 
 def startup_devices(world_size: int) -> list:
@@ -141,7 +141,7 @@ class EngineSession:
                     f"vllm-dedup: cannot reach the weight registry ({e}). Start it or fix "
                     "registry_address, or set on_registry_error='fallback' to load without sharing."
                 ) from None
-            logger.warning("vllm-dedup: cannot reach the weight registry (%s); loading without sharing", e)
+            logger.warning("cannot reach the weight registry (%s); loading without sharing", e)
             return None
 
     def hold(self, lease: Lease, segment_bytes: int, shared_bytes: int) -> None:
@@ -184,7 +184,7 @@ class EngineSession:
         if accounting == "kv_cache" and predicted > 0 and budget - predicted <= free < budget:
             report = predicted
             logger.warning(
-                "vllm-dedup: accounting=kv_cache, but the device's free memory (%.1f MB) is less than this engine's "
+                "accounting=kv_cache, but the device's free memory (%.1f MB) is less than this engine's "
                 "budget (%.1f MB) and enough once the %.1f MB it will map from other engines are set aside (their "
                 "creator has gone, so no budget holds them): this engine reports them as external weight memory "
                 "(its KV cache is a plain load's)", free / 1e6, budget / 1e6, predicted / 1e6)
@@ -221,7 +221,7 @@ class EngineSession:
         except SegmentError as e:  # no usable driver or cuda-bindings: the load will stay private
             if config.on_registry_error == "fail":
                 raise RuntimeError(f"vllm-dedup: cannot name this GPU ({e})") from None
-            logger.warning("vllm-dedup: cannot name this GPU (%s); starting without the start-up lock", e)
+            logger.warning("cannot name this GPU (%s); starting without the start-up lock", e)
             return 0
         signature = load_signature(vllm_config, None, config.inner_load_format)
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
@@ -234,7 +234,7 @@ class EngineSession:
         except TimeoutError as e:
             if config.on_registry_error == "fail":
                 raise RuntimeError(f"vllm-dedup: {e}") from None
-            logger.warning("vllm-dedup: starting without the start-up lock (%s); if another engine is starting "
+            logger.warning("starting without the start-up lock (%s); if another engine is starting "
                            "on this GPU now, both KV cache sizes may be off", e)
             return 0
         self.locks = names
@@ -248,12 +248,12 @@ class EngineSession:
         except (SegmentError, RegistryUnavailable) as e:
             if config.on_registry_error == "fail":
                 raise RuntimeError(f"vllm-dedup: cannot predict the weights to map ({e})") from None
-            logger.warning("vllm-dedup: cannot predict the weights to map (%s); nothing reported as external", e)
+            logger.warning("cannot predict the weights to map (%s); nothing reported as external", e)
             return 0
         report = self.plan_startup(config.accounting, predicted, free, total,
                                    vllm_config.cache_config.gpu_memory_utilization)
         if report:
-            logger.info("vllm-dedup: %.1f MB of weights expected to be mapped from other engines (reported to "
+            logger.info("%.1f MB of weights expected to be mapped from other engines (reported to "
                         "vLLM as external weight memory)", report / 1e6)
         return report
 
@@ -296,6 +296,6 @@ class EngineSession:
         external = full - worker.requested_memory + delta  # what vLLM was told, corrected
         self.budget_corrected = True
         worker.requested_memory = request_memory(worker.init_snapshot, worker.cache_config, external)
-        logger.info("vllm-dedup: %+.1f MB more mapped from other engines than predicted; engine budget now %.1f MB",
+        logger.info("%+.1f MB more mapped from other engines than predicted; engine budget now %.1f MB",
                     delta / 1e6, worker.requested_memory / 1e6)
         return delta

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import logging
 import os
 import time
 from collections import defaultdict
@@ -44,6 +43,7 @@ from collections import defaultdict
 from ..content.fingerprint import device_fingerprints, fingerprint_key, same_bytes
 from ..content.keys import ContentKey, content_keys, tensor_key
 from ..errors import RegistryUnavailable, SegmentError
+from ..log import init_logger
 from ..segments import segment_class
 from ..segments.packing import plan_packs
 from .context import LoadContext, LoadReport, Placement
@@ -52,7 +52,7 @@ from .slots import Slot, collect_slots, swap
 
 __all__ = ["FORCE_COLLISIONS_ENV", "SharingPass", "share_model"]
 
-logger = logging.getLogger("vllm.dedup.share")  # under "vllm": vLLM's handlers and format apply
+logger = init_logger(__name__)
 
 # Test hook: when set, every content key's digest is zeroed, so every tensor of a given dtype
 # and shape collides with every other.  The exact compare must then keep them all apart.
@@ -136,7 +136,7 @@ class SharingPass:
             if self.ctx.fail:
                 raise RegistryUnavailable(str(e)) from None
             self.report.errors.append(str(e))
-            logger.warning("vllm-dedup: registry failed mid-load (%s); the remaining tensors stay private", e)
+            logger.warning("registry failed mid-load (%s); the remaining tensors stay private", e)
             for group in self.pending.values():
                 self.keep_private(group)
             self.pending.clear()
@@ -148,7 +148,7 @@ class SharingPass:
             nbytes = sum(b for _, b, _ in self.segment_failures)
             first = self.segment_failures[0][2]
             self.report.errors.append(first)
-            logger.warning("vllm-dedup: %d tensor(s) (%.1f MB) stay private: %d segment(s) could not be created, "
+            logger.warning("%d tensor(s) (%.1f MB) stay private: %d segment(s) could not be created, "
                            "mapped or read (first: %s)", tensors, nbytes / 1e6, len(self.segment_failures), first)
 
     def segment_failed(self, groups: list[list[Slot]], error: BaseException) -> None:
@@ -178,7 +178,7 @@ class SharingPass:
                 taken += took
                 if differ:
                     self.report.collisions += len(differ)
-                    logger.warning("vllm-dedup: %d tensor(s) with key %s differ from the resident copy "
+                    logger.warning("%d tensor(s) with key %s differ from the resident copy "
                                    "(hash collision); they stay private", len(differ), hit.key)
                     self.keep_private(differ)
             if not taken:

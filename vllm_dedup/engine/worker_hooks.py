@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 
 from ..errors import SharedWeightsError
+from ..log import init_logger
 from .session import EngineSession
 
 __all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "PATCHED_BY", "STARTUP_HOOKS", "install", "private_reason"]
 
-logger = logging.getLogger("vllm.dedup.worker_hooks")  # under "vllm": vLLM's handlers and format apply
+logger = init_logger(__name__)
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 
@@ -98,7 +98,7 @@ def install() -> list[str]:
     import vllm
 
     if vllm.__version__ not in CHECKED_VLLM_VERSIONS:
-        logger.warning("vllm-dedup: worker hooks were checked against vLLM %s, this is %s",
+        logger.warning("worker hooks were checked against vLLM %s, this is %s",
                        ", ".join(CHECKED_VLLM_VERSIONS), vllm.__version__)
     wrapped = []
     for module_name, cls_name, name, why in GUARDED:
@@ -129,17 +129,17 @@ def _wrap(module_name: str, cls_name: str, name: str, make, marker: str | None =
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
     except (ImportError, AttributeError):
-        logger.warning("vllm-dedup: %s.%s not found; its %s hook is skipped", module_name, cls_name, name)
+        logger.warning("%s.%s not found; its %s hook is skipped", module_name, cls_name, name)
         return False
     method = cls.__dict__.get(name)
     if method is None:
         if not any(name in base.__dict__ for base in cls.__mro__):
-            logger.warning("vllm-dedup: %s.%s has no %s; its hook is skipped", module_name, cls_name, name)
+            logger.warning("%s.%s has no %s; its hook is skipped", module_name, cls_name, name)
         return False
     if getattr(method, _MARK, False):
         return False
     if _patched(method, marker):
-        logger.debug("vllm-dedup: %s.%s carries patches/' hook; not wrapped", cls_name, name)
+        logger.debug("%s.%s carries patches/' hook; not wrapped", cls_name, name)
         return False
     wrapper = make(method)
     setattr(wrapper, _MARK, True)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from ..errors import RegistryUnavailable
 from .client import RegistryClient
-from .wire import ensure_private_dir, socket_path
 from .server import RegistryServer
 from .state import Registry
+from .wire import ensure_private_dir, socket_path
 
 __all__ = ["is_daemon", "main", "start_daemon"]
 

@@ -22,8 +22,8 @@ from ..errors import RegistryUnavailable
 from .client import RegistryClient
 from .daemon import start_daemon
 from .nodes import NODE_ID_ENV, node_socket_path
-from .wire import socket_path
 from .ray_actor import ensure_actor
+from .wire import socket_path
 
 __all__ = ["connect_registry"]
 

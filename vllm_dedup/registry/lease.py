@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import logging
 import os
 import select
 import signal
@@ -54,12 +53,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import RegistryUnavailable, SegmentError
+from ..log import init_logger
 from .client import RegistryClient, SegmentHits
 from .state import RegistryStats
 
 __all__ = ["STOP_AFTER_PUBLISHES_ENV", "Lease"]
 
-logger = logging.getLogger("vllm.dedup.lease")  # under "vllm": vLLM's handlers and format apply
+logger = init_logger(__name__)
 
 # Test hook: when set to N, the process stops itself (SIGSTOP) right after its N-th publish made
 # while holding a lock, so that a test can kill the registry at that exact point
@@ -319,7 +319,7 @@ class Lease:
                 continue
             with self._lock:
                 old = self._client
-            logger.warning("vllm-dedup: the registry at %s went away or stopped answering; this engine keeps its "
+            logger.warning("the registry at %s went away or stopped answering; this engine keeps its "
                            "weights and will re-register them with the next one", self.path)
             delay = 0.2
             while not self._stop.is_set():
@@ -329,7 +329,7 @@ class Lease:
                             self._reregister(self._timeout_s)
                     break
                 except (RegistryUnavailable, SegmentError, OSError) as e:
-                    logger.debug("vllm-dedup: no registry yet (%s); retrying in %.1f s", e, delay)
+                    logger.debug("no registry yet (%s); retrying in %.1f s", e, delay)
                     self._stop.wait(delay)
                     delay = min(delay * 2, 5.0)
 
@@ -398,7 +398,7 @@ class Lease:
         for name in lost:
             self._locks.pop(name, None)
             self._lost_locks.add(name)
-        logger.info("vllm-dedup: re-registered with the registry at %s: %d segment(s) (%.1f MB), %d recipe(s), "
+        logger.info("re-registered with the registry at %s: %d segment(s) (%.1f MB), %d recipe(s), "
                     "%d lock(s) reclaimed", self.path, len(registry_ids),
                     sum(h.nbytes for h in self._held.values() if h.fd >= 0) / 1e6, len(self._recipes),
                     len(self._locks))
@@ -413,7 +413,7 @@ class Lease:
             try:
                 client.lock(names, owner, timeout_s=0, reclaim=True)
             except TimeoutError as e:
-                logger.warning("vllm-dedup: could not reclaim %s from the restarted registry (%s); what they "
+                logger.warning("could not reclaim %s from the restarted registry (%s); what they "
                                "protect stays private", ", ".join(names), e)
                 lost.update(names)
         return lost

@@ -14,15 +14,15 @@ daemon (no Ray) exports nothing: it has no metrics agent to talk to.
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Callable
 
+from ..log import init_logger
 from .state import RegistryStats
 
 __all__ = ["GAUGES", "RegistryMetrics"]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # `state.GroupStats` field -> (gauge name, description)
 GAUGES = {
@@ -90,4 +90,4 @@ class RegistryMetrics:
             try:
                 self.update()
             except Exception:  # metrics must never take the registry down
-                logger.exception("vllm-dedup: metrics update failed")
+                logger.exception("metrics update failed")

@@ -23,18 +23,18 @@ find them.  Nothing has to be configured.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..log import init_logger
 from .wire import runtime_dir, socket_path
 
 __all__ = ["NODE_DIR_ENV", "NODE_ENV", "NODE_ID_ENV", "RayNode", "export_node", "node_socket_path", "ray_node",
            "this_node"]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 NODE_ID_ENV = "VLLM_DEDUP_RAY_NODE_ID"  # the Ray node id (hex) of the process that set it
 NODE_DIR_ENV = "VLLM_DEDUP_RAY_NODE_DIR"  # that node's registry socket directory
@@ -123,7 +123,7 @@ def export_node() -> None:
     except Exception as e:
         for key in NODE_ENV:
             os.environ.pop(key, None)
-        logger.warning("vllm-dedup: cannot tell which Ray node this process is on (%s); its engines will "
+        logger.warning("cannot tell which Ray node this process is on (%s); its engines will "
                        "look for the registry where a single node keeps it", e)
         return
     os.environ[NODE_ID_ENV] = node.node_id

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RegistryUnavailable
+from ..log import init_logger
 from .metrics import RegistryMetrics
 from .nodes import HEAD_RESOURCE, node_socket_path, ray_node, this_node
 from .server import RegistryServer
@@ -27,7 +28,7 @@ from .state import Registry, RegistryStats
 __all__ = ["ACTOR_PREFIX", "NodeRegistry", "RegistryActor", "actor_name", "ensure_actor", "node_registries",
            "probe_ray_address"]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 ACTOR_PREFIX = "vllm-dedup-registry-"
 

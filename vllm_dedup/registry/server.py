@@ -34,7 +34,6 @@ The same server runs inside the Ray actor (`ray_actor.py`) and in the standalone
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import selectors
@@ -45,6 +44,7 @@ from collections import deque
 from pathlib import Path
 
 from ..errors import ProtocolError, RegistryUnavailable, SegmentError
+from ..log import init_logger
 from ..segments.host import check_sealed_memfd
 from . import messages as m
 from . import wire
@@ -52,7 +52,7 @@ from .state import RECLAIM_GRACE_S, Registry, RegistryStats
 
 __all__ = ["RegistryServer"]
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 MAX_PENDING_REPLIES = 4  # replies waiting for a client beyond what the kernel buffers for it
 ACCEPT_PAUSE_S = 0.2  # out of descriptors: how long the listener rests before trying again

@@ -22,19 +22,19 @@ different ``CUDA_VISIBLE_DEVICES`` call the same GPU by different numbers.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import threading
 
 from ..content.views import typed_view
 from ..errors import SegmentError
+from ..log import init_logger
 from . import cudadrv, vmm
 from .base import Segment
 from .cudadrv import CudaError
 
 __all__ = ["CudaError", "CudaSegment", "GraphCaptures", "captures"]
 
-logger = logging.getLogger("vllm.dedup.segments")
+logger = init_logger(__name__)
 _warned_versions = False
 
 
@@ -153,7 +153,7 @@ def _check_versions() -> None:
         return  # cudadrv.driver() says what to install
     if not _warned_versions and torch.version.cuda and torch.version.cuda.split(".")[0] != __version__.split(".")[0]:
         _warned_versions = True
-        logger.warning("vllm-dedup: cuda-bindings %s does not match torch's CUDA %s; install the matching one "
+        logger.warning("cuda-bindings %s does not match torch's CUDA %s; install the matching one "
                        "(pip install 'vllm-dedup[cuda%s]')", __version__, torch.version.cuda,
                        torch.version.cuda.split(".")[0])
 
@@ -267,7 +267,7 @@ class CudaSegment(Segment):
             try:
                 mapping.close()
             except CudaError:
-                logger.warning("vllm-dedup: could not unmap a CUDA segment that failed", exc_info=True)
+                logger.warning("could not unmap a CUDA segment that failed", exc_info=True)
             _reraise(e, f"cannot copy {len(parts)} tensor(s) into a new CUDA segment")
         return cls(mapping, fd, nbytes, key)
 

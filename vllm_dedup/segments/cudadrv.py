@@ -19,16 +19,16 @@ memory, not a GPU); ``benchmarks/gpu_check.py`` runs the same calls on a real GP
 
 from __future__ import annotations
 
-import logging
 import threading
 from contextlib import contextmanager
 
 from ..errors import SegmentError
+from ..log import init_logger
 
 __all__ = ["CudaError", "allocation_prop", "call", "check_support", "device_count", "device_key", "driver",
            "granularity", "lock", "memory_info", "on_device", "ordinal_of", "refuse_device", "rounded"]
 
-logger = logging.getLogger("vllm.dedup.segments")
+logger = init_logger(__name__)
 
 # Re-entrant: a mapping's finalizer (vmm.Mapping) can run, at any allocation, while this thread
 # holds it, and takes it again.
@@ -168,7 +168,7 @@ def on_device(ordinal: int):
     finally:
         popped = call("cuCtxPopCurrent")
         if int(popped) != int(ctx):  # something in the body left a context pushed: say so
-            logger.warning("vllm-dedup: the CUDA context stack changed under a segment operation on device %d",
+            logger.warning("the CUDA context stack changed under a segment operation on device %d",
                            ordinal)
 
 

@@ -18,15 +18,15 @@ capture"); there the unmap is deferred to the next `allocate`, `import_mapping` 
 
 from __future__ import annotations
 
-import logging
 import os
 
+from ..log import init_logger
 from . import cudadrv
 from .cudadrv import CudaError, call, on_device
 
 __all__ = ["Mapping", "allocate", "import_mapping", "release_deferred"]
 
-logger = logging.getLogger("vllm.dedup.segments")
+logger = init_logger(__name__)
 
 _deferred: list[tuple[int, int, int]] = []  # (va, size, ordinal) left by finalizers during a capture
 _warned_read_only = False
@@ -98,7 +98,7 @@ class Mapping:
         except CudaError as e:
             if not _warned_read_only:
                 _warned_read_only = True
-                logger.warning("vllm-dedup: the CUDA driver refuses read-only mappings (%s); shared weights are "
+                logger.warning("the CUDA driver refuses read-only mappings (%s); shared weights are "
                                "mapped read-write, so a stray in-place write would not fault", e)
         return self.read_only
 
@@ -143,7 +143,7 @@ def release_deferred() -> int:
         try:
             _unmap(va, size, ordinal)
         except CudaError as e:
-            logger.warning("vllm-dedup: could not unmap a released CUDA segment range (%s)", e)
+            logger.warning("could not unmap a released CUDA segment range (%s)", e)
     return len(pending)
 
 
@@ -176,7 +176,7 @@ def _release_handle(handle, ordinal: int, quiet: bool) -> None:
     except CudaError:
         if not quiet:
             raise
-        logger.warning("vllm-dedup: cuMemRelease failed while handling another error", exc_info=True)
+        logger.warning("cuMemRelease failed while handling another error", exc_info=True)
 
 
 def allocate(ordinal: int, nbytes: int, release_cached=None, capturing=_never) -> tuple[Mapping, int]:

@@ -33,7 +33,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffo
 
 from harness.chaos import Soak  # noqa: E402
 from harness.machine import describe, machine  # noqa: E402
-from harness.procs import SESSION_ENV  # noqa: E402
+from harness.procs import mark_session  # noqa: E402
 from harness.variants import smollm2_family  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -62,7 +61,7 @@ def main() -> int:
     print(describe(), flush=True)
     # Every process the run starts inherits this: the leak and /proc checks count only those,
     # never what else runs on the machine (harness.procs).
-    os.environ[SESSION_ENV] = f"chaos-{os.getpid()}-{time.time_ns()}"
+    mark_session("chaos")
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
     os.environ["VLLM_DEDUP_RUNTIME_DIR"] = str(work / "run")  # a private registry, which the soak kills
     models = smollm2_family(3)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import ServeProcess  # noqa: E402
-from harness.procs import memfd_holders, processes_matching  # noqa: E402
+from harness.procs import mark_session, memfd_holders, processes_matching  # noqa: E402
 from harness.variants import smollm2_family  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
@@ -79,6 +79,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args()
 
+    mark_session("demo")  # the leftover checks count only the demo's own processes
     models = list(smollm2_family(args.engines).values())
     min_bytes = DedupConfig().min_tensor_bytes
     expected = expected_shared(models, min_bytes)

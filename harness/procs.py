@@ -22,13 +22,25 @@ from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Set by tests/conftest.py to a value of its own, and inherited by every process a test starts
-# (engines, registry daemons, Ray's workers): the process checks below look only at processes
-# that carry it, so that what other programs on the machine run never counts as a leak.
+# Set by `mark_session` (tests/conftest.py, the chaos benchmark) to a value of its own, and
+# inherited by every process started after (engines, registry daemons, Ray's workers): the
+# process checks below look only at processes that carry it, so that what other programs on the
+# machine run never counts as a leak.
 SESSION_ENV = "VLLM_DEDUP_TEST_SESSION"
 
+
+def mark_session(name: str) -> str:
+    """Mark this process and every process it starts from now on as one session's
+    (`SESSION_ENV`), unless a session is marked already; returns the session's value.
+
+    vLLM titles its engine-core and worker processes with ``setproctitle``, which writes over
+    the memory ``/proc/PID/environ`` shows; ``SPT_NOENV`` tells it to leave the environment
+    alone, so that the mark stays readable there."""
+    os.environ["SPT_NOENV"] = "1"
+    return os.environ.setdefault(SESSION_ENV, f"{name}-{os.getpid()}-{time.time_ns()}")
+
 __all__ = ["PSS_PARTS", "ROOT", "ChildExited", "PeerProcess", "descendants", "fd_targets", "free_port", "memfd_holders", "processes_matching",
-           "pss_bytes", "pss_parts", "read_reply", "SESSION_ENV", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
+           "mark_session", "pss_bytes", "pss_parts", "read_reply", "SESSION_ENV", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
 
 
 class ChildExited(RuntimeError):
@@ -227,6 +239,19 @@ def memfd_holders(name: str = SEGMENT_MEMFD_NAME) -> list[int]:
     return pids
 
 
+def _reap(pids: list[int], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``pids`` to exit, then SIGKILL those left."""
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+        time.sleep(0.1)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
@@ -292,7 +317,9 @@ class PeerProcess:
 
     def end(self, timeout_s: float = 60) -> int:
         """Close the child's stdin (its cue to finish), wait for it; returns its exit status.
-        SIGKILLs it after ``timeout_s``."""
+        SIGKILLs it after ``timeout_s``.  Processes it started (a vLLM engine core and its
+        workers) get 30 s more to exit after it, then are SIGKILLed: none outlives the child."""
+        family = descendants(self.pid)[1:] if self.proc.poll() is None else []
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
@@ -300,6 +327,7 @@ class PeerProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
         self._close()
+        _reap(family, grace_s=30)
         return self.proc.returncode
 
     def kill(self) -> None:

@@ -25,7 +25,7 @@ import pytest
 
 import xxhash
 
-from harness.procs import ROOT, SESSION_ENV, processes_matching
+from harness.procs import ROOT, mark_session, processes_matching
 from harness.sample_models import MODELS_ENV, minilm_dir, smollm2_gguf, smollm2_hf
 from harness.variants import VARIANT_KINDS, cached_variant
 from vllm_dedup.registry.client import registry_stats, shutdown_registry
@@ -35,7 +35,7 @@ from vllm_dedup.registry.state import Registry, RegistryStats
 E2E = Path(__file__).parent / "e2e"
 
 # Every process a test starts inherits this; leak checks count only those (harness.procs).
-os.environ.setdefault(SESSION_ENV, f"{os.getpid()}-{time.time_ns()}")
+mark_session("pytest")
 
 
 def pytest_collection_modifyitems(items):

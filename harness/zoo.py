@@ -323,6 +323,7 @@ def run_arch(name: str, workdir: Path, plain: bool = True, timeout_s: float = 60
     import time
 
     from harness.engines import EngineProcess
+    from harness.oracle import differences
     from harness.procs import ChildExited
     from vllm_dedup.registry.client import shutdown_registry
 
@@ -378,6 +379,11 @@ def run_arch(name: str, workdir: Path, plain: bool = True, timeout_s: float = 60
         result["reference"] = {k: {"outputs": v["outputs"], "tensors": len(v["tensors"]),
                                    "meta_tensors": sorted(n for n, d in v["tensors"].items() if d.endswith("|meta"))}
                                for k, v in refs.items()}
+        # What the oracle sees of the fine-tune: a modules path that mapped the base's changed
+        # layers would show exactly these names as differences.
+        result["reference"]["base_vs_last_layers"] = sorted(
+            d.split(":", 2)[0] + ":" + d.split(":", 2)[1]
+            for d in differences(refs["last-layers"]["tensors"], refs["base"]["tensors"]))
         if plain and "outputs" in result["plain"]:
             result["plain"]["outputs_equal_reference"] = result["plain"]["outputs"] == refs["base"]["outputs"]
         rows = result["engines"]

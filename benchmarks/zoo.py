@@ -5,14 +5,16 @@ tensors exactly as a plain load with the same options leaves them?
 
 Checkpoints: tiny random-weight models made here from transformers configs (`harness.zoo`: 23
 architectures, dense, MoE, BERT, SSMs, hybrid, attention sinks), each with a "last-layers"
-fine-tune (its last two layers perturbed, every other tensor bit-identical).  For each
-architecture, real vLLM engines on the CPU backend, started in turn (`harness.zoo.run_arch`):
+fine-tune (its last two layers perturbed, every other tensor bit-identical) and, where the head
+is tied to the token embedding or a tensor is derived from it, an "embeddings" fine-tune (only
+the token embeddings perturbed).  For each architecture, real vLLM engines on the CPU backend,
+started in turn (`harness.zoo.run_arch`):
 
 - ``plain``: ``--load-format auto``: whether vLLM's CPU backend serves it at all;
 - the references (`harness.zoo.reference_extra`: a dedup engine alone in its own share group,
-  fast path off) of the base and of the fine-tune;
-- ``first`` (expected path ``none``), ``second`` (``full``, while the first is up) and
-  ``last-layers`` (``modules``, while the first is up): dedup engines.
+  fast path off) of the base and of each fine-tune;
+- ``first`` (expected path ``none``), ``second`` (``full``, while the first is up),
+  ``last-layers`` and ``embeddings`` (``modules``, while the first is up): dedup engines.
 
 Each dedup engine's final tensors (every parameter, buffer and attribute tensor: the oracle,
 `harness.oracle`) are compared with its reference's.  The table says per architecture and engine
@@ -57,7 +59,7 @@ def cell(row: dict | None) -> str:
 def outputs_cell(result: dict) -> str:
     rows = result["engines"]
     marks = []
-    for role in ("second", "last-layers"):
+    for role in ROLES[1:]:
         if role in rows and "outputs_equal" in rows[role]:
             marks.append("=" if rows[role]["outputs_equal"] else "DIFF")
         else:
@@ -67,8 +69,9 @@ def outputs_cell(result: dict) -> str:
 
 def table(results: list[dict]) -> str:
     """Markdown: architecture x engine, and the plain engine's standing."""
-    lines = ["| architecture | plain `auto` | first (none) | second (full) | last-layers (modules) | outputs 2nd/ft |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    head = " | ".join(f"{role} ({path})" for role, path in EXPECTED_PATH.items())
+    lines = [f"| architecture | plain `auto` | {head} | outputs equal: second/last-layers/embeddings |",
+             "| --- " * (len(ROLES) + 3) + "|"]
     for r in results:
         plain = r.get("plain", {})
         serves = "serves" if plain.get("serves") else ("FAILS" if plain else "not run")

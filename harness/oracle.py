@@ -9,8 +9,9 @@ options.  Not shipped with vllm-dedup.
 answers with a digest per tensor:
 
 - ``param:<module>.<name>`` and ``buffer:<module>.<name>``: every parameter and buffer;
-- ``attr:<module>.<name>``: tensors a module (or a plain object it holds, such as an attention
-  layer's implementation) keeps in an attribute outside ``_parameters``/``_buffers``, and
+- ``attr:<module>.<name>``: tensors (parameters included) a module (or a plain object it holds,
+  such as an attention layer's implementation) keeps in an attribute outside
+  ``_parameters``/``_buffers``, and
   tensors captured by a layer's ``cpu_linear`` closure (vLLM's CPU GEMM dispatch): a kernel
   reads those too, and a model built on the meta device can leave a stale meta tensor there
   (the KV cache, which serving fills, is left out);
@@ -54,7 +55,9 @@ def _attribute_tensors(prefix: str, obj, out: dict, depth: int = 0) -> None:
     for name, value in list(vars(obj).items()):
         if name in ("_parameters", "_buffers", "_modules") or name in RUNTIME_STATE:
             continue
-        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        if isinstance(value, torch.Tensor):
+            # Parameters too: an attribute holding a parameter object (CPU attention's
+            # ``impl.sinks``) keeps the old one when a loader puts a new object in its module.
             out[f"attr:{prefix}.{name}"] = _digest(value)
         elif name == "cpu_linear" and getattr(value, "__closure__", None):
             for i, cell in enumerate(value.__closure__):

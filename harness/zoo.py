@@ -28,7 +28,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -59,6 +59,8 @@ class Arch:
             model: compared on its embeddings).
         notes: what it exercises (tied or untied head, MoE, SSM, attention sinks, ...).
         dtype: the checkpoint's (and the engines') dtype.
+        embeddings_tune: also run `embeddings_tune`'s fine-tune (where a tensor of another
+            module is derived from the embedding, or the head is tied to it).
     """
 
     name: str
@@ -67,7 +69,7 @@ class Arch:
     kind: str = "generate"
     notes: str = ""
     dtype: str = "bfloat16"
-    extra_engine_args: dict = field(default_factory=dict)
+    embeddings_tune: bool = False
 
     @property
     def seed(self) -> int:
@@ -78,13 +80,14 @@ class Arch:
 def _arch(name: str, model_type: str, notes: str, **config) -> Arch:
     auto_class = config.pop("auto_class", "AutoModelForCausalLM")
     kind = config.pop("kind", "generate")
-    return Arch(name, {"model_type": model_type, **config}, auto_class, kind, notes)
+    embeddings = config.pop("embeddings_tune", False)
+    return Arch(name, {"model_type": model_type, **config}, auto_class, kind, notes, embeddings_tune=embeddings)
 
 
 _ARCHS = [
     # dense decoders ---------------------------------------------------------------------------
     _arch("llama", "llama", "untied head, GQA", **_DECODER, num_key_value_heads=2, tie_word_embeddings=False),
-    _arch("qwen2", "qwen2", "tied head, qkv bias", **_DECODER, num_key_value_heads=2, tie_word_embeddings=True),
+    _arch("qwen2", "qwen2", "tied head, qkv bias", embeddings_tune=True, **_DECODER, num_key_value_heads=2, tie_word_embeddings=True),
     _arch("qwen3", "qwen3", "untied head, q/k norms", **_DECODER, num_key_value_heads=2, head_dim=64,
           tie_word_embeddings=False),
     _arch("mistral", "mistral", "untied head", **_DECODER, num_key_value_heads=2, head_dim=64, sliding_window=None,
@@ -97,7 +100,7 @@ _ARCHS = [
           tie_word_embeddings=True),
     _arch("phi3", "phi3", "fused qkv and gate_up in the checkpoint, untied head", **_DECODER,
           num_key_value_heads=4, tie_word_embeddings=False),
-    _arch("gpt2", "gpt2", "Conv1D weights (transposed on load), tied head, learned positions",
+    _arch("gpt2", "gpt2", "Conv1D weights (transposed on load), tied head, learned positions", embeddings_tune=True,
           n_embd=256, n_layer=4, n_head=4, n_positions=512, **_TOKENS),
     _arch("gpt_neox", "gpt_neox", "vLLM's Transformers backend, partial rotary, untied head", **_DECODER,
           rotary_pct=0.25, tie_word_embeddings=False),
@@ -120,10 +123,10 @@ _ARCHS = [
           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=512,
           decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
     # others ------------------------------------------------------------------------------------
-    _arch("bert_mlm", "bert", "BertForMaskedLM: the MLM decoder is the word embedding (derived tensor)",
+    _arch("bert_mlm", "bert", "BertForMaskedLM: the MLM decoder is the word embedding (derived tensor)", embeddings_tune=True,
           auto_class="AutoModelForMaskedLM", kind="embed", hidden_size=256, num_hidden_layers=4,
           num_attention_heads=4, intermediate_size=1024, max_position_embeddings=512, **_TOKENS),
-    _arch("bert", "bert", "BertModel (embedding, encoder-only attention)", auto_class="AutoModel", kind="embed",
+    _arch("bert", "bert", "BertModel (embedding, encoder-only attention)", embeddings_tune=True, auto_class="AutoModel", kind="embed",
           hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
           max_position_embeddings=512, **_TOKENS),
     _arch("mamba", "mamba", "SSM (Mamba 1), tied head, A_log -> A on load", hidden_size=256, num_hidden_layers=4,
@@ -138,7 +141,7 @@ _ARCHS = [
           num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
           attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, mamba_expand=2, mamba_dt_rank=16,
           use_mamba_kernels=False, tie_word_embeddings=False),
-    _arch("gemma4", "gemma4_text", "per-layer embeddings (Gemma4ForCausalLM)", **_DECODER,
+    _arch("gemma4", "gemma4_text", "per-layer embeddings (Gemma4ForCausalLM)", embeddings_tune=True, **_DECODER,
           num_key_value_heads=2, head_dim=64, global_head_dim=64, sliding_window=64, hidden_size_per_layer_input=64,
           vocab_size_per_layer_input=VOCAB, tie_word_embeddings=True),
 ]
@@ -149,6 +152,7 @@ ARCH_NAMES = tuple(ZOO)
 CI_SUBSET = ("qwen2", "llama", "mixtral", "bert_mlm", "mamba2")
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h)\.(\d+)\.")
+_TOKEN_EMBEDDING = re.compile(r"(embed_tokens|word_embeddings|wte|embeddings)(_per_layer)?\.weight$")
 
 
 def checkpoint(name: str, root: Path | None = None) -> Path:
@@ -193,6 +197,39 @@ def last_layers(base: Path, layers: int = 2, seed: int = 0) -> Path:
         if m and int(m.group(1)) in changed and t.is_floating_point() and t.numel() > 1:
             noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
             tensors[name] = (t.float() + 0.01 * t.float().std() * noise).to(t.dtype)
+    return _save_beside(base, out, tensors)
+
+
+def embeddings_tune(base: Path, seed: int = 0) -> Path:
+    """A fine-tune of ``base`` whose token embedding tensors (names holding ``embed`` or
+    ``wte``, not position embeddings) are perturbed as in `last_layers`; everything else
+    bit-identical.  Where the head is tied to the embedding, or another module's tensor is
+    derived from it (BertForMaskedLM's MLM decoder), that tensor must follow.  Built once beside
+    ``base`` (``<base>-embeddings``).
+
+    Raises:
+        ValueError: no tensor of ``base`` is a token embedding.
+    """
+    import torch
+
+    base = Path(base)
+    out = base.with_name(f"{base.name}-embeddings")
+    if (out / "config.json").exists():
+        return out
+    tensors = load_state_dict(base)
+    names = [n for n in tensors if _TOKEN_EMBEDDING.search(n) and "position" not in n and "token_type" not in n]
+    if not names:
+        raise ValueError(f"{base}: no token embedding among its tensors")
+    gen = torch.Generator().manual_seed(seed)
+    for name in names:
+        t = tensors[name]
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        tensors[name] = (t.float() + 0.01 * t.float().std() * noise).to(t.dtype)
+    return _save_beside(base, out, tensors)
+
+
+def _save_beside(base: Path, out: Path, tensors: dict) -> Path:
+    """Write ``tensors`` as the folder ``out`` with ``base``'s other files; atomically."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -227,7 +264,7 @@ def describe(name: str) -> dict:
 
 
 # measuring one architecture ---------------------------------------------------------------------
-EXPECTED_PATH = {"first": "none", "second": "full", "last-layers": "modules"}
+EXPECTED_PATH = {"first": "none", "second": "full", "last-layers": "modules", "embeddings": "modules"}
 _DEDUP_LINE = re.compile(r"vllm-dedup: .*")
 
 
@@ -333,12 +370,16 @@ def run_arch(name: str, workdir: Path, plain: bool = True, timeout_s: float = 60
     began = time.monotonic()
     try:
         base = checkpoint(name)
-        tuned = last_layers(base)
+        tunes = {"last-layers": last_layers(base)}
+        if arch.embeddings_tune:
+            tunes["embeddings"] = embeddings_tune(base)
     except Exception as e:  # a config transformers cannot build here
         result["errors"].append(f"checkpoint: {type(e).__name__}: {e}")
         return result
-    result["checkpoints"] = {"base": str(base), "last-layers": str(tuned)}
-    result["changed_tensors"] = changed_tensors(base, tuned)
+    result["checkpoints"] = {"base": str(base), **{k: str(v) for k, v in tunes.items()}}
+    result["changed_tensors"] = changed_tensors(base, tunes["last-layers"])
+    if "embeddings" in tunes:
+        result["changed_tensors_embeddings"] = changed_tensors(base, tunes["embeddings"])
     run_dir = workdir / name / "run"
     previous = os.environ.get("VLLM_DEDUP_RUNTIME_DIR")
     os.environ["VLLM_DEDUP_RUNTIME_DIR"] = str(run_dir)
@@ -367,7 +408,7 @@ def run_arch(name: str, workdir: Path, plain: bool = True, timeout_s: float = 60
             except Exception as e:  # recorded; the dedup engines are compared with their references anyway
                 result["plain"] = {"serves": False, "error": str(e)[-3000:]}
         refs = {}
-        for which, model in (("base", base), ("last-layers", tuned)):
+        for which, model in (("base", base), *tunes.items()):
             try:
                 e = start(model, extra=reference_extra(f"{name}-{which}"))
                 (tensors,) = e.final_tensors()
@@ -387,8 +428,8 @@ def run_arch(name: str, workdir: Path, plain: bool = True, timeout_s: float = 60
         if plain and "outputs" in result["plain"]:
             result["plain"]["outputs_equal_reference"] = result["plain"]["outputs"] == refs["base"]["outputs"]
         rows = result["engines"]
-        for role, model, core in (("first", base, 0), ("second", base, 1), ("last-layers", tuned, 1)):
-            ref = refs["last-layers" if role == "last-layers" else "base"]
+        for role, model, core in (("first", base, 0), ("second", base, 1), *((k, v, 1) for k, v in tunes.items())):
+            ref = refs[role if role in tunes else "base"]
             try:
                 engine = start(model, core=core)
             except Exception as e:

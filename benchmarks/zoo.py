@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -40,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
+from harness.sample_models import MODELS_ENV  # noqa: E402
 from harness.zoo import ARCH_NAMES, EXPECTED_PATH, cpu_flags, run_arch  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -125,7 +127,10 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="zoo-"))
-    os.environ.setdefault("VLLM_DEDUP_CACHE_DIR", str(work / "cache"))  # a manifest cache of this run
+    # The checkpoints outlive the run (made once, under .venv/ as the tests' are); the manifest
+    # cache and the registries are this run's own.
+    os.environ.setdefault(MODELS_ENV, str(ROOT / ".venv" / "test-models" / "benchmarks"))
+    os.environ.setdefault("VLLM_DEDUP_CACHE_DIR", str(work / "cache"))
     flags = cpu_flags()
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; ISA: {' '.join(flags)}",
           flush=True)
@@ -134,11 +139,13 @@ def main() -> int:
     for name in args.arch or ARCH_NAMES:
         r = run_arch(name, work, plain=not args.no_plain)
         results.append(r)
+        shutil.rmtree(work / name, ignore_errors=True)
         cells = ", ".join(f"{role} {cell(r['engines'].get(role))}" for role in ROLES)
         print(f"{name}: {cells} [{r['seconds']:.0f} s]", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)  # what is measured so far, should a later one hang
         (RESULTS / "zoo.partial.json").write_text(json.dumps({"isa": flags, "architectures": results}, indent=1))
     seconds = time.monotonic() - began
+    shutil.rmtree(work, ignore_errors=True)
     md = (f"ISA: {' '.join(flags)}\n\n" + table(results) + "\n\n" + details(results) + "\n\n"
           + f"{len(results)} architectures in {seconds:.0f} s\n")
     print()

@@ -1,7 +1,7 @@
 """The model zoo: for each architecture, does every dedup load path leave the engine's final
 tensors exactly as a plain load with the same options leaves them?
 
-    .venv/bin/python benchmarks/zoo.py [--arch NAME ...] [--no-plain] [--json]
+    .venv/bin/python benchmarks/zoo.py [--arch NAME ...] [--no-plain] [--json] [--render ZOO.JSON]
 
 Checkpoints: tiny random-weight models made here from transformers configs (`harness.zoo`: 23
 architectures, dense, MoE, BERT, SSMs, hybrid, attention sinks), each with a "last-layers"
@@ -76,9 +76,9 @@ def table(results: list[dict]) -> str:
              "| --- " * (len(ROLES) + 3) + "|"]
     for r in results:
         plain = r.get("plain", {})
-        serves = "serves" if plain.get("serves") else ("FAILS" if plain else "not run")
+        serves = "serves" if plain.get("serves") else ("FAILS (below)" if plain else "not run")
         if r["errors"] and not r["engines"]:
-            serves += " (" + r["errors"][0].splitlines()[0][:60] + ")"
+            serves += "; no reference (below)"
         cells = [cell(r["engines"].get(role)) for role in ROLES]
         lines.append(f"| {r['name']} | {serves} | " + " | ".join(cells) + f" | {outputs_cell(r)} |")
     return "\n".join(lines)
@@ -125,7 +125,13 @@ def main() -> int:
     parser.add_argument("--arch", action="append", choices=ARCH_NAMES, help="only these (repeatable)")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain `auto` engines")
     parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
+    parser.add_argument("--render", type=Path, metavar="ZOO.JSON", help="print the table of an earlier run; run nothing")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        print(f"ISA: {' '.join(saved['isa'])}\n\n{table(saved['architectures'])}\n\n{details(saved['architectures'])}\n\n"
+              f"{len(saved['architectures'])} architectures in {saved['seconds']:.0f} s")
+        return 0
     work = Path(tempfile.mkdtemp(prefix="zoo-"))
     # The checkpoints outlive the run (made once, under .venv/ as the tests' are); the manifest
     # cache and the registries are this run's own.

@@ -201,6 +201,13 @@ class EngineProcess(PeerProcess):
         """Greedy token ids for each prompt."""
         return self.complete(prompts, max_tokens)["ids"]
 
+    def embed(self, prompts: list[str] = PROMPTS) -> list[str]:
+        """A pooling model's output for each prompt, as ``"shape|<XXH3-128 of its float32
+        bytes>"`` (``LLM.embed``; token-level models such as ``BertForMaskedLM`` through
+        ``LLM.encode`` with ``pooling_task="token_classify"``)."""
+        self.send({"embed": prompts})
+        return self.read_json("EMBEDDED ", 600)
+
     def load_stats(self) -> dict:
         """``{"seconds": wall time of vLLM's get_model (the loader's load_model), "peak_bytes":
         the largest growth of the process's private memory (RssAnon) during it, "gc_seconds" and
@@ -289,6 +296,9 @@ def _engine_main(argv: list[str]) -> None:
         if req.get("load_stats"):
             print("LOADSTATS " + json.dumps(load_stats), flush=True)
             continue
+        if "embed" in req:
+            print("EMBEDDED " + json.dumps(_pooled_digests(llm, req["embed"])), flush=True)
+            continue
         if "rpc" in req:
             try:
                 llm.collective_rpc(req["rpc"])
@@ -305,6 +315,22 @@ def _engine_main(argv: list[str]) -> None:
 
 
 PROFILE_ENV = "HARNESS_PROFILE_GET_MODEL"  # a path: `_meter_get_model` writes a cProfile of get_model there
+
+
+def _pooled_digests(llm, prompts: list[str]) -> list[str]:
+    """``"shape|xxh3-128"`` of a pooling model's float32 output for each prompt."""
+    import torch
+    import xxhash
+
+    try:
+        outs = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
+    except (ValueError, TypeError, NotImplementedError):  # a token-level pooler (e.g. BertForMaskedLM)
+        outs = [o.outputs.data for o in llm.encode(prompts, pooling_task="token_classify", use_tqdm=False)]
+    digests = []
+    for out in outs:
+        t = torch.as_tensor(out).to(torch.float32).contiguous()
+        digests.append(f"{list(t.shape)}|{xxhash.xxh3_128_hexdigest(t.numpy().tobytes())}")
+    return digests
 
 
 def _meter_get_model() -> dict:

@@ -9,8 +9,9 @@ options.  Not shipped with vllm-dedup.
 answers with a digest per tensor:
 
 - ``param:<module>.<name>`` and ``buffer:<module>.<name>``: every parameter and buffer;
-- ``attr:<module>.<name>``: tensors a module (or a plain object it holds, such as an attention
-  layer's implementation) keeps in an attribute outside ``_parameters``/``_buffers``, and
+- ``attr:<module>.<name>``: tensors (parameters included) a module (or a plain object it holds,
+  such as an attention layer's implementation) keeps in an attribute outside
+  ``_parameters``/``_buffers``, and
   tensors captured by a layer's ``cpu_linear`` closure (`vllm_dedup.engine.slots.attribute_tensors`:
   a kernel reads those too; the KV cache, which serving fills, is left out);
 

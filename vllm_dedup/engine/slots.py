@@ -103,7 +103,9 @@ def attribute_tensors(model):
         for name, value in list(vars(obj).items()):
             if name in ("_parameters", "_buffers", "_modules") or name in RUNTIME_STATE:
                 continue
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            if isinstance(value, torch.Tensor):
+                # Parameters too: an attribute holding a parameter object (CPU attention's
+                # ``impl.sinks``) keeps the old one when a loader puts a new object in its module.
                 yield f"{prefix}.{name}", value
             elif name == "cpu_linear" and getattr(value, "__closure__", None):
                 for i, cell in enumerate(value.__closure__):

@@ -109,7 +109,9 @@ class TensorRecipe:
 @dataclass
 class ModuleRecipe:
     """One module: the checkpoint tensors that went into it and its final tensors (module
-    docstring: replayable, traced)."""
+    docstring: replayable, traced).  ``attributes``: small tensors the module keeps in plain
+    attributes since its construction (a weightless norm's ``weight`` of ones, empty state
+    tensors), inline: a model built on the meta device has them on the meta device."""
 
     sources: list[str]
     tensors: list[TensorRecipe]
@@ -117,16 +119,21 @@ class ModuleRecipe:
     why: str = ""  # why not replayable
     traced: bool = True
     why_untraced: str = ""
+    attributes: list[TensorRecipe] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"sources": sorted(self.sources), "tensors": [t.to_json() for t in self.tensors],
                 "replayable": self.replayable, "why": self.why, "traced": self.traced,
-                "why_untraced": self.why_untraced}
+                "why_untraced": self.why_untraced, "attributes": [t.to_json() for t in self.attributes]}
 
     @classmethod
     def from_json(cls, d: dict) -> ModuleRecipe:
+        attributes = [TensorRecipe.from_json(t) for t in d.get("attributes", [])]
+        if any(t.inline is None for t in attributes):
+            raise ValueError("a module's attribute tensors travel inline")
         return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t) for t in d["tensors"]],
-                   bool(d["replayable"]), str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")))
+                   bool(d["replayable"]), str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")),
+                   attributes)
 
     def mapped_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors if t.key is not None)
@@ -228,7 +235,8 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         tensors += [(n, t, False) for n, t in module._buffers.items() if t is not None]
         for n, t, _ in tensors:
             owner.setdefault(id(t), _qualified(module_name, n))
-        if not tensors:
+        attributes = _attribute_tensors(module)
+        if not tensors and not attributes:
             continue
         if module_name in inherited:
             modules[module_name] = inherited[module_name]
@@ -236,6 +244,13 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         why = unreplayable_reason(module)
         untraced = recording.untraced.get(module_name, "")
         recipe = ModuleRecipe(sorted(recording.module_sources.get(module_name, ())), [])
+        for n, t in attributes:
+            nbytes = t.numel() * t.element_size()
+            if t.is_meta or not t.is_contiguous() or nbytes > inline_max:
+                why = why or f"its attribute {n} ({nbytes} bytes) cannot be kept in the recipe"
+            else:
+                recipe.attributes.append(TensorRecipe(n, False, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                                      tuple(t.stride()), inline=bytes(_host_bytes(t))))
         for n, t, is_param in tensors:
             qualified = _qualified(module_name, n)
             entry = TensorRecipe(n, is_param, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
@@ -261,6 +276,17 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
                  if callable(getattr(type(model), "process_weights_after_loading", None)) else "")
     return Recipe(signature, dict(sources), modules, attrs, sorted(set(sources) - attributed), not whole_why,
                   whole_why)
+
+
+def _attribute_tensors(module) -> list[tuple[str, object]]:
+    """(name, tensor) of the tensors ``module`` keeps in its own plain attributes (not its
+    parameters or buffers, not serving state such as the KV cache)."""
+    import torch
+
+    from .slots import RUNTIME_STATE
+
+    return [(n, v) for n, v in vars(module).items()
+            if isinstance(v, torch.Tensor) and not n.startswith("__") and n not in RUNTIME_STATE]
 
 
 def _qualified(module_name: str, name: str) -> str:

@@ -108,6 +108,7 @@ class Replay:
                 self._materialize(modules, replaced)
                 _retie(model, replaced)
                 self._alias(model)
+                self._restore_attributes(modules)
                 for key, value in self.match.recipe.attrs.items():
                     setattr(model, key, value)
                 if self.match.unmatched:
@@ -206,6 +207,16 @@ class Replay:
                 owner, _, attr = t.alias.rpartition(".")
                 target = getattr(model.get_submodule(owner), attr)
                 (module._parameters if t.param else module._buffers)[t.name] = target
+
+    def _restore_attributes(self, modules: dict[str, nn.Module]) -> None:
+        """Give every module the small attribute tensors it had since its construction (on the
+        meta device here), from the recipe."""
+        for name, recipe in self.match.recipe.modules.items():
+            module = modules.get(name)
+            for t in recipe.attributes if module is not None else ():
+                current = getattr(module, t.name, None)
+                if current is None or (isinstance(current, torch.Tensor) and current.is_meta):
+                    setattr(module, t.name, _restore_inline(t, self.ctx.device))
 
     # 4. the unmatched modules --------------------------------------------------------------
     def _materialize(self, modules: dict[str, nn.Module], replaced: dict) -> None:

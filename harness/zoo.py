@@ -285,7 +285,7 @@ def _recipes(signature: str) -> list[dict]:
     """The registry's recipes for ``signature`` in the default share group: per recipe, the
     modules it cannot replay (name -> why), whether it is replayable as a whole, and the
     checkpoint tensors no recorded module got."""
-    from vllm_dedup.registry.protocol import socket_path
+    from vllm_dedup.registry.wire import socket_path
 
     from vllm_dedup.engine.recipe import Recipe
     from vllm_dedup.registry.client import BrokerClient

@@ -8,4 +8,4 @@ bash "$root/scripts/ensure-venv.sh"
 cd "$root"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 "$root/.venv/bin/ruff" check "$root"
-exec "$root/.venv/bin/python" -m pytest -ra "$@"
+exec "$root/.venv/bin/python" -m pytest -ra --durations=25 "$@"

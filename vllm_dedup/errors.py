@@ -36,7 +36,7 @@ class RegistryTimeout(RegistryUnavailable):
 
 
 class ProtocolError(RegistryUnavailable):
-    """A registry message broke the protocol (`registry.protocol`): not JSON, an unknown op, a
+    """A registry message broke the protocol (`registry.messages`): not JSON, an unknown op, a
     missing or mistyped field, a field out of its limits, the wrong number of descriptors, or
     too big to send."""
 

@@ -7,7 +7,7 @@ riskiest cases: a tied head (Qwen2), untied heads with MoE experts filled throug
 attention sinks (gpt-oss), a tensor of one module derived from another's checkpoint tensor
 (BertForMaskedLM: the MLM decoder is the word embedding), and an SSM whose mixer views a
 parameter of another module (Mamba2).  For each: the references (a dedup engine alone with the
-fast path off, `harness.zoo.reference_extra`) of the base checkpoint and of its last-layers
+fast path off, `harness.references`) of the base checkpoint and of its last-layers
 fine-tune, then a first dedup engine (path ``none``), a second (``full``) and the fine-tune
 (``modules``) while the first is up (`harness.zoo.run_arch`).
 

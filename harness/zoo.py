@@ -288,9 +288,9 @@ def _recipes(signature: str) -> list[dict]:
     from vllm_dedup.registry.wire import socket_path
 
     from vllm_dedup.engine.recipe import Recipe
-    from vllm_dedup.registry.client import BrokerClient
+    from vllm_dedup.registry.client import RegistryClient
 
-    with BrokerClient(socket_path(), timeout_s=10) as client:
+    with RegistryClient(socket_path(), timeout_s=10) as client:
         client.hello("zoo-inspector", "inspector", "default", signature)
         raw = client.get_recipes(signature)
     out = []

@@ -8,9 +8,11 @@ in ``inner_extra_config``, so the two loaders' keys can never be confused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["DedupConfig"]
+__all__ = ["CPU_LINEAR_MODES", "DedupConfig"]
+
+CPU_LINEAR_MODES = ("packed", "plain", "private")  # DedupConfig.cpu_linear
 
 
 @dataclass(frozen=True)
@@ -30,9 +32,15 @@ class DedupConfig:
             the engine at start-up) when the registry cannot be reached.
         keep_warm_s: seconds a segment nobody maps stays resident, so that a restarting engine
             maps instead of loading (applies to a registry this engine starts).
-        cpu_share_linear: on vLLM's CPU backend, keep plain linear weights (``F.linear``) so
-            that they can be shared, instead of letting vLLM repack them into oneDNN memory
-            (then only embeddings, norms and untied heads are shared).
+        cpu_linear: how linear layers run and share on vLLM's CPU backend: ``packed`` (vLLM's
+            own oneDNN kernels; the packed weights vLLM makes are what is shared, mapped in
+            place of each engine's private copy, `engine.onednn`), ``plain`` (plain weights run
+            by ``F.linear``, shared like any tensor; slower, and rounded unlike a plain engine
+            on some CPUs), ``private`` (vLLM's oneDNN, packed weights not shared).  Where
+            ``packed`` cannot work (a vLLM build without its symbol table, a handler layout not
+            understood: `onednn.probe`), the engine runs ``plain`` and says why in one line.
+        cpu_share_linear: deprecated spelling: ``true`` is ``cpu_linear="plain"``, ``false``
+            ``cpu_linear="private"``.
         registry_address: ``None`` (find or start one: see `registry.discovery.connect_registry`),
             ``"local"`` (standalone daemon, no Ray), or a Ray address.
         registry_namespace: the registry's Ray namespace and socket name.
@@ -57,7 +65,8 @@ class DedupConfig:
     verify: bool = True
     on_registry_error: str = "fallback"
     keep_warm_s: float = 0.0
-    cpu_share_linear: bool = True
+    cpu_linear: str = "packed"
+    cpu_share_linear: bool | None = None
     registry_address: str | None = None
     registry_namespace: str = "vllm-dedup"
     accounting: str = "kv_cache"
@@ -105,7 +114,9 @@ class DedupConfig:
             ("on_registry_error", c.on_registry_error in ("fallback", "fail"), "'fallback' or 'fail'"),
             ("keep_warm_s", isinstance(c.keep_warm_s, (int, float)) and c.keep_warm_s >= 0,
              "a number >= 0 (seconds)"),
-            ("cpu_share_linear", isinstance(c.cpu_share_linear, bool), "true or false"),
+            ("cpu_linear", c.cpu_linear in CPU_LINEAR_MODES, "'packed', 'plain' or 'private'"),
+            ("cpu_share_linear", c.cpu_share_linear is None or isinstance(c.cpu_share_linear, bool),
+             "true or false (deprecated: use cpu_linear)"),
             ("registry_address", c.registry_address is None or isinstance(c.registry_address, str),
              "null, 'local' or a Ray address"),
             ("registry_namespace", isinstance(c.registry_namespace, str) and c.registry_namespace != "",
@@ -121,4 +132,8 @@ class DedupConfig:
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"{name} must be {expected}, got {getattr(c, name)!r}")
+        if c.cpu_share_linear is not None:
+            if "cpu_linear" in extra:
+                raise ValueError("give cpu_linear alone: cpu_share_linear is its deprecated spelling")
+            config = replace(config, cpu_linear="plain" if c.cpu_share_linear else "private", cpu_share_linear=None)
         return config

@@ -179,7 +179,7 @@ def test_field_values_out_of_range_are_refused_and_change_nothing(published, req
     assert well_behaved(published) < 2.0
 
 
-def test_an_error_reply_never_breaks_the_broker(published):
+def test_an_error_reply_never_breaks_the_registry(published):
     """An op of 150,000 DEL characters: quoted whole in the error, the reply would be 750 kB."""
     with RawClient(published.path) as raw:
         wire.send(raw.sock, {"op": "\x7f" * 150_000})
@@ -257,7 +257,7 @@ def test_the_connection_limit_refuses_newcomers_with_a_clear_error(tmp_path):
         server.stop()
 
 
-def test_a_broker_out_of_descriptors_keeps_serving_and_recovers(published):
+def test_a_registry_out_of_descriptors_keeps_serving_and_recovers(published):
     """With no descriptor left in its process, the registry can neither accept a connection nor
     receive a descriptor: the connection waits, the message is answered with an error, and both
     work once descriptors are free again."""

@@ -147,7 +147,7 @@ def test_another_uid_is_refused_even_through_loose_permissions():
             server.stop()
 
 
-def test_bad_requests_get_errors_and_the_broker_keeps_serving(registry_server):
+def test_bad_requests_get_errors_and_the_registry_keeps_serving(registry_server):
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     raw.connect(str(registry_server.path))
     for payload in (b"not json", json.dumps({"op": "nope"}).encode(), json.dumps({"op": "acquire", "keys": []}).encode()):

@@ -54,7 +54,7 @@ def test_status_json_keeps_its_shape(registry_server, two_peers):
     assert group["engines"] == 2 and group["segments"] == 1 and group["shared_bytes"] >= 2 * MIB
 
 
-def test_status_table_shows_the_live_broker(registry_server, two_peers):
+def test_status_table_shows_the_live_registry(registry_server, two_peers):
     publisher, mapper = two_peers
     out = run_cli("status", "--namespace", "test", check=True).stdout
     lines = out.splitlines()

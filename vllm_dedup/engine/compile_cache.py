@@ -11,8 +11,8 @@ own factors) and the model's ``forward`` (vLLM's version, its qualified name and
 find each other's artifacts.
 
 That is right where the loader leaves vLLM's graph as it is (on a GPU; on the CPU backend with
-``cpu_share_linear=false``) and wrong where the loader changes it: with ``cpu_share_linear`` on
-the CPU backend, linear layers and the head call ``F.linear`` on a (shared) weight where a plain
+``cpu_linear`` ``packed`` or ``private``) and wrong where the loader changes it: with
+``cpu_linear="plain"`` on the CPU backend, linear layers and the head call ``F.linear`` on a (shared) weight where a plain
 engine calls oneDNN with a handle to its private packed copy (a plain artifact run on such a
 model fails at its first forward: its graph reads each layer's handle from the closure of the
 layer's ``cpu_linear``).  `key_compile_cache` adds that choice to
@@ -34,7 +34,7 @@ __all__ = ["COMPILE_KEY", "allow_cpu_aot_loads", "key_compile_cache"]
 COMPILE_KEY = "vllm_dedup"
 
 
-def key_compile_cache(vllm_config, cpu_share_linear: bool) -> None:
+def key_compile_cache(vllm_config, plain_linear: bool) -> None:
     """Make the engine's compile-cache key say what the loader changed in the model's graph.
 
     Call before the first forward (vLLM computes the key there), in the worker that compiles.
@@ -43,8 +43,9 @@ def key_compile_cache(vllm_config, cpu_share_linear: bool) -> None:
 
     Args:
         vllm_config: the engine's ``VllmConfig`` (the model holds the same object).
-        cpu_share_linear: whether linear layers and vocabulary embeddings keep plain weights
-            (``F.linear``) on the CPU backend.
+        plain_linear: whether linear layers and vocabulary embeddings keep plain weights
+            (``F.linear``) on the CPU backend (``cpu_linear="plain"``; ``packed`` runs vLLM's
+            own graph).
 
     Raises:
         ValueError: the graph is changed and compiled, but ``additional_config`` is an object
@@ -52,18 +53,18 @@ def key_compile_cache(vllm_config, cpu_share_linear: bool) -> None:
     """
     from vllm.config import CompilationMode
 
-    if not cpu_share_linear:
+    if not plain_linear:
         return
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
         if vllm_config.compilation_config.mode == CompilationMode.NONE:
             return  # nothing is compiled, nothing cached
         raise ValueError(
-            "vllm-dedup: cpu_share_linear changes the model's graph, and vLLM's compile cache must know it, "
-            f"but additional_config is a {type(extra).__name__}, not a dict; set cpu_share_linear=false, or "
+            "vllm-dedup: cpu_linear='plain' changes the model's graph, and vLLM's compile cache must know it, "
+            f"but additional_config is a {type(extra).__name__}, not a dict; set cpu_linear='packed', or "
             "run with enforce_eager")
     # A new dict: the one in the config may be the caller's own object.
-    vllm_config.additional_config = {**extra, COMPILE_KEY: {"cpu_share_linear": True}}
+    vllm_config.additional_config = {**extra, COMPILE_KEY: {"cpu_linear": "plain"}}
 
 
 def _nothing_to_finalize(self, vllm_config) -> None:

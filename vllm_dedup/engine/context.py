@@ -39,6 +39,8 @@ class LoadContext:
             tests that share a plain ``nn.Module``).
         create_model: builds the model under the current default device (the loader's
             ``create_model`` for this call); None outside vLLM.
+        share_packed: share the packed weights of vLLM's oneDNN handlers too (CPU backend,
+            ``cpu_linear="packed"``: `packed.py`).
     """
 
     config: object
@@ -50,6 +52,7 @@ class LoadContext:
     model_config: object = None
     prefix: str = ""
     create_model: Callable[[], object] | None = None
+    share_packed: bool = False
 
     @property
     def device_type(self) -> str:
@@ -81,6 +84,7 @@ class LoadReport:
     private_tensors: int = 0
     private_bytes: int = 0
     collisions: int = 0  # equal keys, different bytes: caught by the exact compare
+    packed_tensors: int = 0  # of the shared and published: oneDNN packed weights (`packed.py`)
     padding_bytes: int = 0  # bytes of the segments this engine created that hold no tensor
     seconds: float = 0.0  # of the sharing pass
     load_path: str = "none"
@@ -106,6 +110,7 @@ class LoadReport:
             f"load {self.load_seconds:.2f} s, peak +{self.peak_bytes / mb:.1f} MB; "
             f"{self.shared_tensors} tensors / {self.shared_bytes / mb:.1f} MB shared, "
             f"{self.published_tensors} / {self.published_bytes / mb:.1f} MB published, "
-            f"{self.private_tensors} / {self.private_bytes / mb:.1f} MB private, "
+            f"{self.private_tensors} / {self.private_bytes / mb:.1f} MB private "
+            f"({self.packed_tensors} of the shared and published are oneDNN packed weights), "
             f"{self.collisions} collisions, {self.padding_bytes / mb:.1f} MB padding, sharing {self.seconds:.2f} s"
         )

@@ -27,13 +27,16 @@ the engine takes its device's start-up lock and, with ``accounting="external"``,
 bytes it expects to map (`session.py`).  Everything this engine keeps between loading and the
 worker hooks lives in its `session.EngineSession`.
 
-On vLLM's CPU backend, ``cpu_share_linear`` (default on) keeps linear weights and the output
-head plain (``F.linear``), so that they can be shared instead of being repacked into
-oneDNN-owned memory: vLLM's own ``_cpu_skip_gemm_dispatch`` mark for linear layers, and for the
-vocabulary embeddings a post-processing that does not pack (the input embedding's packed copy
-is never used by its lookup; the head's is the one private copy of a weight left otherwise).
+On vLLM's CPU backend, linear layers follow ``cpu_linear``.  ``packed`` (the default) leaves
+vLLM's own oneDNN path as it is: vLLM packs each linear weight into oneDNN memory, and the
+sharing pass shares those packed weights (`packed.py`, `onednn.py`), so every engine runs
+vLLM's kernels, with a plain engine's numerics.  Where that cannot work here (`onednn.probe`)
+the engine runs ``plain`` and says why once.  ``plain`` keeps linear weights and the output
+head plain (``F.linear``), shared as any tensor: vLLM's own ``_cpu_skip_gemm_dispatch`` mark
+for linear layers, and for the vocabulary embeddings a post-processing that does not pack.
 That changes the model's graph, so it enters vLLM's compile-cache key (`compile_cache`): a
 compiled artifact of a plain engine is never loaded into such a model, nor the other way round.
+``private`` is vLLM's oneDNN path with the packed weights left private.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class DedupModelLoader(BaseModelLoader):
             )
         )
         self.report: LoadReport | None = None  # of the last load_model call
+        self._cpu_linear: str | None = None  # cpu_linear as this engine runs it (`cpu_linear`)
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.inner.download_model(model_config)
@@ -101,25 +105,39 @@ class DedupModelLoader(BaseModelLoader):
         return (self.inner.get_external_weight_memory(vllm_config)
                 + EngineSession.current().begin_startup(self.config, vllm_config))
 
+    def cpu_linear(self, model_config: ModelConfig) -> str:
+        """``cpu_linear`` as this engine runs it on the CPU backend: the configured mode, or
+        ``plain`` where ``packed`` cannot work here (`onednn.probe`, said once in the log)."""
+        if self._cpu_linear is None:
+            mode = self.config.cpu_linear
+            if mode == "packed":
+                from .onednn import probe
+
+                dtype = str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")
+                support = probe(dtype)
+                if not support.supported:
+                    logger.warning("cpu_linear=packed cannot work here (%s); linear layers run F.linear on plain "
+                                   "shared weights instead (cpu_linear=plain)", support.reason)
+                    mode = "plain"
+            self._cpu_linear = mode
+        return self._cpu_linear
+
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        """The inner loader's model.  On the CPU backend, with ``cpu_share_linear``: plain linear
-        weights, and that graph change in vLLM's compile-cache key; and vLLM's CPU artifacts
-        made loadable (`compile_cache`)."""
+        """The inner loader's model.  On the CPU backend, with ``cpu_linear="plain"``: plain
+        linear weights, and that graph change in vLLM's compile-cache key; and vLLM's CPU
+        artifacts made loadable (`compile_cache`)."""
         model = self.inner.create_model(vllm_config, model_config, prefix)
         if not _is_cpu():
             return model
         from .compile_cache import allow_cpu_aot_loads, key_compile_cache
 
         allow_cpu_aot_loads()
-        key_compile_cache(vllm_config, self.config.cpu_share_linear)
-        if self.config.cpu_share_linear:
+        plain = self.cpu_linear(model_config) == "plain"
+        key_compile_cache(vllm_config, plain)
+        if plain:
             marked = _keep_cpu_weights_plain(model)
-            logger.warning(
-                "cpu_share_linear=true: %d linear layers and vocabulary embeddings keep plain "
-                "weights (F.linear) so that they can be shared; on CPU that is slower than vLLM's oneDNN path "
-                "(benchmarks/cpu_linear.py). Set cpu_share_linear=false to keep oneDNN and share only "
-                "embeddings and norms.", marked,
-            )
+            logger.info("cpu_linear=plain: %d linear layers and vocabulary embeddings keep plain weights "
+                        "(F.linear), shared as they are", marked)
         return model
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -251,13 +269,14 @@ class DedupModelLoader(BaseModelLoader):
                 raise RuntimeError(f"vllm-dedup: cannot share weights on {device}: {e}") from None
             logger.warning("cannot share weights on %s (%s); loading privately", device, e)
             return None
-        signature = load_signature(vllm_config, model_config, self.config.inner_load_format,
-                                   self.config.cpu_share_linear and device.type == "cpu")
+        cpu_linear = self.cpu_linear(model_config) if device.type == "cpu" else ""
+        signature = load_signature(vllm_config, model_config, self.config.inner_load_format, cpu_linear)
         lease = EngineSession.current().connect(self.config, str(model_config.model), device_key, signature)
         if lease is None:
             return None
         return LoadContext(self.config, lease, device, device_key, signature, vllm_config, model_config, prefix,
-                           create_model=lambda: self.create_model(vllm_config, model_config, prefix))
+                           create_model=lambda: self.create_model(vllm_config, model_config, prefix),
+                           share_packed=cpu_linear == "packed")
 
 
 class _UsualLoad(BaseModelLoader):

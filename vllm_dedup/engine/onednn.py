@@ -68,18 +68,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import mmap
 import os
 import struct
 from dataclasses import dataclass, field
 
 from ..errors import PackedWeightError
+from ..log import init_logger
 
-__all__ = ["PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in", "install",
-           "probe", "trim_heap"]
+__all__ = ["PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in",
+           "holds_handler", "install", "probe", "trim_heap"]
 
-logger = logging.getLogger("vllm.dedup")
+logger = init_logger(__name__)
 
 # oneDNN's C API constants (include/oneapi/dnnl/dnnl_common_types.h, dnnl_types.h; stable in v3).
 _ARG_SRC, _ARG_WEIGHTS, _ARG_DST = 1, 33, 17
@@ -637,6 +637,13 @@ def handlers_in(model) -> list[tuple[str, object]]:
                 seen.add(id(handler))
                 out.append((name, handler))
     return out
+
+
+def holds_handler(module) -> bool:
+    """Whether ``module`` itself (not its children) holds a vLLM ``CPUDNNLGEMMHandler``."""
+    from vllm._custom_ops import CPUDNNLGEMMHandler
+
+    return any(True for _ in _handlers_of(vars(module), CPUDNNLGEMMHandler, 0))
 
 
 def _handlers_of(attributes: dict, cls, depth: int):

@@ -199,9 +199,17 @@ def unreplayable_reason(module) -> str | None:
     quant_method = getattr(module, "quant_method", None)
     if isinstance(quant_method, QuantizeMethodBase) and not quant_method.supports_pre_processed_weights:
         return f"{type(quant_method).__name__} does not support pre-processed weights"
-    if (current_platform.is_cpu() and isinstance(module, LinearBase)
-            and not getattr(module, "_cpu_skip_gemm_dispatch", False)):
-        return "on the CPU backend its weight is repacked into oneDNN memory (cpu_share_linear=false)"
+    if not current_platform.is_cpu():
+        return None
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from .onednn import holds_handler
+
+    if ((isinstance(module, LinearBase) and not getattr(module, "_cpu_skip_gemm_dispatch", False))
+            or (holds_handler(module) and not isinstance(module, VocabParallelEmbedding))):
+        # An embedding keeps its weight and packs it again when replayed (its post-processing
+        # ignores the pre-processed mode); a linear's weight is gone once packed.
+        return "on the CPU backend its weight was packed into oneDNN memory and dropped (cpu_linear packed or private)"
     return None
 
 

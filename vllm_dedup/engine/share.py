@@ -4,7 +4,9 @@ This runs once per engine, after vLLM's ``process_weights_after_loading``, so th
 are exactly those the kernels use.  The steps, in order (one method each of `SharingPass`):
 
 1. **collect** the model's storages of at least ``min_tensor_bytes`` (`slots.collect_slots`),
-   leaving out what a recipe mapped already;
+   leaving out what a recipe mapped already, and on the CPU backend with ``cpu_linear="packed"``
+   the packed weights of vLLM's oneDNN handlers (`packed.collect_packed`), which take the same
+   steps and are adopted by `onednn.install` instead of a swap;
 2. **key** them (`content`): XXH3-128 in parallel threads on the host, a device-side
    fingerprint on a GPU (no weight is copied to the host);
 3. **acquire** the keys and map the segments found (`resident.map_resident`), **compare** the
@@ -42,11 +44,12 @@ from collections import defaultdict
 
 from ..content.fingerprint import device_fingerprints, fingerprint_key, same_bytes
 from ..content.keys import ContentKey, content_keys, tensor_key
-from ..errors import RegistryUnavailable, SegmentError
+from ..errors import PackedWeightError, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from ..segments import segment_class
 from ..segments.packing import plan_packs
 from .context import LoadContext, LoadReport, Placement
+from .packed import PackedSlot, collect_packed, packed_keys
 from .resident import map_resident
 from .slots import Slot, collect_slots, swap
 
@@ -110,9 +113,16 @@ class SharingPass:
                  if t is not None and id(t) in mapped}
         report.shared_tensors += len(bound)
         report.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
+        keys = _keys([s.tensor for s in slots], ctx.device_type)
+        if ctx.share_packed:
+            packed, private_n, private_b = collect_packed(model, ctx.config.min_tensor_bytes)
+            report.private_tensors += private_n
+            report.private_bytes += private_b
+            slots += packed
+            keys += [str(k) for k in _colliding(packed_keys(packed))]
         # 2. key: content key -> the slots with that key (tied or equal tensors of this model)
-        self.pending: dict[str, list[Slot]] = defaultdict(list)
-        for slot, key in zip(slots, _keys([s.tensor for s in slots], ctx.device_type)):
+        self.pending: dict[str, list[Slot | PackedSlot]] = defaultdict(list)
+        for slot, key in zip(slots, keys):
             self.pending[key].append(slot)
         self.granularity, self.no_segments = pack_granularity, None
         if slots and not pack_granularity:
@@ -204,7 +214,15 @@ class SharingPass:
             if not equal:
                 differ.append(slot)
                 continue
-            swap(slot, shared)  # the slot held the last reference to the private copy
+            if isinstance(slot, PackedSlot):
+                try:
+                    slot.install(shared)  # oneDNN frees the private copy
+                except PackedWeightError as e:
+                    self.segment_failed([group[i:]], SegmentError(f"cannot install key {where.key}: {e}"))
+                    break
+                self.report.packed_tensors += 1
+            else:
+                swap(slot, shared)  # the slot held the last reference to the private copy
             for module, name, is_param in slot.refs:
                 bound = module._parameters[name] if is_param else module._buffers[name]
                 self.report.placement[id(bound)] = where
@@ -271,9 +289,14 @@ def _keys(tensors, device_type: str) -> list[str]:
         keys = content_keys([lambda t=t: tensor_key(t) for t in tensors])
     else:
         keys = [fingerprint_key(t, d) for t, d in zip(tensors, device_fingerprints(tensors))]
+    return [str(k) for k in _colliding(keys)]
+
+
+def _colliding(keys: list[ContentKey]) -> list[ContentKey]:
+    """The keys, or with `FORCE_COLLISIONS_ENV` set, the keys with their digests zeroed."""
     if os.environ.get(FORCE_COLLISIONS_ENV):
-        keys = [ContentKey(bytes(16), k.dtype, k.shape, k.stride) for k in keys]
-    return [str(k) for k in keys]
+        return [ContentKey(bytes(16), k.dtype, k.shape, k.stride) for k in keys]
+    return keys
 
 
 def _return_cached(device_type: str) -> None:

@@ -89,7 +89,7 @@ def _zentorch() -> bool:
 
 
 def load_signature(vllm_config, model_config=None, inner_load_format: str = "auto",
-                   cpu_share_linear: bool = False) -> str:
+                   cpu_linear: str = "") -> str:
     """This worker's load signature (see the module docstring), readable and stable across
     processes: ``arch|dtype|quant|kv:...|tpN.r|ppN.r|format|device|...|cfg:<digest>|code:<digest>``.
 
@@ -98,8 +98,9 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
         model_config: the model config ``load_model`` was called with (a drafter's own); by
             default the engine's.
         inner_load_format: the vLLM load format that reads the checkpoint.
-        cpu_share_linear: whether linear layers keep plain weights (only meaningful, and only
-            part of the signature, on the CPU backend).
+        cpu_linear: how linear layers run on the CPU backend (`config.DedupConfig.cpu_linear`,
+            as the engine runs it: ``packed``, ``plain`` or ``private``); part of the signature
+            only there.
     """
     import vllm
 
@@ -116,7 +117,7 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
         quant += ":" + _digest(json.dumps(quant_config, sort_keys=True, default=str).encode())
     arch = ",".join(getattr(mc.hf_config, "architectures", None) or [type(mc.hf_config).__name__])
     kv = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-    linear = f"|cpu_share_linear={int(cpu_share_linear)}" if "cpu" in device else ""
+    linear = f"|cpu_linear={cpu_linear or 'private'}" if "cpu" in device else ""
     zen = "|zentorch" if "cpu" in device and _zentorch() else ""
     return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}"
             f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}"

@@ -1,0 +1,108 @@
+"""oneDNN packed weights as the sharing pass sees them (CPU backend, ``cpu_linear="packed"``).
+
+vLLM's CPU backend packs each linear weight (and the vocabulary head's) into memory its oneDNN
+handler owns, and drops the torch weight (`onednn.py` finds the packed bytes).  A `PackedSlot`
+is such a buffer in the role a `slots.Slot` plays for a tensor: it is keyed, compared, and
+published or mapped like any tensor, and *adopted* by `onednn.install`, which points the
+handler at a segment's read-only mapping and lets oneDNN free its private copy.
+
+Note [a packed weight's content key]
+    ``dtype`` is ``onednn:<digest of PackedLayout.identity>`` (the layout, oneDNN's version and
+    ISA, vLLM's version and extension), ``shape`` the byte count, ``digest`` the XXH3-128 of the
+    packed bytes.  Equal bytes would compute the same in any handler of this build; the
+    layout's identity in the key keeps packings of different layouts, machines or builds apart
+    in the registry all the same, so a lookup never even finds them.  The bytes are compared
+    exactly before a segment is installed, as for every tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import xxhash
+
+from ..content.keys import ContentKey, content_keys, tensor_key
+from ..errors import PackedWeightError
+from ..log import init_logger
+from . import onednn
+
+__all__ = ["PackedSlot", "collect_packed", "packed_dtype"]
+
+logger = init_logger(__name__)
+
+
+def packed_dtype(layout: onednn.PackedLayout) -> str:
+    """The ``dtype`` field of a packed weight's content key (Note [a packed weight's content key])."""
+    return "onednn:" + xxhash.xxh3_64_hexdigest(layout.identity.encode())
+
+
+@dataclass
+class PackedSlot:
+    """One handler's packed weight in the sharing pass.
+
+    Attributes:
+        module: the qualified name of the first module holding the handler.
+        packed: the handler's packed weight (`onednn.find_packed`).
+        tensor: a uint8 CPU tensor of ``packed.nbytes`` over the packed bytes, zero-copy; it
+            dangles once `install` has run (oneDNN frees those bytes), so nothing reads it
+            after.
+    """
+
+    module: str
+    packed: onednn.PackedWeight
+    tensor: object
+
+    refs = ()  # no parameter or buffer holds it (`slots.Slot.refs`)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def install(self, shared) -> None:
+        """Point the handler at ``shared`` (a segment's uint8 tensor, compared by the caller).
+
+        Raises:
+            PackedWeightError: oneDNN refused, or the handler changed since it was found.
+        """
+        onednn.install(self.packed, shared, compare=False)
+
+
+def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int]:
+    """The packed weights of ``model``'s oneDNN handlers that can be shared.
+
+    A handler whose packed weight cannot be found or checked (`onednn.PackedWeightError`: a
+    layout not understood) keeps it private; one log line says how many and why.
+
+    Returns:
+        (slots, private handlers, their bytes when known): slots of at least ``min_bytes``,
+        not shared yet.
+    """
+    import torch
+
+    slots, private_n, private_b, first = [], 0, 0, None
+    for name, handler in onednn.handlers_in(model):
+        try:
+            packed = onednn.find_packed(handler)
+        except PackedWeightError as e:
+            private_n += 1
+            first = first or f"{name}: {e}"
+            continue
+        if packed.shared:
+            continue
+        if packed.nbytes < min_bytes:
+            private_n += 1
+            private_b += packed.nbytes
+            continue
+        raw = (ctypes.c_uint8 * packed.nbytes).from_address(packed.address)
+        slots.append(PackedSlot(name, packed, torch.frombuffer(raw, dtype=torch.uint8)))
+    if first:
+        logger.warning("%d oneDNN packed weight(s) stay private: their layout is not understood (first: %s)",
+                       private_n, first)
+    return slots, private_n, private_b
+
+
+def packed_keys(slots: list[PackedSlot]) -> list[ContentKey]:
+    """Content keys of packed weights (Note [a packed weight's content key]), hashed in parallel."""
+    keys = content_keys([lambda t=s.tensor: tensor_key(t) for s in slots])
+    return [ContentKey(k.digest, packed_dtype(s.packed.layout), (s.nbytes,), (1,)) for k, s in zip(keys, slots)]

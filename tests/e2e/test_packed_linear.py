@@ -4,7 +4,8 @@ real engines run vLLM's own oneDNN kernels on one copy of each packed weight.
 A plain (``auto``) engine is the reference: its greedy tokens, and its final tensors with every
 oneDNN handler's packed weight as its content key (`harness.oracle.packed_digests`).  Two
 dedup engines of the same checkpoint: the first publishes its packed weights, the second maps
-them (the registry finds every one of those keys) and its private memory (``Pss_Anon``) is
+them from the first's recipe without reading the checkpoint (the registry finds every one of
+those keys) and its private memory (``Pss_Anon``) is
 below a plain engine's by at least 95% of the packed bytes.  Both hold exactly the plain engine's bytes and
 answer exactly as it does, on every prompt.  A write to a shared packed page faults:
 tests/integration/test_onednn_packed.py.
@@ -51,6 +52,7 @@ def test_a_second_engine_maps_the_packed_linears_and_answers_as_plain(smollm2, r
             second.wait_ready()
             l2 = registry.engine_loads()[second.pid]
             assert (l2["packed_tensors"], l2["published_tensors"]) == (len(keys), 0), l2
+            assert (l2["load_path"], l2["checkpoint_bytes_read"]) == ("full", 0), l2  # a recipe maps them
             (tensors,) = second.final_tensors()
             assert not differences(tensors, reference)
             with RegistryClient(registry.socket) as client:

@@ -77,7 +77,7 @@ from ..errors import PackedWeightError
 from ..log import init_logger
 
 __all__ = ["PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in",
-           "holds_handler", "install", "probe", "trim_heap"]
+           "holds_handler", "install", "module_handlers", "probe", "trim_heap"]
 
 logger = init_logger(__name__)
 
@@ -639,11 +639,16 @@ def handlers_in(model) -> list[tuple[str, object]]:
     return out
 
 
-def holds_handler(module) -> bool:
-    """Whether ``module`` itself (not its children) holds a vLLM ``CPUDNNLGEMMHandler``."""
+def module_handlers(module) -> list:
+    """The vLLM ``CPUDNNLGEMMHandler`` objects ``module`` itself (not its children) holds, once each."""
     from vllm._custom_ops import CPUDNNLGEMMHandler
 
-    return any(True for _ in _handlers_of(vars(module), CPUDNNLGEMMHandler, 0))
+    return list({id(h): h for h in _handlers_of(vars(module), CPUDNNLGEMMHandler, 0)}.values())
+
+
+def holds_handler(module) -> bool:
+    """Whether ``module`` itself (not its children) holds a vLLM ``CPUDNNLGEMMHandler``."""
+    return bool(module_handlers(module))
 
 
 def _handlers_of(attributes: dict, cls, depth: int):

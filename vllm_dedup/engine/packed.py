@@ -27,7 +27,7 @@ from ..errors import PackedWeightError
 from ..log import init_logger
 from . import onednn
 
-__all__ = ["PackedSlot", "collect_packed", "packed_dtype"]
+__all__ = ["PackedSlot", "collect_packed", "installed_handlers", "packed_dtype", "packed_keys"]
 
 logger = init_logger(__name__)
 
@@ -100,6 +100,19 @@ def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int]:
         logger.warning("%d oneDNN packed weight(s) stay private: their layout is not understood (first: %s)",
                        private_n, first)
     return slots, private_n, private_b
+
+
+def installed_handlers(model, placement: dict) -> list[onednn.PackedWeight]:
+    """The packed weights of ``model``'s handlers that ``placement`` (``id`` -> `Placement`)
+    names: those a recipe's replay installed from segments."""
+    out = []
+    for _, handler in onednn.handlers_in(model):
+        if id(handler) in placement:
+            try:
+                out.append(onednn.find_packed(handler))
+            except PackedWeightError:  # it was read moments ago; count what can be counted
+                continue
+    return out
 
 
 def packed_keys(slots: list[PackedSlot]) -> list[ContentKey]:

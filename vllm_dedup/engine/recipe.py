@@ -19,8 +19,10 @@ outputs.  Two properties of a module decide what a recipe may do with it:
 
 - **replayable**: its final tensors are all of its state, and its post-processing can run in
   vLLM's pre-processed mode.  Not so for a quantization method without pre-processed support,
-  or a CPU linear layer repacked into oneDNN memory.  A module that is not replayable is never
-  mapped;
+  or a CPU linear layer whose weight vLLM packed into oneDNN memory and dropped, unless that
+  packed weight is itself in a segment (``cpu_linear="packed"``): the recipe then names it
+  (``packed``), and a replay lets vLLM pack a placeholder of zero pages, then installs the
+  segment in its place (`replay.py`).  A module that is not replayable is never mapped;
 - **traced**: the checkpoint tensors that went into it are exactly its recorded sources: every
   parameter it owns was filled by a weight loader that received the checkpoint tensor just
   read, and nothing else wrote into it afterwards (`sources.SourceRecorder`).  Only a traced
@@ -41,9 +43,9 @@ from dataclasses import dataclass, field
 import blake3
 
 __all__ = ["Match", "ModuleRecipe", "Recipe", "RecipeDeclined", "TensorRecipe", "build_recipe", "choose",
-           "model_attrs", "unreplayable_reason"]
+           "model_attrs", "packed_recipe", "unreplayable_reason"]
 
-VERSION = 2  # 2: segments named by uid, traced modules, BLAKE3 source keys
+VERSION = 3  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights
 
 
 class RecipeDeclined(Exception):
@@ -111,7 +113,9 @@ class ModuleRecipe:
     """One module: the checkpoint tensors that went into it and its final tensors (module
     docstring: replayable, traced).  ``attributes``: small tensors the module keeps in plain
     attributes since its construction (a weightless norm's ``weight`` of ones, empty state
-    tensors), inline: a model built on the meta device has them on the meta device."""
+    tensors), inline: a model built on the meta device has them on the meta device.
+    ``packed``: the packed weight of the module's oneDNN handler (CPU backend), a uint8
+    tensor of its bytes under its content key (`packed.py`), named after the weight it packs."""
 
     sources: list[str]
     tensors: list[TensorRecipe]
@@ -120,23 +124,34 @@ class ModuleRecipe:
     traced: bool = True
     why_untraced: str = ""
     attributes: list[TensorRecipe] = field(default_factory=list)
+    packed: TensorRecipe | None = None
 
     def to_json(self) -> dict:
-        return {"sources": sorted(self.sources), "tensors": [t.to_json() for t in self.tensors],
-                "replayable": self.replayable, "why": self.why, "traced": self.traced,
-                "why_untraced": self.why_untraced, "attributes": [t.to_json() for t in self.attributes]}
+        out = {"sources": sorted(self.sources), "tensors": [t.to_json() for t in self.tensors],
+               "replayable": self.replayable, "why": self.why, "traced": self.traced,
+               "why_untraced": self.why_untraced, "attributes": [t.to_json() for t in self.attributes]}
+        if self.packed is not None:
+            out["packed"] = self.packed.to_json()
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> ModuleRecipe:
         attributes = [TensorRecipe.from_json(t) for t in d.get("attributes", [])]
         if any(t.inline is None for t in attributes):
             raise ValueError("a module's attribute tensors travel inline")
+        packed = TensorRecipe.from_json(d["packed"]) if d.get("packed") is not None else None
+        if packed is not None and (packed.key is None or packed.dtype != "uint8" or len(packed.shape) != 1):
+            raise ValueError("a packed weight is a uint8 vector under a content key")
         return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t) for t in d["tensors"]],
                    bool(d["replayable"]), str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")),
-                   attributes)
+                   attributes, packed)
+
+    def keyed(self) -> list[TensorRecipe]:
+        """Its tensors that live in segments, the packed weight included."""
+        return [t for t in self.tensors if t.key is not None] + ([self.packed] if self.packed is not None else [])
 
     def mapped_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors if t.key is not None)
+        return sum(t.nbytes for t in self.keyed())
 
 
 @dataclass
@@ -161,7 +176,7 @@ class Recipe:
 
     def final(self) -> dict[str, int]:
         """Every content key the recipe names -> its bytes."""
-        return {t.key: t.nbytes for m in self.modules.values() for t in m.tensors if t.key is not None}
+        return {t.key: t.nbytes for m in self.modules.values() for t in m.keyed()}
 
     def to_bytes(self) -> bytes:
         return json.dumps({
@@ -190,8 +205,10 @@ class Recipe:
 
 
 # building ------------------------------------------------------------------------------------
-def unreplayable_reason(module) -> str | None:
-    """Why this module's post-processing cannot be replayed from its final tensors, or None."""
+def unreplayable_reason(module, packed_in_segment: bool = False) -> str | None:
+    """Why this module's post-processing cannot be replayed from its final tensors, or None.
+    ``packed_in_segment``: the packed weight of its oneDNN handler is in a segment
+    (`packed_recipe`)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.platforms import current_platform
@@ -205,12 +222,43 @@ def unreplayable_reason(module) -> str | None:
 
     from .onednn import holds_handler
 
+    if packed_in_segment:
+        return None
     if ((isinstance(module, LinearBase) and not getattr(module, "_cpu_skip_gemm_dispatch", False))
             or (holds_handler(module) and not isinstance(module, VocabParallelEmbedding))):
         # An embedding keeps its weight and packs it again when replayed (its post-processing
         # ignores the pre-processed mode); a linear's weight is gone once packed.
-        return "on the CPU backend its weight was packed into oneDNN memory and dropped (cpu_linear packed or private)"
+        return "on the CPU backend its weight was packed into oneDNN memory and dropped, not shared"
     return None
+
+
+def packed_recipe(module, placement: dict) -> tuple[TensorRecipe | None, str]:
+    """The recipe entry of the packed weight of ``module``'s own oneDNN handler, if a replay can
+    make it again: one handler, made by vLLM's unquantized linear or embedding method from the
+    module's ``weight`` (so a placeholder of that shape packs to the same layout), its packed
+    weight in a segment (``placement[id(handler)]``).  Returns (entry or None, why not; "" when
+    the module has no handler)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from ..errors import PackedWeightError
+    from .onednn import find_packed, module_handlers
+
+    handlers = module_handlers(module)
+    if not handlers:
+        return None, ""
+    if len(handlers) != 1:
+        return None, f"it holds {len(handlers)} oneDNN handlers"
+    if not isinstance(getattr(module, "quant_method", None), (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+        return None, f"its oneDNN handler comes from {type(getattr(module, 'quant_method', None)).__name__}"
+    where = placement.get(id(handlers[0]))
+    if where is None:
+        return None, "its packed weight is not in a segment"
+    try:
+        nbytes = find_packed(handlers[0]).nbytes
+    except PackedWeightError as e:
+        return None, f"its packed weight cannot be read ({e})"
+    return TensorRecipe("weight", True, "uint8", (nbytes,), (1,), key=where.key, uid=where.uid), ""
 
 
 def model_attrs(model) -> dict:
@@ -249,9 +297,12 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         if module_name in inherited:
             modules[module_name] = inherited[module_name]
             continue
-        why = unreplayable_reason(module)
+        packed, why_packed = packed_recipe(module, placement)
+        why = unreplayable_reason(module, packed_in_segment=packed is not None)
+        if why and why_packed:
+            why = f"{why} ({why_packed})"
         untraced = recording.untraced.get(module_name, "")
-        recipe = ModuleRecipe(sorted(recording.module_sources.get(module_name, ())), [])
+        recipe = ModuleRecipe(sorted(recording.module_sources.get(module_name, ())), [], packed=packed)
         for n, t in attributes:
             nbytes = t.numel() * t.element_size()
             if t.is_meta or not t.is_contiguous() or nbytes > inline_max:

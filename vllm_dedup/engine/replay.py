@@ -15,19 +15,37 @@ The steps of `Replay.build`, in order:
    from the recipe, tied ones aliased; each keeps the class and attributes (``weight_loader``,
    ...) of the meta parameter it replaces (vLLM's ``materialize_meta_tensor`` does the same),
    and every other reference to the meta tensor it replaces (a parameter or buffer of another
-   module, a module attribute, an attention implementation's attribute) is pointed at it;
+   module, a module attribute, an attention implementation's attribute) is pointed at it.  A
+   linear layer whose recipe names a oneDNN packed weight (CPU backend) gets a placeholder
+   ``weight`` of its full shape over zero pages (Note [packed weights replayed]);
 4. materialize the unmatched modules' parameters (vLLM's ``materialize_meta_tensor``) and load
    them through the model's own ``load_weights``, fed only the checkpoint tensors they need,
    read by `sources.read_tensors` (no other tensor's bytes are touched); every parameter of
    theirs must have been filled by a weight loader;
 5. post-process: vLLM's ``process_weights_after_loading``, in its pre-processed mode
    (``weights_already_processed``, the mechanism vLLM's ``ipc_cache`` loader uses) for the
-   mapped modules and normally for the loaded ones;
+   mapped modules and normally for the loaded ones; right after a mapped module's own
+   post-processing made its oneDNN handler, the handler's packed weight is replaced by the
+   recipe's segment (`onednn.install`);
 6. check that no meta tensor is left anywhere a kernel may read one (`slots.attribute_tensors`).
 
 Any failure raises `recipe.RecipeDeclined` after giving back every segment acquired; the loader
 then loads the whole model as usual.  No byte is compared here: the trust is the BLAKE3 source
 keys, the load signature and the segments the recipe names (docs/architecture.md, "Trust").
+
+Note [packed weights replayed]
+    vLLM's CPU backend packs an unquantized linear weight into its oneDNN handler
+    (``dispatch_cpu_unquantized_gemm``) and drops it; only the handler can run the layer, and
+    only vLLM's post-processing makes one.  So a replay lets it: the layer's ``weight`` is a
+    view, of the layer's shape and row-major strides, into one anonymous private mapping that
+    nothing writes (every page reads as the kernel's shared zero page: no memory, whatever the
+    size), vLLM packs those zeros into a private buffer, and the segment holding the first
+    engine's packed bytes takes its place at once (`onednn.install`, which frees the buffer:
+    one layer's packed copy at a time is the peak).  The handler's layout must be the one the
+    recipe's content key names (`packed.packed_dtype`), else the recipe is declined.  The zeros
+    are never compared with the segment (they differ by design): the trust is the recipe's, as
+    for every tensor mapped here.  An embedding keeps its weight (mapped), so its handler packs
+    the real bytes, and those are compared before the segment is installed.
 """
 
 from __future__ import annotations
@@ -67,8 +85,9 @@ class Replay:
 
     def __init__(self, ctx: LoadContext, match: Match, where: dict):
         self.ctx, self.match, self.where = ctx, match, where
-        self.placement: dict[int, Placement] = {}
+        self.placement: dict[int, Placement] = {}  # handlers' ids too, for their packed weights
         self.mapped_bytes = 0
+        self._zeros = None  # Note [packed weights replayed]
         self.recorder = SourceRecorder(hash_keys=False)
         self.held: list[int] = []
 
@@ -105,6 +124,7 @@ class Replay:
                 replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
                 for name in sorted(self.match.matched):
                     self._bind(modules[name], name, resident, replaced)
+                    self._placeholder(modules[name], name, replaced)
                 self._materialize(modules, replaced)
                 _retie(model, replaced)
                 self._alias(model)
@@ -113,7 +133,7 @@ class Replay:
                     setattr(model, key, value)
                 if self.match.unmatched:
                     self._load_unmatched(model, modules)
-                self._post_process(model, {m: modules[m] for m in self.match.matched})
+                self._post_process(model, {m: modules[m] for m in self.match.matched}, resident)
             _check_no_meta(model)
             return model.eval()
         except Exception as e:  # a fast path never stops an engine: the usual load follows
@@ -143,9 +163,8 @@ class Replay:
         recipe, strict = self.match.recipe, self.ctx.config.verify
         wanted: dict[tuple[str, str], TensorRecipe] = {}
         for name in self.match.matched:
-            for t in recipe.modules[name].tensors:
-                if t.key is not None:
-                    wanted[(t.key, t.uid if strict else "")] = t
+            for t in recipe.modules[name].keyed():
+                wanted[(t.key, t.uid if strict else "")] = t
         keys = [k for k, _ in wanted]
         found = map_resident(self.ctx.lease, segment_class(self.ctx.device_type), self.ctx.device_key, keys,
                              [u for _, u in wanted] if strict else None)
@@ -163,8 +182,8 @@ class Replay:
                 tensor = got.segment.tensor(hit.offset, getattr(torch, t.dtype), t.shape, t.stride)
                 resident[asked] = (tensor, got.found.uid)
         for name in list(self.match.matched):
-            missing = [t.name for t in recipe.modules[name].tensors
-                       if t.key is not None and (t.key, t.uid if strict else "") not in resident]
+            missing = [t.name for t in recipe.modules[name].keyed()
+                       if (t.key, t.uid if strict else "") not in resident]
             if missing:
                 self.match.demote(name, f"{missing[0]} is no longer resident")
         return resident
@@ -197,6 +216,55 @@ class Replay:
                 replaced[id(old)] = (old, new)
             if t.key is not None:
                 self.placement[id(new)] = Placement(t.key, uid)
+
+    def _placeholder(self, module: nn.Module, name: str, replaced: dict) -> None:
+        """A linear layer whose packed weight the recipe names: its ``weight`` (packed and
+        dropped by vLLM's post-processing) becomes a placeholder over zero pages of the meta
+        weight's shape (Note [packed weights replayed])."""
+        recipe = self.match.recipe.modules[name]
+        if recipe.packed is None or _keeps_weight(recipe):
+            return  # no packed weight, or the module keeps its weight (an embedding)
+        current = module._parameters.get(recipe.packed.name)
+        meta = next((old for old, new in replaced.values() if new is current), None)
+        if meta is None or not meta.is_meta or meta.ndim != 2:
+            raise RecipeDeclined(f"module {name}: no 2-D {recipe.packed.name} to pack (found {meta!r})")
+        placeholder = self._zero_pages(meta.dtype, meta.shape)
+        module._parameters[recipe.packed.name] = _like(meta, placeholder)
+        replaced[id(meta)] = (meta, module._parameters[recipe.packed.name])
+
+    def _zero_pages(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """A row-major tensor of ``shape`` reading zeros, over one anonymous mapping kept for the
+        build (grown as needed); nothing may write it."""
+        import mmap
+
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if self._zeros is None or len(self._zeros) < nbytes:
+            self._zeros = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(self._zeros, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+    def _install_packed(self, name: str, module: nn.Module, resident: dict) -> None:
+        """Right after ``module``'s post-processing: its handler reads the recipe's segment."""
+        from ..content.keys import ContentKey
+        from ..errors import PackedWeightError
+        from . import onednn
+        from .packed import packed_dtype
+
+        recipe, strict = self.match.recipe.modules[name], self.ctx.config.verify
+        entry = recipe.packed
+        handlers = onednn.module_handlers(module)
+        if len(handlers) != 1:
+            raise RecipeDeclined(f"module {name}: {len(handlers)} oneDNN handlers after post-processing, not one")
+        tensor, uid = resident[(entry.key, entry.uid if strict else "")]
+        try:
+            packed = onednn.find_packed(handlers[0])
+            if (packed_dtype(packed.layout), (packed.nbytes,)) != (ContentKey.parse(entry.key).dtype, entry.shape):
+                raise RecipeDeclined(f"module {name}: oneDNN packed {packed.layout.tag} ({packed.nbytes} bytes), "
+                                     f"not the layout of the recipe's {entry.key}")
+            onednn.install(packed, tensor, compare=_keeps_weight(recipe))
+        except PackedWeightError as e:
+            raise RecipeDeclined(f"module {name}: its packed weight cannot be replaced ({e})") from e
+        self.placement[id(handlers[0])] = Placement(entry.key, uid)
+        self.mapped_bytes += entry.nbytes
 
     def _alias(self, model: nn.Module) -> None:
         for name in self.match.matched:
@@ -249,24 +317,31 @@ class Replay:
                 raise RecipeDeclined(f"module {name}: {unfilled[0]} got none of its checkpoint tensors")
 
     # 5. post-processing --------------------------------------------------------------------
-    def _post_process(self, model: nn.Module, mapped: dict[str, nn.Module]) -> None:
+    def _post_process(self, model: nn.Module, mapped: dict[str, nn.Module], resident: dict) -> None:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
         from vllm.model_executor.utils import weights_already_processed
 
-        with _pre_processed(mapped), contextlib.ExitStack() as stack:
+        packed = {name for name in mapped if self.match.recipe.modules[name].packed is not None}
+
+        def after(name: str, module: nn.Module) -> None:
+            if name in packed:
+                self._install_packed(name, module, resident)
+
+        with _pre_processed(mapped, after), contextlib.ExitStack() as stack:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)
 
 
 @contextlib.contextmanager
-def _pre_processed(modules: dict[str, nn.Module]):
+def _pre_processed(modules: dict[str, nn.Module], after=None):
     """Run these modules' post-processing in vLLM's pre-processed mode (the others' normally) within
     one ``process_weights_after_loading`` call: their quantization methods' (and a deferred
     attention layer's own) ``process_weights_after_loading`` are wrapped, for the duration, to
     enter ``weights_already_processed`` when called for one of them.  A failure there is a
     `RecipeDeclined` naming the module and the method (some of vLLM's methods declare
-    ``supports_pre_processed_weights`` and then ignore the mode: ``patches/`` has their fixes)."""
+    ``supports_pre_processed_weights`` and then ignore the mode: ``patches/`` has their fixes).
+    ``after(name, module)`` runs right after one of them was post-processed."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.utils import weights_already_processed
 
@@ -280,10 +355,13 @@ def _pre_processed(modules: dict[str, nn.Module]):
                 return bound(*args, **kwargs)
             try:
                 with weights_already_processed():
-                    return bound(*args, **kwargs)
+                    result = bound(*args, **kwargs)
             except Exception as e:
                 raise RecipeDeclined(f"{type(owner).__name__}.process_weights_after_loading of {name} failed in vLLM's "
                                f"pre-processed mode ({type(e).__name__}: {e})") from e
+            if after is not None:
+                after(name, modules[name])
+            return result
 
         patched.append((owner, "process_weights_after_loading" in vars(owner),
                         vars(owner).get("process_weights_after_loading")))
@@ -305,6 +383,12 @@ def _pre_processed(modules: dict[str, nn.Module]):
                 owner.process_weights_after_loading = before
             else:
                 del owner.process_weights_after_loading
+
+
+def _keeps_weight(recipe) -> bool:
+    """Whether a module with a packed weight keeps the weight it packs (an embedding: its
+    lookup reads it) rather than dropping it (a linear layer)."""
+    return any(t.name == recipe.packed.name and t.nbytes for t in recipe.tensors)
 
 
 def _like(meta, tensor: torch.Tensor) -> torch.Tensor:

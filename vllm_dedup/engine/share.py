@@ -49,7 +49,7 @@ from ..log import init_logger
 from ..segments import segment_class
 from ..segments.packing import plan_packs
 from .context import LoadContext, LoadReport, Placement
-from .packed import PackedSlot, collect_packed, packed_keys
+from .packed import PackedSlot, collect_packed, installed_handlers, packed_keys
 from .resident import map_resident
 from .slots import Slot, collect_slots, swap
 
@@ -116,6 +116,10 @@ class SharingPass:
         keys = _keys([s.tensor for s in slots], ctx.device_type)
         if ctx.share_packed:
             packed, private_n, private_b = collect_packed(model, ctx.config.min_tensor_bytes)
+            for handler in installed_handlers(model, mapped):  # by a recipe
+                report.shared_tensors += 1
+                report.shared_bytes += handler.nbytes
+                report.packed_tensors += 1
             report.private_tensors += private_n
             report.private_bytes += private_b
             slots += packed
@@ -221,6 +225,7 @@ class SharingPass:
                     self.segment_failed([group[i:]], SegmentError(f"cannot install key {where.key}: {e}"))
                     break
                 self.report.packed_tensors += 1
+                self.report.placement[id(slot.packed.handler)] = where
             else:
                 swap(slot, shared)  # the slot held the last reference to the private copy
             for module, name, is_param in slot.refs:

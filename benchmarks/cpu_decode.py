@@ -7,16 +7,18 @@ side in one run (issue 21).
 Engines (``LLM()`` alone in a child process each, ``enforce_eager``, bf16, bound to one core):
 
 - ``plain``: ``--load-format auto``: vLLM packs every linear weight for oneDNN, privately;
-- ``packed 1st`` / ``packed 2nd``: ``auto`` too, then the mechanism of `vllm_dedup.engine.onednn`
-  applied after loading (until the loader does it): the first engine moves each handler's
-  packed weight into a sealed memfd segment (`install`, its private copy freed); the second finds
-  each of its own packed weights' content key (XXH3-128 of the packed bytes + `PackedLayout.identity`)
-  among the first's, maps that segment (opened through ``/proc/PID/fd``, as the registry's server
-  would pass it), compares the bytes exactly and installs it;
-- ``F.linear 1st`` / ``F.linear 2nd``: ``--load-format dedup`` with ``cpu_share_linear=true``,
-  today's path (plain weights, ``F.linear``, shared through the registry).
+- ``dedup 1st`` / ``dedup 2nd``: ``--load-format dedup`` with its default ``cpu_linear="packed"``
+  (`vllm_dedup.engine.packed`): the first engine publishes each oneDNN handler's packed weight
+  as a segment and installs it in place of its private copy; the second maps them from the
+  first's recipe (load path ``full``: the checkpoint is not read, vLLM packs placeholders of
+  zero pages and each is replaced by its segment at once);
+- ``F.linear 1st`` / ``F.linear 2nd``: ``--load-format dedup`` with ``cpu_linear="plain"`` (plain
+  weights, ``F.linear``, shared through the registry; the default before packed sharing).
 
-Phases keep at most two engines alive: (plain, packed 1st), (packed 1st, packed 2nd), (plain,
+The engines use a registry of the benchmark's own (``VLLM_DEDUP_RUNTIME_DIR``, a temporary
+directory), each case in its own share group.
+
+Phases keep at most two engines alive: (plain, dedup 1st), (dedup 1st, dedup 2nd), (plain,
 F.linear 1st), (F.linear 1st, F.linear 2nd); within a phase the engines take turns for each
 measurement, ``--rounds`` times, and ratios are taken within a phase (the second engines' ratio
 to plain goes through the first engine's: machine noise hits both sides of each ratio alike).
@@ -71,15 +73,12 @@ BATCHES = (1, 8)
 
 
 # ----------------------------------------------------------------------------------------- child
-_HELD: list = []  # the first packed engine's segments: their descriptors stay open for the second
-
-
 def _model_of(worker):
     return getattr(worker, "worker", worker).model_runner.model
 
 
 def _placement(address: int, nbytes: int) -> dict:
-    """Where a buffer sits (option (a), page replacement in place, needs whole pages)."""
+    """Where a buffer sits (page replacement in place, the way not taken, needs whole pages)."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split()
@@ -94,62 +93,15 @@ def _placement(address: int, nbytes: int) -> dict:
 
 
 def _packed_state(worker) -> dict:
-    """Every handler's packed weight: name -> {key, nbytes, placement}."""
-    import xxhash
-
+    """Every handler's packed weight: name -> {nbytes, layout tag, N, K, placement}."""
     from vllm_dedup.engine import onednn
 
     out = {}
     for name, handler in onednn.handlers_in(_model_of(worker)):
         packed = onednn.find_packed(handler)
-        out[name] = {"key": xxhash.xxh3_128_hexdigest(packed.view()) + "|" + packed.layout.identity,
-                     "nbytes": packed.nbytes, "tag": packed.layout.tag, "n": handler.n, "k": handler.k,
+        out[name] = {"nbytes": packed.nbytes, "tag": packed.layout.tag, "n": handler.n, "k": handler.k,
                      **_placement(packed.address, packed.nbytes)}
     return out
-
-
-def _publish(worker) -> dict:
-    """Packed 1st: each packed weight into a sealed memfd segment, installed in place."""
-    import torch
-
-    from vllm_dedup.engine import onednn
-    from vllm_dedup.segments.host import HostSegment
-
-    manifest = {}
-    for _, handler in onednn.handlers_in(_model_of(worker)):
-        packed = onednn.find_packed(handler)
-        seg = HostSegment.create_packed([(torch.frombuffer(packed.view(), dtype=torch.uint8), 0)], packed.nbytes)
-        onednn.install(packed, seg.tensor(0, torch.uint8, (packed.nbytes,), (1,)))
-        _HELD.append(seg)
-        import xxhash
-
-        key = xxhash.xxh3_128_hexdigest(seg.view()) + "|" + packed.layout.identity
-        manifest[key] = {"fd": seg.fileno(), "nbytes": packed.nbytes}
-    onednn.trim_heap()
-    return manifest
-
-
-def _attach(worker, pid: int, manifest: dict) -> dict:
-    """Packed 2nd: map the first engine's segment of each packed weight found by content key."""
-    import torch
-    import xxhash
-
-    from vllm_dedup.engine import onednn
-    from vllm_dedup.segments.host import HostSegment
-
-    mapped = missed = 0
-    for _, handler in onednn.handlers_in(_model_of(worker)):
-        packed = onednn.find_packed(handler)
-        entry = manifest.get(xxhash.xxh3_128_hexdigest(packed.view()) + "|" + packed.layout.identity)
-        if entry is None:
-            missed += packed.nbytes
-            continue
-        seg = HostSegment.attach(os.open(f"/proc/{pid}/fd/{entry['fd']}", os.O_RDONLY | os.O_CLOEXEC),
-                                 entry["nbytes"])
-        seg.close_fd()
-        mapped += onednn.install(packed, seg.tensor(0, torch.uint8, (packed.nbytes,), (1,)))  # exact compare
-    onednn.trim_heap()
-    return {"mapped_bytes": mapped, "missed_bytes": missed}
 
 
 def _vmstat() -> dict[str, int]:
@@ -203,10 +155,6 @@ def _child(argv: list[str]) -> None:
                      "faults": {"minor": after.ru_minflt - before.ru_minflt, "major": after.ru_majflt - before.ru_majflt,
                                 "machine_major": vm_after["pgmajfault"] - vm["pgmajfault"],
                                 "machine_scanned": vm_after["pgscan"] - vm["pgscan"]}}
-        elif req.get("publish"):
-            reply = {"manifest": llm.collective_rpc(_publish)[0], "pid": os.getpid()}
-        elif "attach" in req:
-            reply = llm.collective_rpc(_attach, args=(req["attach"]["pid"], req["attach"]["manifest"]))[0]
         elif req.get("trim"):
             import ctypes
             import gc
@@ -271,6 +219,12 @@ class Engine:
         self.faults.append(reply["faults"])
         self.ids[batch] = reply["ids"]
 
+    def load(self) -> dict:
+        """This engine's load report, as the registry keeps it (dedup engines)."""
+        from vllm_dedup.registry.client import registry_stats
+
+        return registry_stats().engine(self.proc.pid).load
+
     def memory(self) -> tuple[int, int]:
         """(PSS, RssAnon) in bytes, after ``malloc_trim``."""
         from harness.procs import pss_bytes
@@ -327,33 +281,36 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str) -
                      **{f"vs_plain_b{b}": round(ratio_to_plain[b], 3) for b in BATCHES},
                      "same_tokens": all(engine.ids[b] == plain.ids[b] for b in BATCHES), **extra})
 
-    print(f"{name}: plain and packed 1st", file=sys.stderr, flush=True)
+    print(f"{name}: plain and dedup 1st", file=sys.stderr, flush=True)
     plain = Engine("plain", model, "auto", None, core)
     packed_info = plain.info["packed"]
     linear_bytes = sum(p["nbytes"] for p in packed_info.values())
-    first = Engine("packed 1st", model, "auto", None, core)
-    result["placement"] = _placement_summary(packed_info, first.info["packed"])
-    published = first.ask({"publish": True})
+    packed = {"share_group": f"packed-{name}"}  # cpu_linear="packed", the default
+    first = Engine("dedup 1st", model, "dedup", packed, core)
     _rounds([plain, first], rounds, tokens)
     pss_plain, anon_plain = plain.memory()
     one = {b: 1.0 for b in BATCHES}
     first_vs_plain = {b: _ratio(first, plain, b) for b in BATCHES}
     first_paired = {b: _paired(first, plain, b) for b in BATCHES}
     row("plain (oneDNN, private)", plain, one, plain, {"pss_mb": round(pss_plain / 1e6),
-                                                         "rss_anon_mb": round(anon_plain / 1e6)})
+                                                         "rss_anon_mb": round(anon_plain / 1e6),
+                                                         "start_s": plain.info["load_seconds"]})
     plain.stop()
 
-    print(f"{name}: packed 1st and 2nd", file=sys.stderr, flush=True)
-    second = Engine("packed 2nd", model, "auto", None, core)
-    attached = second.ask({"attach": published})
+    print(f"{name}: dedup 1st and 2nd", file=sys.stderr, flush=True)
+    second = Engine("dedup 2nd", model, "dedup", packed, core)
+    load1, load2 = first.load(), second.load()
     _rounds([first, second], rounds, tokens)
     (pss_1, _), (pss_2, anon_2) = first.memory(), second.memory()
     pss_pair = pss_1 + pss_2
     second_vs_plain = {b: _ratio(second, first, b) * first_vs_plain[b] for b in BATCHES}
     second_paired = {b: _paired(second, first, b) * first_paired[b] for b in BATCHES}
-    row("packed 1st (oneDNN, segments)", first, first_vs_plain, plain, {}, first_paired)
-    row("packed 2nd (oneDNN, maps 1st)", second, second_vs_plain, plain,
-        {"mapped_mb": round(attached["mapped_bytes"] / 1e6),
+    row("dedup 1st (packed oneDNN)", first, first_vs_plain, plain,
+        {"start_s": first.info["load_seconds"], "load_path": load1["load_path"],
+         "packed_published_mb": round(load1["published_bytes"] / 1e6)}, first_paired)
+    row("dedup 2nd (packed oneDNN)", second, second_vs_plain, plain,
+        {"start_s": second.info["load_seconds"], "load_path": load2["load_path"],
+         "packed_handlers_mapped": load2["packed_tensors"], "mapped_mb": round(load2["shared_bytes"] / 1e6),
          "saved_share_of_linear": round((anon_plain - anon_2) / linear_bytes, 3),
          "pair_pss_saved_share_of_linear": round((2 * pss_plain - pss_pair) / linear_bytes, 3)}, second_paired)
     first.stop()
@@ -361,7 +318,8 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str) -
 
     print(f"{name}: plain and F.linear 1st", file=sys.stderr, flush=True)
     plain = Engine("plain", model, "auto", None, core)
-    share = {"cpu_share_linear": True, "share_group": f"flinear-{name}"}
+    result["placement"] = _placement_summary(packed_info, plain.info["packed"])
+    share = {"cpu_linear": "plain", "share_group": f"flinear-{name}"}
     flin1 = Engine("F.linear 1st", model, "dedup", share, core)
     _rounds([plain, flin1], rounds, tokens)
     pss_plain_again, anon_plain_again = plain.memory()
@@ -377,9 +335,11 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str) -
     pss_flin = pss_f1 + pss_f2
     f2_vs_plain = {b: _ratio(flin2, flin1, b) * f1_vs_plain[b] for b in BATCHES}
     f2_paired = {b: _paired(flin2, flin1, b) * f1_paired[b] for b in BATCHES}
-    row("F.linear 1st (today)", flin1, f1_vs_plain, plain, {}, f1_paired)
-    row("F.linear 2nd (today)", flin2, f2_vs_plain, plain,
-        {"saved_share_of_linear": round((anon_plain_again - anon_f2) / linear_bytes, 3),
+    row("F.linear 1st (plain)", flin1, f1_vs_plain, plain,
+        {"start_s": flin1.info["load_seconds"], "load_path": flin1.load()["load_path"]}, f1_paired)
+    row("F.linear 2nd (plain)", flin2, f2_vs_plain, plain,
+        {"start_s": flin2.info["load_seconds"], "load_path": flin2.load()["load_path"],
+         "saved_share_of_linear": round((anon_plain_again - anon_f2) / linear_bytes, 3),
          "pair_pss_saved_share_of_linear": round((2 * pss_plain_again - pss_flin) / linear_bytes, 3)}, f2_paired)
     flin1.stop()
     flin2.stop()
@@ -637,13 +597,14 @@ def main() -> int:
 
     for m in result["models"]:
         print(f"\n{m['model']}: {m['handlers']} packed weights, {m['linear_bytes'] / 1e6:.0f} MB; "
-              f"decode tokens per CPU second, best of {args.rounds} rounds x {args.tokens} tokens")
-        print(f"{'case':<32}{'b=1 tok/s':>10}{'vs plain':>9}{'b=8 tok/s':>10}{'vs plain':>9}{'same tokens':>12}"
-              f"{'saved/linear':>13}")
+              f"decode tokens/s (wall), best of {args.rounds} rounds x {args.tokens} tokens")
+        print(f"{'case':<28}{'b=1 tok/s':>10}{'vs plain':>9}{'b=8 tok/s':>10}{'vs plain':>9}{'same tokens':>12}"
+              f"{'saved/linear':>13}{'start s':>8}  path")
         for r in m["rows"]:
-            saved = r.get("saved_share_of_linear")
-            print(f"{r['case']:<32}{r['tokens_per_s_b1']:>10.2f}{r['vs_plain_b1']:>9.3f}{r['tokens_per_s_b8']:>10.2f}"
-                  f"{r['vs_plain_b8']:>9.3f}{str(r['same_tokens']):>12}{'-' if saved is None else f'{saved:.1%}':>13}")
+            saved, load = r.get("saved_share_of_linear"), r.get("start_s")
+            print(f"{r['case']:<28}{r['tokens_per_s_b1']:>10.2f}{r['vs_plain_b1']:>9.3f}{r['tokens_per_s_b8']:>10.2f}"
+                  f"{r['vs_plain_b8']:>9.3f}{str(r['same_tokens']):>12}{'-' if saved is None else f'{saved:.1%}':>13}"
+                  f"{'-' if load is None else f'{load:.1f}':>8}  {r.get('load_path', '-')}")
         print("paired medians vs plain (b=1, b=8): " + "; ".join(
             f"{r['case']}: {r['paired_median_vs_plain'][1]:.3f}, {r['paired_median_vs_plain'][8]:.3f}"
             for r in m["rows"][1:]))

@@ -1,21 +1,24 @@
-"""The speed cost of ``cpu_share_linear`` on vLLM's CPU backend, dedup vs plain, in one run.
+"""The speed of each ``cpu_linear`` mode on vLLM's CPU backend, dedup vs plain, in one run.
 
     .venv/bin/python benchmarks/cpu_linear.py [--model PATH] [--rounds 3] [--json]
 
-On the CPU backend vLLM repacks linear weights into oneDNN memory, which cannot be shared.
-``cpu_share_linear=true`` (the default) keeps them as plain tensors run by ``F.linear`` so that
-they can be shared; ``false`` lets vLLM repack them, and then only embeddings, norms and untied
-heads are shared.  Three engines, each alone on the machine in turn (one process, all cores):
+On the CPU backend vLLM packs linear weights into oneDNN memory.  ``cpu_linear="packed"`` (the
+default) shares those packed weights and runs vLLM's own kernels; ``plain`` keeps plain tensors
+run by ``F.linear``, shared like any tensor; ``private`` lets vLLM pack them privately (then only
+embeddings, norms and untied heads are shared).  Four engines, each alone on the machine in turn
+(one process, all cores):
 
 - ``plain``: ``--load-format auto`` (oneDNN);
-- ``dedup, share linear``: ``dedup`` with ``cpu_share_linear=true`` (``F.linear``);
-- ``dedup, repack linear``: ``dedup`` with ``cpu_share_linear=false`` (oneDNN).
+- ``dedup, packed``: ``dedup`` with ``cpu_linear="packed"`` (oneDNN, shared packed weights);
+- ``dedup, plain linear``: ``dedup`` with ``cpu_linear="plain"`` (``F.linear``);
+- ``dedup, private linear``: ``dedup`` with ``cpu_linear="private"`` (oneDNN, not shared).
 
 Each generates greedily for a batch of prompts; decode throughput is generated tokens per
 second of ``LLM.generate`` wall time, the median of ``--rounds`` rounds, the engines taking turns
 within each round so that machine noise falls on all alike.  Also reported: the bytes each
 dedup engine put into shareable segments.  Table to stdout; JSON to
-``benchmarks/results/cpu_linear.json`` (and the last line with ``--json``).
+``benchmarks/results/cpu_linear.json`` (and the last line with ``--json``).  For decode at batch
+1 and 8, second engines and memory: benchmarks/cpu_decode.py.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ PROMPTS = [
 ]
 CASES = {
     "plain": ("auto", None),
-    "dedup, share linear": ("dedup", {"cpu_share_linear": True, "share_group": "share"}),
-    "dedup, repack linear": ("dedup", {"cpu_share_linear": False, "share_group": "repack"}),
+    "dedup, packed": ("dedup", {"cpu_linear": "packed", "share_group": "packed"}),
+    "dedup, plain linear": ("dedup", {"cpu_linear": "plain", "share_group": "plain"}),
+    "dedup, private linear": ("dedup", {"cpu_linear": "private", "share_group": "private"}),
 }
 
 

@@ -188,7 +188,7 @@ class Ramp:
             newest = set(descendants(servers[-1].proc.pid))  # the engine's pid is its worker's
             load = next((e.load for e in stats.engines if e.pid in newest), {})
         return {"pss_bytes": total + registry_pss, "file_pss_bytes": file, "registry_pss_bytes": registry_pss,
-                "mapped_bytes": mapped, "load": {"path": load.get("path", "-"), "seconds": load.get("load_seconds")}}
+                "mapped_bytes": mapped, "load": {"path": load.get("load_path", "-"), "seconds": load.get("load_seconds")}}
 
 
 def _mem_available() -> int:

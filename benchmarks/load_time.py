@@ -86,7 +86,7 @@ def measure(engine: EngineProcess, reference: list | None, checkpoint_bytes: int
            "path": "-", "same_tokens": reference is None or tokens == reference}
     if engine.load_format == "dedup":
         load = registry_stats().engine(engine.pid).load
-        row.update(path=load["path"], read_bytes=load["checkpoint_bytes_read"],
+        row.update(path=load["load_path"], read_bytes=load["checkpoint_bytes_read"],
                    peak_bytes=stats["peak_bytes"] + load["published_bytes"] + load["padding_bytes"],
                    engine_load_s=load["load_seconds"], engine_peak_bytes=load["peak_bytes"])
     return row | {"tokens": tokens}

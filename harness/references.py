@@ -3,9 +3,11 @@
 The reference of a dedup engine is a plain load with the same options (`harness.oracle`).  Today
 that is a dedup engine alone in a share group of its own with ``fast_path: false``: it maps
 nothing from anyone, and loads as vLLM does, with the dedup options that change the final
-tensors (``cpu_share_linear`` keeps linear weights plain on the CPU backend).  A plain ``auto``
-engine on the CPU holds packed oneDNN weights outside its parameters: not comparable tensor by
-tensor.  `REFERENCE_OPTIONS` is the one place that says so; change it here.
+tensors (``cpu_linear``: with ``plain`` linear weights stay tensors on the CPU backend, where a
+plain ``auto`` engine holds packed oneDNN weights outside its parameters).  With the default
+``cpu_linear="packed"`` a dedup engine's tensors and packed weights are an ``auto`` engine's
+(tests/e2e/test_packed_linear.py compares them with one); the reference stays one mode for all
+options.  `REFERENCE_OPTIONS` is the one place that says so; change it here.
 
 A reference engine runs with a registry of its own (a private runtime dir, shut down after), so
 it never touches the registry of the engines it is the reference for.

@@ -309,7 +309,7 @@ def _engine_row(engine, arch: Arch, role: str, reference: dict | None, outputs_t
 
     stats = registry_stats().engine(engine.pid)
     load = dict(stats.load)
-    row = {"role": role, "expected_path": EXPECTED_PATH[role], "path": load.get("path", "?"),
+    row = {"role": role, "expected_path": EXPECTED_PATH[role], "path": load.get("load_path", "?"),
            "checkpoint_bytes_read": load.get("checkpoint_bytes_read"), "shared_bytes": load.get("shared_bytes"),
            "published_bytes": load.get("published_bytes"), "signature": stats.signature}
     (tensors,) = engine.final_tensors()

@@ -1,10 +1,12 @@
 """Compiled engines, as users run them (torch.compile, no ``--enforce-eager``; vLLM's CPU backend
 compiles with inductor and keeps AOT artifacts under ``$VLLM_CACHE_ROOT``).
 
-With ``cpu_share_linear`` (the default on the CPU backend) a dedup engine's graph calls
-``F.linear`` on shared weights where a plain engine's calls oneDNN on its private packed copy.
-vLLM's compile-cache key would not tell the two apart (its load config hashes nothing), so the
-loader adds the option to it (`vllm_dedup.engine.compile_cache`).  vLLM names the artifact it
+With ``cpu_linear="packed"`` (the default) a dedup engine's graph is vLLM's own: its linear layers
+call oneDNN on handlers whose packed weights live in segments, so it loads a plain engine's
+artifact.  With ``cpu_linear="plain"`` its graph calls ``F.linear`` on shared weights where a
+plain engine's calls oneDNN; vLLM's compile-cache key would not tell the two apart (its load
+config hashes nothing), so the loader adds the option to it
+(`vllm_dedup.engine.compile_cache`).  vLLM names the artifact it
 saves ("saved AOT compiled function to PATH") and the one it loads ("Directly load AOT
 compilation from path PATH"), and says when a load fails ("Compiling model again due to a load
 failure"): the assertions below read those lines.
@@ -41,7 +43,7 @@ def _start(model, env: dict, **extra) -> EngineProcess:
     return EngineProcess(model, env=env, core=0, compiled=True, **({"extra": extra} if extra else {}))
 
 
-def test_compiled_dedup_engines_share_weights_and_a_compile_cache_of_their_own(smollm2, registry, tmp_path):
+def test_compiled_dedup_engines_share_weights_and_the_compile_cache_their_graph_allows(smollm2, registry, tmp_path):
     env = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
     timings = {}
 
@@ -55,22 +57,10 @@ def test_compiled_dedup_engines_share_weights_and_a_compile_cache_of_their_own(s
     assert len(plain_saved) == 1 and plain_loaded == [] and plain_saved[0].is_file()
     plain_artifact = plain_saved[0].read_bytes()
 
-    # The first dedup engine finds no artifact for its graph: it compiles, with no load failure,
-    # into a key of its own, and leaves the plain engine's artifact alone.
-    start = time.monotonic()
-    with _start(smollm2, env) as first:
-        first.wait_ready(START_S)
-        timings["first dedup (compiles)"] = time.monotonic() - start
-        assert first.generate() == reference
-        log = first.log()
-    assert LOAD_FAILURE not in log, log[-3000:]
-    dedup_saved, dedup_loaded = _artifacts(log)
-    assert len(dedup_saved) == 1 and dedup_loaded == []
-    assert _key_dir(dedup_saved[0]) != _key_dir(plain_saved[0])
-
-    # Every later dedup engine loads that artifact: two in share groups of their own (nothing
-    # shared: the baseline), then two in one group.  All four load rather than compile, so the
-    # two pairs' memory differs by what sharing saves, not by what compiling costs (over 100 MB).
+    # Dedup engines (cpu_linear="packed") run vLLM's graph: every one loads the plain engine's
+    # artifact.  Two in share groups of their own (nothing shared: the baseline), then two in
+    # one group.  All four load rather than compile, so the two pairs' memory differs by what
+    # sharing saves, not by what compiling costs (over 100 MB).
     start = time.monotonic()
     apart = [_start(smollm2, env, share_group="x"), _start(smollm2, env, share_group="y")]
     try:
@@ -80,7 +70,11 @@ def test_compiled_dedup_engines_share_weights_and_a_compile_cache_of_their_own(s
         for e in apart:
             assert e.generate() == reference
         loads = registry.engine_loads()
-        assert [loads[e.pid]["shared_bytes"] for e in apart] == [0, 0]
+        x, y = (loads[e.pid] for e in apart)
+        # Nothing shared between them; each maps only its own tied head's packed copy (its
+        # embedding's) from itself.
+        assert x["published_bytes"] == y["published_bytes"] and x["shared_bytes"] == y["shared_bytes"]
+        assert x["shared_bytes"] < 0.25 * x["published_bytes"]
         apart_pss = sum(e.pss() for e in apart)
         apart_logs = [e.log() for e in apart]
     finally:
@@ -92,12 +86,12 @@ def test_compiled_dedup_engines_share_weights_and_a_compile_cache_of_their_own(s
     b = None
     try:
         a.wait_ready(START_S)
-        b = _start(smollm2, env).wait_ready(START_S)  # after a: it maps what a published
+        b = _start(smollm2, env).wait_ready(START_S)  # after a: it maps what a holds in segments
         timings["a, then b (load the artifact)"] = time.monotonic() - start
         assert a.generate() == reference and b.generate() == reference
         loads = registry.engine_loads()
         la, lb = loads[a.pid], loads[b.pid]
-        assert lb["shared_bytes"] == la["published_bytes"] > 0.9 * 269e6
+        assert lb["shared_bytes"] == la["published_bytes"] + la["shared_bytes"] > 0.9 * 269e6
         together_pss = a.pss() + b.pss()
         logs = apart_logs + [a.log(), b.log()]
     finally:
@@ -107,10 +101,23 @@ def test_compiled_dedup_engines_share_weights_and_a_compile_cache_of_their_own(s
 
     for log in logs:
         assert LOAD_FAILURE not in log, log[-3000:]
-        assert _artifacts(log) == ([], dedup_saved), log[-3000:]
-    assert plain_saved[0].read_bytes() == plain_artifact  # no dedup engine wrote over it
-    saved = apart_pss - together_pss
+        assert _artifacts(log) == ([], plain_saved), log[-3000:]
+    saved = apart_pss - together_pss  # one copy of the segments instead of two
     print(f"compiled: PSS apart {apart_pss / 1e6:.0f} MB, together {together_pss / 1e6:.0f} MB, saved "
-          f"{saved / 1e6:.0f} MB of {lb['shared_bytes'] / 1e6:.0f} MB shared; "
+          f"{saved / 1e6:.0f} MB of {la['published_bytes'] / 1e6:.0f} MB in segments; "
           + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
-    assert saved >= 0.9 * lb["shared_bytes"]
+    assert saved >= 0.9 * la["published_bytes"]
+
+    # cpu_linear="plain" changes the graph: such an engine finds no artifact for it, compiles
+    # with no load failure into a key of its own, and leaves the plain engine's artifact alone.
+    start = time.monotonic()
+    with _start(smollm2, env, cpu_linear="plain", share_group="plain-linear") as flinear:
+        flinear.wait_ready(START_S)
+        timings["cpu_linear=plain (compiles)"] = time.monotonic() - start
+        assert flinear.generate() == reference
+        log = flinear.log()
+    assert LOAD_FAILURE not in log, log[-3000:]
+    flinear_saved, flinear_loaded = _artifacts(log)
+    assert len(flinear_saved) == 1 and flinear_loaded == []
+    assert _key_dir(flinear_saved[0]) != _key_dir(plain_saved[0])
+    assert plain_saved[0].read_bytes() == plain_artifact  # no dedup engine wrote over it

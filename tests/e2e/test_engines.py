@@ -175,7 +175,7 @@ def test_share_groups_never_share(smollm2, registry):
 
 def test_forced_hash_collisions_never_swap_in_other_bytes(smollm2, variants, registry, plain_tokens):
     """The exact compare of the load-then-share path.  The recipes' fast path compares nothing
-    (it trusts XXH3-128 source and content keys within a share group) and is turned off here:
+    (it trusts BLAKE3-256 source keys and XXH3-128 content keys within a share group) and is turned off here:
     with every key forced to collide, trusting keys is wrong by construction."""
     last = variants["last-layers"]
     reference = plain_tokens(last)

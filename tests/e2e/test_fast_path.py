@@ -43,6 +43,11 @@ def dedup_lines(engine) -> str:
     return "\n".join(line for line in engine.log().splitlines() if "vllm-dedup" in line)
 
 
+def largest_tensor_bytes(model_dir) -> int:
+    with SafetensorsFile(model_dir / "model.safetensors") as f:
+        return max(e.nbytes for e in f.entries())
+
+
 def tensor_bytes_total(model_dir) -> int:
     with SafetensorsFile(model_dir / "model.safetensors") as f:
         return sum(e.nbytes for e in f.entries())
@@ -62,8 +67,11 @@ def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_
             l2 = registry.engine_loads()[second.pid]
             assert tensor_bytes_resident(ckpt) == 0
             assert (l2["load_path"], l2["checkpoint_bytes_read"], l2["published_tensors"]) == ("full", 0, 0)
-            assert l2["shared_bytes"] == l1["published_bytes"]
-            assert l2["peak_bytes"] < 0.05 * l1["published_bytes"], l2
+            # It maps all the first holds in segments (the first maps one itself: its tied head's
+            # oneDNN packed copy is its embedding's); its peak is at most one layer's packed copy,
+            # which vLLM makes from a placeholder before the segment replaces it (the head's).
+            assert l2["shared_bytes"] == l1["published_bytes"] + l1["shared_bytes"]
+            assert l2["peak_bytes"] < 0.05 * l1["published_bytes"] + largest_tensor_bytes(smollm2), l2
             same_tensors(second, smollm2)
             assert second.generate() == plain_smollm2
         evict_from_page_cache(ckpt)
@@ -243,7 +251,8 @@ def test_a_quantized_model_is_shared_and_answers_as_plain(smollm2, registry, pla
         # shared too.  What holds everywhere: the embedding is shared, the second engine maps
         # all the first published, and both hold exactly a plain load's tensors.
         assert first["published_bytes"] >= embedding
-        assert second["shared_bytes"] == first["published_bytes"] and second["published_tensors"] == 0
+        assert second["shared_bytes"] == first["published_bytes"] + first["shared_bytes"]
+        assert second["published_tensors"] == 0
         for e in engines:
             same_tensors(e, quantized)
         assert second["load_path"] in ("none", "modules")

@@ -275,3 +275,27 @@ def test_a_library_without_symbols_declines(tmp_path):
     with pytest.raises(PackedWeightError, match="ELF"):
         (tmp_path / "not-elf").write_bytes(b"hello")
         onednn._elf_symbols(str(tmp_path / "not-elf"), ["x"])
+
+
+def test_the_tensors_a_w8a8_handler_reads_by_pointer_are_pinned():
+    """A W8A8 handler keeps a raw pointer to its layer's weight scale (Note [lifetimes]): the
+    sharing pass must never swap that storage.  Unquantized layers pin nothing."""
+    from torch import nn
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (64, 128), dtype=torch.int8, generator=gen).t()
+    quantized, plain = nn.Module(), nn.Module()
+    quantized.weight_scale = nn.Parameter(torch.rand(64, 1, generator=gen), requires_grad=False)
+    quantized.bias = nn.Parameter(torch.zeros(64), requires_grad=False)
+    kernel = type("Kernel", (), {"__module__": "vllm.fake"})()  # as vLLM's W8A8 kernel objects
+    kernel.dnnl_handler = ops.create_onednn_scaled_mm(weight, quantized.weight_scale.data, torch.bfloat16,
+                                                      True, False, 32)
+    quantized.scheme = kernel
+    h = ops.create_onednn_mm(_weight(64, 128).t(), 32)
+    plain.quant_method = UnquantizedLinearMethod()
+    plain.cpu_linear = lambda x, w, bias: ops.onednn_mm(h, x, bias)
+    plain.bias = nn.Parameter(torch.zeros(64), requires_grad=False)
+    model = nn.Module()
+    model.q, model.p = quantized, plain
+    assert [id(t) for t in onednn.pinned_tensors(model)] == [id(quantized.weight_scale), id(quantized.bias)]

@@ -77,7 +77,7 @@ from ..errors import PackedWeightError
 from ..log import init_logger
 
 __all__ = ["PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in",
-           "holds_handler", "install", "module_handlers", "probe", "trim_heap"]
+           "holds_handler", "install", "module_handlers", "pinned_tensors", "probe", "trim_heap"]
 
 logger = init_logger(__name__)
 
@@ -644,6 +644,28 @@ def module_handlers(module) -> list:
     from vllm._custom_ops import CPUDNNLGEMMHandler
 
     return list({id(h): h for h in _handlers_of(vars(module), CPUDNNLGEMMHandler, 0)}.values())
+
+
+def pinned_tensors(model) -> list:
+    """The tensors whose storage must stay where it is (Note [lifetimes]): every parameter and
+    buffer of a module holding a oneDNN handler that is not an unquantized matmul's (a W8A8
+    handler keeps a raw pointer to the layer's ``weight_scale``).  Small tensors: the scales,
+    zero points and biases of such layers.  Empty where vLLM has no oneDNN handlers."""
+    try:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    except ImportError:
+        return []
+    out = []
+    try:
+        for module in model.modules():
+            unquantized = isinstance(getattr(module, "quant_method", None),
+                                     (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
+            if not unquantized and module_handlers(module):
+                out += [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
+    except ImportError:  # a vLLM build without its CPU extension: no handlers
+        return []
+    return out
 
 
 def holds_handler(module) -> bool:

@@ -49,6 +49,7 @@ from ..log import init_logger
 from ..segments import segment_class
 from ..segments.packing import plan_packs
 from .context import LoadContext, LoadReport, Placement
+from .onednn import pinned_tensors
 from .packed import PackedSlot, collect_packed, installed_handlers, packed_keys
 from .resident import map_resident
 from .slots import Slot, collect_slots, swap
@@ -104,8 +105,11 @@ class SharingPass:
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
         self.seg_cls = segment_class(ctx.device_type)
         # 1. collect (what a recipe mapped is already shared)
+        pinned = pinned_tensors(model) if ctx.device_type == "cpu" else []  # read by oneDNN through raw pointers
         slots, private_n, private_b = collect_slots(model, ctx.device_type, ctx.config.min_tensor_bytes,
-                                                    exclude=set(mapped))
+                                                    exclude=set(mapped) | {id(t) for t in pinned})
+        report.private_tensors += len(pinned)
+        report.private_bytes += sum(t.numel() * t.element_size() for t in pinned)
         report.private_tensors += private_n
         report.private_bytes += private_b
         report.placement.update(mapped)

@@ -14,7 +14,7 @@ resident").  So the signature covers:
   into their modules (image mean and std);
 - the engine: TP and PP size and this worker's rank in each (each rank holds other shards),
   the inner load format, this loader's options that change post-processing
-  (``cpu_share_linear`` on the CPU backend), the device type.
+  (``cpu_linear`` on the CPU backend), the device type.
 
 The model's path is not in it: a copy of a checkpoint, or a fine-tune with the same config,
 has the same signature and is matched tensor by tensor.  For a drafter (EAGLE, MTP) the loader

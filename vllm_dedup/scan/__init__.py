@@ -1,3 +1,3 @@
-"""`vllm-dedup scan`: how much co-serving checkpoints would share, read offline.  Checkpoint
-readers (`readers`), a model's files and keys (`files`), the manifest cache of keys
-(`manifest`), and the report (`report`)."""
+"""`vllm-dedup scan`: how much co-serving checkpoints would share, read offline.  A model's
+files and keys (`files`), the report (`report`) and its plot (`plot`); the checkpoint readers
+and the manifest cache of keys are in `vllm_dedup.checkpoint`."""

@@ -1,7 +1,7 @@
 """What loading costs, plain vs dedup, in one run: the N-th engine of a model and a fine-tune.
 
     .venv/bin/python benchmarks/load_time.py [--model DIR | --preset {smollm2-fp32,llama-1.2b}] [--no-serve]
-                                             [--profile] [--json]
+                                             [--profile] [--cpu-linear MODE] [--json]
 
 Engines (real vLLM engines on the CPU backend, one process each, started in turn):
 
@@ -120,7 +120,7 @@ def serve_restart(model: Path, load_format: str, dtype: str, logs: Path, extra: 
     return times
 
 
-def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None) -> dict:
+def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None, extra: dict | None = None) -> dict:
     tuned = cached_variant(model, "last-layers")
     cache = ManifestCache(default_cache_dir())
     scans = [scan_model(m, cache=cache, progress=False) for m in (model, tuned)]  # the variant's keys cached
@@ -137,16 +137,16 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
     rows["plain last-layers"] = measure(plain_tuned, None, report.model_bytes(scans[1]))
     tuned_reference = rows["plain last-layers"].pop("tokens")
     plain_tuned.stop()
-    first = start(model, "dedup", dtype, 0)
+    first = start(model, "dedup", dtype, 0, extra)
     try:
         rows["dedup first"] = measure(first, reference, 0)
         (first_tensors,) = first.final_tensors()
-        second = start(model, "dedup", dtype, 1, env={PROFILE_ENV: str(profile)} if profile else None)
+        second = start(model, "dedup", dtype, 1, extra, env={PROFILE_ENV: str(profile)} if profile else None)
         rows["dedup second"] = measure(second, reference, 0)
         (second_tensors,) = second.final_tensors()
         rows["dedup second"]["tensors_differing"] = len(differences(second_tensors, first_tensors))
         second.stop()
-        variant = start(tuned, "dedup", dtype, 1)
+        variant = start(tuned, "dedup", dtype, 1, extra)
         rows["dedup last-layers"] = measure(variant, tuned_reference, 0)
         variant.stop()
     finally:
@@ -157,7 +157,7 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
     serve = {}
     if serve:
         serve = {"plain": serve_restart(model, "auto", dtype, logs),
-                 "dedup": serve_restart(model, "dedup", dtype, logs, {"keep_warm_s": 600})}
+                 "dedup": serve_restart(model, "dedup", dtype, logs, {**(extra or {}), "keep_warm_s": 600})}
         shutdown_registry()
     plain_s = rows["plain"]["load_s"]
     targets = {
@@ -167,7 +167,8 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
         "last-layers reads <= its unique bytes + 5%": rows["dedup last-layers"]["read_bytes"] <= 1.05 * tuned_unique,
         "first engine load_s <= plain + 10%": rows["dedup first"]["load_s"] <= 1.10 * plain_s,
     }
-    return {"machine": machine(), "model": str(model), "dtype": dtype, "model_bytes": model_bytes,
+    return {"machine": machine(), "model": str(model), "dtype": dtype, "dedup_options": extra or {},
+            "model_bytes": model_bytes,
             "last_layers_unique_bytes": tuned_unique, "engines": rows, "serve_ready_s": serve, "targets": targets,
             "profile": profile_summary(profile) if profile else []}
 
@@ -175,6 +176,7 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
 def print_table(result: dict) -> None:
     print(describe())
     print(f"model {result['model']} ({result['dtype']}, {result['model_bytes'] / MB:.0f} MB of tensors); "
+          f"dedup options {result.get('dedup_options') or 'default'}; "
           f"last-layers variant: {result['last_layers_unique_bytes'] / MB:.1f} MB of its own")
     print(f"{'engine':<20}{'path':>8}{'load s':>9}{'vs plain':>10}{'read MB':>10}{'peak MB':>10}  same tokens")
     plain_s = result["engines"]["plain"]["load_s"]
@@ -198,6 +200,8 @@ def main() -> int:
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the preset's; bfloat16 for --model)")
     parser.add_argument("--no-serve", action="store_true", help="leave out the vllm serve restarts")
     parser.add_argument("--profile", action="store_true", help="profile the second engine's get_model (cProfile)")
+    parser.add_argument("--cpu-linear", choices=("packed", "plain", "private"), default=None,
+                        help="the dedup engines' cpu_linear (default: the loader's, packed)")
     parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
     args = parser.parse_args()
     if args.model is not None and args.preset is not None:
@@ -211,9 +215,12 @@ def main() -> int:
         args.dtype = args.dtype or dtype
         if preset != "smollm2-fp32":
             name = f"load_time-{preset}.json"
+    extra = {"cpu_linear": args.cpu_linear} if args.cpu_linear else None
+    if args.cpu_linear:
+        name = name.replace(".json", f"-cpu_linear-{args.cpu_linear}.json")
     RESULTS.mkdir(parents=True, exist_ok=True)
     profile = RESULTS / name.replace(".json", ".second.prof") if args.profile else None
-    result = run(args.model, args.dtype or "bfloat16", serve=not args.no_serve, profile=profile)
+    result = run(args.model, args.dtype or "bfloat16", serve=not args.no_serve, profile=profile, extra=extra)
     print_table(result)
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:

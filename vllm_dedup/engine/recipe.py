@@ -66,6 +66,8 @@ class TensorRecipe:
         uid: the segment the recipe's maker published the tensor in or mapped it from.
         inline: its bytes, for tensors too small to share.
         alias: ``"module.name"`` of the tensor it is (tied weights).
+        layout: of an inline oneDNN packed weight, what its content key's dtype would say
+            (`packed.packed_dtype`): a replay checks it as it checks a key's.
     """
 
     name: str
@@ -77,6 +79,7 @@ class TensorRecipe:
     uid: str = ""
     inline: bytes | None = None
     alias: str | None = None
+    layout: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -96,13 +99,15 @@ class TensorRecipe:
             out["inline"] = base64.b64encode(self.inline).decode()
         if self.alias is not None:
             out["alias"] = self.alias
+        if self.layout:
+            out["layout"] = self.layout
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> TensorRecipe:
         t = cls(str(d["name"]), bool(d["param"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
                 tuple(int(x) for x in d["stride"]), d.get("key"), str(d.get("uid", "")),
-                base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"))
+                base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"), str(d.get("layout", "")))
         if sum(x is not None for x in (t.key, t.inline, t.alias)) != 1:
             raise ValueError(f"tensor {t.name!r} must have exactly one of key, inline and alias")
         return t
@@ -140,15 +145,17 @@ class ModuleRecipe:
         if any(t.inline is None for t in attributes):
             raise ValueError("a module's attribute tensors travel inline")
         packed = TensorRecipe.from_json(d["packed"]) if d.get("packed") is not None else None
-        if packed is not None and (packed.key is None or packed.dtype != "uint8" or len(packed.shape) != 1):
-            raise ValueError("a packed weight is a uint8 vector under a content key")
+        if packed is not None and (packed.alias is not None or packed.dtype != "uint8" or len(packed.shape) != 1
+                                   or (packed.inline is not None and not packed.layout.startswith("onednn:"))):
+            raise ValueError("a packed weight is a uint8 vector under a content key, or inline with its layout")
         return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t) for t in d["tensors"]],
                    bool(d["replayable"]), str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")),
                    attributes, packed)
 
     def keyed(self) -> list[TensorRecipe]:
         """Its tensors that live in segments, the packed weight included."""
-        return [t for t in self.tensors if t.key is not None] + ([self.packed] if self.packed is not None else [])
+        packed = [self.packed] if self.packed is not None and self.packed.key is not None else []
+        return [t for t in self.tensors if t.key is not None] + packed
 
     def mapped_bytes(self) -> int:
         return sum(t.nbytes for t in self.keyed())
@@ -228,16 +235,20 @@ def unreplayable_reason(module, packed_in_segment: bool = False) -> str | None:
             or (holds_handler(module) and not isinstance(module, VocabParallelEmbedding))):
         # An embedding keeps its weight and packs it again when replayed (its post-processing
         # ignores the pre-processed mode); a linear's weight is gone once packed.
-        return "on the CPU backend its weight was packed into oneDNN memory and dropped, not shared"
+        return ("on the CPU backend vLLM repacked its weight where a recipe cannot follow (a oneDNN handler "
+                "whose packed weight is not in a segment, or another CPU packing)")
     return None
 
 
-def packed_recipe(module, placement: dict) -> tuple[TensorRecipe | None, str]:
+def packed_recipe(module, placement: dict, inline_max: int = 0) -> tuple[TensorRecipe | None, str]:
     """The recipe entry of the packed weight of ``module``'s own oneDNN handler, if a replay can
-    make it again: one handler, made by vLLM's unquantized linear or embedding method from the
-    module's ``weight`` (so a placeholder of that shape packs to the same layout), its packed
-    weight in a segment (``placement[id(handler)]``).  Returns (entry or None, why not; "" when
-    the module has no handler)."""
+    make it again: one handler, made by vLLM's unquantized linear method from the module's
+    ``weight`` (so a placeholder of that shape packs to the same layout), its packed weight in a
+    segment (``placement[id(handler)]``) or, up to ``inline_max`` bytes (a router's gate),
+    inline.  Returns (entry or None, why not; "" when the module has no handler, or is a
+    vocabulary embedding: it keeps its weight, a replay packs that again, and the sharing pass
+    keys, compares and maps the packed copy, which follows the weight even when a tied head's
+    embedding was loaded from a changed checkpoint)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -245,20 +256,26 @@ def packed_recipe(module, placement: dict) -> tuple[TensorRecipe | None, str]:
     from .onednn import find_packed, module_handlers
 
     handlers = module_handlers(module)
-    if not handlers:
+    quant_method = getattr(module, "quant_method", None)
+    if not handlers or isinstance(quant_method, UnquantizedEmbeddingMethod):
         return None, ""
     if len(handlers) != 1:
         return None, f"it holds {len(handlers)} oneDNN handlers"
-    if not isinstance(getattr(module, "quant_method", None), (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
-        return None, f"its oneDNN handler comes from {type(getattr(module, 'quant_method', None)).__name__}"
-    where = placement.get(id(handlers[0]))
-    if where is None:
-        return None, "its packed weight is not in a segment"
+    if not isinstance(quant_method, UnquantizedLinearMethod):
+        return None, f"its oneDNN handler comes from {type(quant_method).__name__}"
     try:
-        nbytes = find_packed(handlers[0]).nbytes
+        packed = find_packed(handlers[0])
     except PackedWeightError as e:
         return None, f"its packed weight cannot be read ({e})"
-    return TensorRecipe("weight", True, "uint8", (nbytes,), (1,), key=where.key, uid=where.uid), ""
+    where = placement.get(id(handlers[0]))
+    if where is not None:
+        return TensorRecipe("weight", True, "uint8", (packed.nbytes,), (1,), key=where.key, uid=where.uid), ""
+    if packed.nbytes <= inline_max:
+        from .packed import packed_dtype
+
+        return TensorRecipe("weight", True, "uint8", (packed.nbytes,), (1,), inline=bytes(packed.view()),
+                            layout=packed_dtype(packed.layout)), ""
+    return None, "its packed weight is not in a segment"
 
 
 def model_attrs(model) -> dict:
@@ -297,7 +314,7 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         if module_name in inherited:
             modules[module_name] = inherited[module_name]
             continue
-        packed, why_packed = packed_recipe(module, placement)
+        packed, why_packed = packed_recipe(module, placement, inline_max)
         why = unreplayable_reason(module, packed_in_segment=packed is not None)
         if why and why_packed:
             why = f"{why} ({why_packed})"

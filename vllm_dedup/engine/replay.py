@@ -44,8 +44,10 @@ Note [packed weights replayed]
     one layer's packed copy at a time is the peak).  The handler's layout must be the one the
     recipe's content key names (`packed.packed_dtype`), else the recipe is declined.  The zeros
     are never compared with the segment (they differ by design): the trust is the recipe's, as
-    for every tensor mapped here.  An embedding keeps its weight (mapped), so its handler packs
-    the real bytes, and those are compared before the segment is installed.
+    for every tensor mapped here.  A small packed weight (a router's gate) travels inline in the
+    recipe and is installed from a private copy.  A vocabulary embedding keeps its weight
+    (mapped), so its handler packs the real bytes, which the sharing pass keys, compares and maps
+    as after a usual load: a tied head packs the embedding it is tied to, loaded or mapped.
 """
 
 from __future__ import annotations
@@ -222,8 +224,10 @@ class Replay:
         dropped by vLLM's post-processing) becomes a placeholder over zero pages of the meta
         weight's shape (Note [packed weights replayed])."""
         recipe = self.match.recipe.modules[name]
-        if recipe.packed is None or _keeps_weight(recipe):
-            return  # no packed weight, or the module keeps its weight (an embedding)
+        if recipe.packed is None:
+            return
+        if any(t.name == recipe.packed.name and t.nbytes for t in recipe.tensors):
+            raise RecipeDeclined(f"module {name}: a packed weight, and its {recipe.packed.name} kept too")
         current = module._parameters.get(recipe.packed.name)
         meta = next((old for old, new in replaced.values() if new is current), None)
         if meta is None or not meta.is_meta or meta.ndim != 2:
@@ -254,17 +258,21 @@ class Replay:
         handlers = onednn.module_handlers(module)
         if len(handlers) != 1:
             raise RecipeDeclined(f"module {name}: {len(handlers)} oneDNN handlers after post-processing, not one")
-        tensor, uid = resident[(entry.key, entry.uid if strict else "")]
+        if entry.inline is not None:  # a small packed weight, kept in the recipe (private here too)
+            tensor, uid, layout = torch.frombuffer(bytearray(entry.inline), dtype=torch.uint8).clone(), "", entry.layout
+        else:
+            (tensor, uid), layout = resident[(entry.key, entry.uid if strict else "")], ContentKey.parse(entry.key).dtype
         try:
             packed = onednn.find_packed(handlers[0])
-            if (packed_dtype(packed.layout), (packed.nbytes,)) != (ContentKey.parse(entry.key).dtype, entry.shape):
+            if (packed_dtype(packed.layout), (packed.nbytes,)) != (layout, entry.shape):
                 raise RecipeDeclined(f"module {name}: oneDNN packed {packed.layout.tag} ({packed.nbytes} bytes), "
-                                     f"not the layout of the recipe's {entry.key}")
-            onednn.install(packed, tensor, compare=_keeps_weight(recipe))
+                                     f"not the layout of the recipe's {entry.key or entry.layout}")
+            onednn.install(packed, tensor, compare=False)  # packed from zeros: Note [packed weights replayed]
         except PackedWeightError as e:
             raise RecipeDeclined(f"module {name}: its packed weight cannot be replaced ({e})") from e
-        self.placement[id(handlers[0])] = Placement(entry.key, uid)
-        self.mapped_bytes += entry.nbytes
+        if entry.inline is None:
+            self.placement[id(handlers[0])] = Placement(entry.key, uid)
+            self.mapped_bytes += entry.nbytes
 
     def _alias(self, model: nn.Module) -> None:
         for name in self.match.matched:
@@ -383,12 +391,6 @@ def _pre_processed(modules: dict[str, nn.Module], after=None):
                 owner.process_weights_after_loading = before
             else:
                 del owner.process_weights_after_loading
-
-
-def _keeps_weight(recipe) -> bool:
-    """Whether a module with a packed weight keeps the weight it packs (an embedding: its
-    lookup reads it) rather than dropping it (a linear layer)."""
-    return any(t.name == recipe.packed.name and t.nbytes for t in recipe.tensors)
 
 
 def _like(meta, tensor: torch.Tensor) -> torch.Tensor:

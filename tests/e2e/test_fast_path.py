@@ -68,10 +68,12 @@ def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_
             assert tensor_bytes_resident(ckpt) == 0
             assert (l2["load_path"], l2["checkpoint_bytes_read"], l2["published_tensors"]) == ("full", 0, 0)
             # It maps all the first holds in segments (the first maps one itself: its tied head's
-            # oneDNN packed copy is its embedding's); its peak is at most one layer's packed copy,
-            # which vLLM makes from a placeholder before the segment replaces it (the head's).
+            # oneDNN packed copy is its embedding's).  Its peak: with cpu_linear="packed", the
+            # packed copies vLLM makes of the embedding and of the tied head (the largest tensor,
+            # twice), which the sharing pass replaces once the model is built; a linear layer's
+            # packed copy is replaced as soon as it is made.
             assert l2["shared_bytes"] == l1["published_bytes"] + l1["shared_bytes"]
-            assert l2["peak_bytes"] < 0.05 * l1["published_bytes"] + largest_tensor_bytes(smollm2), l2
+            assert l2["peak_bytes"] < 0.05 * l1["published_bytes"] + 2 * largest_tensor_bytes(smollm2), l2
             same_tensors(second, smollm2)
             assert second.generate() == plain_smollm2
         evict_from_page_cache(ckpt)

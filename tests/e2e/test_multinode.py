@@ -38,6 +38,8 @@ with connect_registry("vllm-dedup", sys.argv[1]) as client:
 """
 
 
+EMBEDDING = 49152 * 576 * 2  # SmolLM2's, bf16
+
 def environ(pid: int) -> dict[str, str]:
     """The environment process ``pid`` started with."""
     data = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
@@ -211,9 +213,12 @@ def test_replicas_of_one_model_on_two_nodes_hold_one_copy_per_node(smollm2, node
             (engine,), (group,) = s.engines, s.groups
             seen |= {s.registry_pid, engine.pid}
             # One resident copy on this node, published by its only engine, mapped by no other.
-            assert group.engines == 1 and group.shared_bytes == 0 and group.saved_bytes == 0
-            assert engine.load["shared_bytes"] == 0 and engine.load["published_bytes"] == group.resident_bytes
-            assert abs(group.resident_bytes - shareable) <= 0.02 * shareable, (group.resident_bytes, shareable)
+            assert group.engines == 1 and group.shared_bytes == 0 and group.saved_bytes == engine.load["shared_bytes"]
+            # (with cpu_linear="packed" the engine maps its tied head's oneDNN packed copy from its
+            # own segment of the embedding's, which a scan of the checkpoint cannot see)
+            assert engine.load["shared_bytes"] <= EMBEDDING and engine.load["published_bytes"] == group.resident_bytes
+            assert 0.98 * shareable <= group.resident_bytes <= 1.02 * shareable + EMBEDDING, \
+                (group.resident_bytes, shareable)
             # The engine is on its registry's node, which it learned from its replica (the plugin).
             assert raylet_of(engine.pid) == raylet_of(s.registry_pid)
             assert environ(engine.pid)["VLLM_DEDUP_RAY_NODE_ID"] == node

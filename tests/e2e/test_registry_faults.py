@@ -78,8 +78,9 @@ def test_two_engines_starting_across_a_registry_kill_keep_one_copy(smollm2, regi
         loads = {e.pid: e.load for e in stats.engines}
         la, lb = loads[a.pid], loads[b.pid]
         assert (la["reregistered"], lb["reregistered"]) == (1, 1)
-        assert la["shared_bytes"] == 0 and la["published_tensors"] > STOP_AFTER
-        assert (lb["published_bytes"], lb["shared_bytes"]) == (0, la["published_bytes"])  # b mapped everything
+        # a maps at most its tied head's packed copy from itself (cpu_linear="packed")
+        assert la["shared_bytes"] <= 49152 * 576 * 2 and la["published_tensors"] > STOP_AFTER
+        assert (lb["published_bytes"], lb["shared_bytes"]) == (0, la["published_bytes"] + la["shared_bytes"])
         assert la["private_bytes"] == lb["private_bytes"]  # the same small tensors, nothing more
         (group,) = stats.groups
         assert (group.segments, group.resident_bytes) == (la["published_tensors"], la["published_bytes"])  # one copy

@@ -39,6 +39,17 @@ def expected_shared_bytes(models) -> int:
     return sum(report.shared_with_earlier_bytes())
 
 
+EMBEDDING = 49152 * 576 * 2  # SmolLM2's, bf16
+
+
+def mapped_as_predicted(mapped: int, expected: int, engines: int) -> bool:
+    """Whether ``engines`` engines mapped what the checkpoints predict (``expected``, within 2%).
+    With cpu_linear="packed" (the default) an engine also maps oneDNN's packed copies of a
+    vocabulary embedding it shares, and its tied head's packed copy from its own segment: up to
+    three embedding-sized copies each, which a scan of the checkpoints cannot see."""
+    return 0.98 * expected <= mapped <= 1.02 * expected + 3 * EMBEDDING * engines
+
+
 def result_models(result: dict) -> list[str]:
     return [r["model"] for r in result["models"]]
 
@@ -60,7 +71,7 @@ def test_serve_example_smoke_shares_memory_and_every_model_answers(smollm2, regi
     from harness.variants import smollm2_family
 
     expected = expected_shared_bytes(list(smollm2_family(3).values()))
-    assert abs(result["mapped_from_others_bytes"] - expected) <= 0.02 * expected, (result, expected)
+    assert mapped_as_predicted(result["mapped_from_others_bytes"], expected, 3), (result, expected)
     # PSS of the dedup application (registry actor included) is lower by at least 90% of it.
     assert result["pss_plain_bytes"] - result["pss_dedup_bytes"] >= 0.9 * expected, result
     # Torn down: no replica, no segment, no registry left on this machine.
@@ -141,7 +152,7 @@ def test_serve_deploy_query_metrics_scale_to_zero_and_back_kill_a_replica(smollm
         loads = engines()
         assert set(loads) == {str(p) for p in models.values()}
         shared = sum(e.load["shared_bytes"] for e in loads.values())
-        assert abs(shared - expected) <= 0.02 * expected, (shared, expected)
+        assert mapped_as_predicted(shared, expected, 2), (shared, expected)
         consistent()
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
         assert len([n for n in names if n.startswith("vllm-dedup-registry")]) == 1
@@ -171,7 +182,7 @@ def test_serve_deploy_query_metrics_scale_to_zero_and_back_kill_a_replica(smollm
         assert wait_for(lambda: len(engines()) == 2 and all("shared_bytes" in e.load for e in engines().values()),
                         180), engines()
         shared = sum(e.load["shared_bytes"] for e in engines().values())
-        assert abs(shared - expected) <= 0.02 * expected, (shared, expected)
+        assert mapped_as_predicted(shared, expected, 2), (shared, expected)
         assert _complete(port, "base") == first["base"]
         consistent()
 
@@ -189,7 +200,7 @@ def test_serve_deploy_query_metrics_scale_to_zero_and_back_kill_a_replica(smollm
         # The survivor kept its engine and its mappings; the new one mapped the common tensors.
         assert engines()[str(models["last"])].pid == survivor
         assert _complete(port, "last") == first["last"]
-        assert abs(engines()[str(models["base"])].load["shared_bytes"] - expected) <= 0.02 * expected
+        assert mapped_as_predicted(engines()[str(models["base"])].load["shared_bytes"], expected, 1)
         consistent()
     finally:
         serve.shutdown()

@@ -245,10 +245,11 @@ def packed_recipe(module, placement: dict, inline_max: int = 0) -> tuple[TensorR
     make it again: one handler, made by vLLM's unquantized linear method from the module's
     ``weight`` (so a placeholder of that shape packs to the same layout), its packed weight in a
     segment (``placement[id(handler)]``) or, up to ``inline_max`` bytes (a router's gate),
-    inline.  Returns (entry or None, why not; "" when the module has no handler, or is a
-    vocabulary embedding: it keeps its weight, a replay packs that again, and the sharing pass
-    keys, compares and maps the packed copy, which follows the weight even when a tied head's
-    embedding was loaded from a changed checkpoint)."""
+    inline.  A vocabulary embedding (or head) keeps its weight, and a replay packs that again:
+    its entry (only when in a segment) lets the replay put the segment in place at once, after an
+    exact compare; without one, or when the bytes differ (a tied head's embedding loaded from a
+    changed checkpoint), the sharing pass keys and maps the packed copy.  Returns (entry or None,
+    why not; "" when the module has no handler, or is an embedding whose copy is in no segment)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -257,11 +258,12 @@ def packed_recipe(module, placement: dict, inline_max: int = 0) -> tuple[TensorR
 
     handlers = module_handlers(module)
     quant_method = getattr(module, "quant_method", None)
-    if not handlers or isinstance(quant_method, UnquantizedEmbeddingMethod):
+    embedding = isinstance(quant_method, UnquantizedEmbeddingMethod)
+    if not handlers or (embedding and (len(handlers) != 1 or id(handlers[0]) not in placement)):
         return None, ""
     if len(handlers) != 1:
         return None, f"it holds {len(handlers)} oneDNN handlers"
-    if not isinstance(quant_method, UnquantizedLinearMethod):
+    if not isinstance(quant_method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
         return None, f"its oneDNN handler comes from {type(quant_method).__name__}"
     try:
         packed = find_packed(handlers[0])

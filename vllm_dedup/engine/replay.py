@@ -45,9 +45,11 @@ Note [packed weights replayed]
     recipe's content key names (`packed.packed_dtype`), else the recipe is declined.  The zeros
     are never compared with the segment (they differ by design): the trust is the recipe's, as
     for every tensor mapped here.  A small packed weight (a router's gate) travels inline in the
-    recipe and is installed from a private copy.  A vocabulary embedding keeps its weight
-    (mapped), so its handler packs the real bytes, which the sharing pass keys, compares and maps
-    as after a usual load: a tied head packs the embedding it is tied to, loaded or mapped.
+    recipe and is installed from a private copy.  A vocabulary embedding (or head) keeps its
+    weight (mapped), so its handler packs the real bytes: they are compared with the recipe's
+    segment and replaced by it at once when equal.  When they differ (a tied head packs the
+    embedding it is tied to, which a fine-tune may have loaded from a changed checkpoint), the
+    copy stays for the sharing pass, which keys, compares and maps it as after a usual load.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class Replay:
         self.placement: dict[int, Placement] = {}  # handlers' ids too, for their packed weights
         self.mapped_bytes = 0
         self._zeros = None  # Note [packed weights replayed]
+        self._segment_of: dict[str, int] = {}  # uid -> segment id, of what was acquired
+        self._unused: dict[str, int] = {}  # uid -> segment id of embeddings' packed copies not installed
         self.recorder = SourceRecorder(hash_keys=False)
         self.held: list[int] = []
 
@@ -136,6 +140,7 @@ class Replay:
                 if self.match.unmatched:
                     self._load_unmatched(model, modules)
                 self._post_process(model, {m: modules[m] for m in self.match.matched}, resident)
+                self._release_unused()
             _check_no_meta(model)
             return model.eval()
         except Exception as e:  # a fast path never stops an engine: the usual load follows
@@ -176,6 +181,7 @@ class Replay:
                 logger.warning("%s; its modules are loaded", got.error)
                 continue
             self.held.append(got.found.segment)
+            self._segment_of[got.found.uid] = got.found.segment
             for hit in got.found.hits:
                 asked = (hit.key, got.found.uid if strict else "")
                 t = wanted[asked]
@@ -184,8 +190,9 @@ class Replay:
                 tensor = got.segment.tensor(hit.offset, getattr(torch, t.dtype), t.shape, t.stride)
                 resident[asked] = (tensor, got.found.uid)
         for name in list(self.match.matched):
+            optional = recipe.modules[name].packed if _keeps_weight(recipe.modules[name]) else None
             missing = [t.name for t in recipe.modules[name].keyed()
-                       if (t.key, t.uid if strict else "") not in resident]
+                       if t is not optional and (t.key, t.uid if strict else "") not in resident]
             if missing:
                 self.match.demote(name, f"{missing[0]} is no longer resident")
         return resident
@@ -224,10 +231,8 @@ class Replay:
         dropped by vLLM's post-processing) becomes a placeholder over zero pages of the meta
         weight's shape (Note [packed weights replayed])."""
         recipe = self.match.recipe.modules[name]
-        if recipe.packed is None:
-            return
-        if any(t.name == recipe.packed.name and t.nbytes for t in recipe.tensors):
-            raise RecipeDeclined(f"module {name}: a packed weight, and its {recipe.packed.name} kept too")
+        if recipe.packed is None or _keeps_weight(recipe):
+            return  # no packed weight, or an embedding: it packs its own weight
         current = module._parameters.get(recipe.packed.name)
         meta = next((old for old, new in replaced.values() if new is current), None)
         if meta is None or not meta.is_meta or meta.ndim != 2:
@@ -255,6 +260,8 @@ class Replay:
 
         recipe, strict = self.match.recipe.modules[name], self.ctx.config.verify
         entry = recipe.packed
+        if _keeps_weight(recipe):
+            return self._install_embedding_copy(name, module, resident)
         handlers = onednn.module_handlers(module)
         if len(handlers) != 1:
             raise RecipeDeclined(f"module {name}: {len(handlers)} oneDNN handlers after post-processing, not one")
@@ -273,6 +280,37 @@ class Replay:
         if entry.inline is None:
             self.placement[id(handlers[0])] = Placement(entry.key, uid)
             self.mapped_bytes += entry.nbytes
+
+    def _install_embedding_copy(self, name: str, module: nn.Module, resident: dict) -> None:
+        """An embedding (or head) packed its own weight: the recipe's segment takes the place of
+        that copy if its bytes are equal (exact compare); otherwise the copy stays for the
+        sharing pass, and a segment nobody installed is given back after post-processing."""
+        from ..errors import PackedWeightError
+        from . import onednn
+
+        entry, strict = self.match.recipe.modules[name].packed, self.ctx.config.verify
+        found = resident.get((entry.key, entry.uid if strict else ""))
+        handlers = onednn.module_handlers(module)
+        if found is None or len(handlers) != 1:
+            return
+        tensor, uid = found
+        try:
+            onednn.install(onednn.find_packed(handlers[0]), tensor, compare=True)
+        except PackedWeightError as e:
+            logger.debug("module %s: the recipe's packed copy is not this one (%s); the sharing pass keys it", name, e)
+            self._unused.setdefault(uid, self._segment_of.get(uid, -1))
+            return
+        self._unused[uid] = None  # installed: the segment stays held
+        self.placement[id(handlers[0])] = Placement(entry.key, uid)
+        self.mapped_bytes += entry.nbytes
+
+    def _release_unused(self) -> None:
+        """Give back the segments of embeddings' packed copies that no handler took."""
+        unused = [seg for seg in self._unused.values() if seg is not None and seg >= 0]
+        if unused:
+            self.held = [s for s in self.held if s not in unused]
+            with contextlib.suppress(Exception):
+                self.ctx.lease.release(unused)
 
     def _alias(self, model: nn.Module) -> None:
         for name in self.match.matched:
@@ -391,6 +429,12 @@ def _pre_processed(modules: dict[str, nn.Module], after=None):
                 owner.process_weights_after_loading = before
             else:
                 del owner.process_weights_after_loading
+
+
+def _keeps_weight(recipe) -> bool:
+    """Whether a module with a packed weight keeps the weight it packs (a vocabulary embedding
+    or head: its lookup reads it) rather than dropping it (a linear layer)."""
+    return recipe.packed is not None and any(t.name == recipe.packed.name and t.nbytes for t in recipe.tensors)
 
 
 def _like(meta, tensor: torch.Tensor) -> torch.Tensor:

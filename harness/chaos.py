@@ -482,8 +482,9 @@ class Interrupted(Exception):
 
 @contextlib.contextmanager
 def _signals_raise():
-    """In the main thread, SIGTERM and SIGHUP raise `Interrupted` (as SIGINT raises
-    KeyboardInterrupt) instead of ending the process without clean-up."""
+    """In the main thread, SIGINT, SIGTERM and SIGHUP raise `Interrupted` instead of ending the
+    process without clean-up.  SIGINT too: a run started in the background by a shell without
+    job control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -491,7 +492,7 @@ def _signals_raise():
     def interrupt(signum, frame):
         raise Interrupted(signal.Signals(signum).name)
 
-    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    old = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

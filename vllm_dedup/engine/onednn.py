@@ -650,7 +650,12 @@ def pinned_tensors(model) -> list:
     """The tensors whose storage must stay where it is (Note [lifetimes]): every parameter and
     buffer of a module holding a oneDNN handler that is not an unquantized matmul's (a W8A8
     handler keeps a raw pointer to the layer's ``weight_scale``).  Small tensors: the scales,
-    zero points and biases of such layers.  Empty where vLLM has no oneDNN handlers."""
+    zero points and biases of such layers.  Empty where vLLM has no oneDNN handlers, or was
+    never imported (a plain ``nn.Module`` shared without vLLM: nothing is imported for it)."""
+    import sys
+
+    if "vllm._custom_ops" not in sys.modules:  # where CPUDNNLGEMMHandler lives: no handler exists
+        return []
     try:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod

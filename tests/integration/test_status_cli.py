@@ -72,7 +72,7 @@ def test_status_table_shows_the_live_registry(registry_server, two_peers):
         assert row == [str(peer.pid), "cpu", "default", "1", "0", "B", "0", "B", "0", "B", "-", "-", "peer"]
 
 
-def read_until(fd: int, done, timeout_s: float = 20.0) -> str:
+def read_until(fd: int, done, timeout_s: float = 60.0) -> str:
     """Read ``fd`` (a pipe or a pty) until ``done(text so far)`` or ``timeout_s``; the text."""
     text, deadline = b"", time.monotonic() + timeout_s
     while not done(text.decode(errors="replace")) and time.monotonic() < deadline:

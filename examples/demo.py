@@ -122,8 +122,9 @@ def main() -> int:
     print(f"{'total':<{w}} {result['pss_plain_bytes'] / MB:>8.0f}MB {result['pss_dedup_bytes'] / MB:>8.0f}MB "
           f"{result['shared_bytes'] / MB:>7.0f}MB {result['expected_shared_bytes'] / MB:>7.0f}MB")
     print(f"saved: {result['saved_bytes'] / MB:.0f} MB of PSS with dedup; {result['shared_bytes'] / MB:.0f} MB "
-          f"of weights mapped from another engine (expected from the checkpoints: "
-          f"{result['expected_shared_bytes'] / MB:.0f} MB)")
+          f"of weights mapped from segments (expected from the checkpoints' keys: "
+          f"{result['expected_shared_bytes'] / MB:.0f} MB; on vLLM's CPU backend the engines also map the "
+          "oneDNN packed copies of the embedding, which the checkpoints do not show)")
     print("left behind: " + (", ".join(leftovers) if leftovers else "nothing (no process, segment or temp file)"))
     if args.json:
         print(json.dumps(result))

@@ -40,7 +40,7 @@ def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2
     try:
         assert a.generate() == reference and b.generate() == reference
         loads = registry.engine_loads()
-        # Started together: whichever took the publish lock first published, the other mapped.
+        # The publisher (a: start_engines starts them in turn) and the one that mapped.
         la, lb = sorted((loads[a.pid], loads[b.pid]), key=lambda load: -load["published_tensors"])
         # The publisher maps one segment of its own at most: its tied head's oneDNN packed copy is
         # its embedding's (cpu_linear="packed").  The other maps all the publisher holds.

@@ -122,7 +122,7 @@ class Replay:
                 if unknown:
                     raise RecipeDeclined(f"the recipe names modules this model does not have ({sorted(unknown)[:3]})")
                 resident = self._acquire()
-                if not self.match.mapped_bytes:
+                if not resident or not self.match.mapped_bytes:  # an embedding's packed copy is optional
                     raise RecipeDeclined("nothing the recipe names is resident any more")
                 # id(meta tensor) -> (it, its replacement).  The meta tensor is kept alive with
                 # its replacement: a freed object's id is reused by the next one made, and a

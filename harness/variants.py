@@ -83,6 +83,19 @@ def save_state_dict(tensors: dict, out_dir: Path, max_shard_size: str | int | No
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def staging_copy(base: Path, out: Path) -> Path:
+    """A fresh temporary folder beside ``out`` holding ``base``'s files other than its weights
+    (config, tokenizer): the caller writes the weights into it, then renames it to ``out``
+    (``os.replace``), so that ``out`` appears whole or not at all."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy2(f, tmp / f.name)
+    return tmp
+
+
 def _layer_count(config: dict) -> int:
     return int(config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"])
 
@@ -101,12 +114,7 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
         raise ValueError(f"unknown variant kind {kind!r}; choose one of "
                          f"{', '.join([*VARIANT_KINDS, 'fp32', *_OTHER_KINDS])}")
     base, out_dir = Path(base), Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in base.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
-            shutil.copy2(f, tmp / f.name)
+    tmp = staging_copy(base, out_dir)
     config = json.loads((base / "config.json").read_text())
     tensors = load_state_dict(base)
     shard = None

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import xxhash
 
 from .references import reference_options
 from .sample_models import models_dir, random_model
-from .variants import load_state_dict, save_state_dict
+from .variants import load_state_dict, save_state_dict, staging_copy
 
 __all__ = ["ARCH_NAMES", "CI_SUBSET", "ZOO", "Arch", "checkpoint", "last_layers", "layer_indices"]
 
@@ -232,12 +231,7 @@ def embeddings_tune(base: Path, seed: int = 0) -> Path:
 
 def _save_beside(base: Path, out: Path, tensors: dict) -> Path:
     """Write ``tensors`` as the folder ``out`` with ``base``'s other files; atomically."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in base.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
-            shutil.copy2(f, tmp / f.name)
+    tmp = staging_copy(base, out)
     save_state_dict(tensors, tmp)
     os.replace(tmp, out)
     return out

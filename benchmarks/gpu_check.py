@@ -430,9 +430,12 @@ class Run:
     def pids(self) -> list[int]:
         return [os.getpid(), *(c.pid for c in self.children.values() if c.proc.poll() is None)]
 
-    def read(self, step: str, label: str, settle_s: float = 0.5) -> int:
-        """Record the device's used memory and each live child's, after ``settle_s``."""
-        time.sleep(settle_s)
+    def read(self, step: str, label: str) -> int:
+        """Record the device's used memory and each live child's.  On CUDA, after half a second:
+        NVML's figures trail a free or a process exit; a host reading (smaps_rollup) is exact
+        once the child has replied or been reaped."""
+        if self.backend == "cuda":
+            time.sleep(0.5)
         pids = self.pids()
         per = self.memory.per_process(pids)
         names = {c.pid: n for n, c in self.children.items()}

@@ -6,7 +6,9 @@ the converted models are pointed there through ``VLLM_DEDUP_CACHE_DIR``.
 
 Layout: ``unit/`` (no engine, no child process beyond the CLI; seconds), ``integration/`` (real
 processes sharing real memory through a real registry), ``e2e/`` (real vLLM engines, Ray, Ray
-Serve; marked ``slow``).  ``bash tests/run.sh -m "not slow"`` runs the first two.
+Serve).  ``slow`` marks every e2e test, every test that starts a Ray cluster, and the few
+others that import vLLM in a child process or run a whole benchmark script (marked where they
+are); ``bash tests/run.sh -m "not slow"`` runs the rest in under two minutes, and CI runs all.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ mark_session("pytest")
 
 
 def pytest_collection_modifyitems(items):
-    """Every end-to-end test (real vLLM engines, Ray) is ``slow``."""
+    """Every end-to-end test (real vLLM engines, Ray) and every test that starts a Ray cluster
+    is ``slow``."""
     for item in items:
-        if E2E in Path(item.fspath).parents:
+        if E2E in Path(item.fspath).parents or "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
 
 

@@ -1,8 +1,11 @@
 """Helpers the tests share: the ``vllm-dedup`` command run the way a user does (in a
-subprocess), the child programs of `tests/peers/`, and waiting."""
+subprocess) or in this process (`cli`, for tests that run it many times), the child programs
+of `tests/peers/`, and waiting."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import struct
@@ -45,8 +48,39 @@ def run_cli(*args: str, cache: Path | None = None, check: bool = False, obey_per
     return proc
 
 
+def cli(*args: str, cache: Path | None = None, check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``vllm-dedup ARGS`` in this process: ``vllm_dedup.cli.main`` with stdout and stderr
+    captured and ``$VLLM_DEDUP_CACHE_DIR`` set to ``cache`` for the call.  The same exit code and
+    output as `run_cli`, without an interpreter start and a torch import per call (about 1 s
+    each), for the scan tests; `test_scan_errors.py` and `test_scan_plot.py` also run the
+    console script itself.  An exception the command lets
+    out propagates (the console script would print a traceback)."""
+    from vllm_dedup.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = os.environ.get("VLLM_DEDUP_CACHE_DIR")
+    if cache is not None:
+        os.environ["VLLM_DEDUP_CACHE_DIR"] = str(cache)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        if cache is not None:
+            if saved is None:
+                os.environ.pop("VLLM_DEDUP_CACHE_DIR", None)
+            else:
+                os.environ["VLLM_DEDUP_CACHE_DIR"] = saved
+    proc = subprocess.CompletedProcess(["vllm-dedup", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"vllm-dedup {' '.join(args)} exited {code}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
 def scan_json(*paths, cache: Path, extra: tuple[str, ...] = ()) -> dict:
-    proc = run_cli("scan", "--json", *extra, *map(str, paths), cache=cache, check=True)
+    proc = cli("scan", "--json", *extra, *map(str, paths), cache=cache, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

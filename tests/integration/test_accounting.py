@@ -163,6 +163,7 @@ def test_accounting_option_is_checked():
         DedupConfig.from_extra_config({"startup_lock_timeout_s": 0})
 
 
+@pytest.mark.slow  # imports vLLM's Worker in a child process (about 7 s each)
 @pytest.mark.parametrize("patched", [False, True], ids=["installed", "patched"])
 def test_the_budget_correction_is_applied_once_with_or_without_the_patches(tmp_path, patched):
     """patches/0002 applies the correction in ``Worker.load_model`` from the model's attribute;

@@ -34,6 +34,7 @@ def run_check(tmp_path: Path, backend: str, *args: str, env: dict | None = None)
     return result
 
 
+@pytest.mark.slow  # the whole script: five child processes, each importing torch (about 15 s)
 def test_gpu_check_segments_and_model_steps_on_host_segments(tmp_path):
     result = run_check(tmp_path, "host")
     names = {(c["step"], c["check"]) for c in result["checks"]}

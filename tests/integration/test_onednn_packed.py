@@ -11,6 +11,7 @@ import pytest
 from harness.procs import ChildExited, PeerProcess
 
 pytest.importorskip("vllm._custom_ops")
+pytestmark = pytest.mark.slow  # each peer imports vLLM's CPU kernels (about 6 s a test)
 
 PEER = "tests/peers/onednn_peer.py"
 N, K = 5632, 2048  # a 1B Llama's MLP projection: 23 MB packed

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from helpers import run_cli
+from helpers import cli, run_cli
 
 
 def _tree(path):
@@ -64,7 +64,7 @@ def test_each_bad_input_gives_one_clear_line_and_exit_2(bad_inputs, tmp_path):
     cache = tmp_path / "cache"
     for name, (path, words) in bad_inputs.items():
         before = _tree(path.parent)
-        proc = run_cli("scan", str(path), cache=cache)
+        proc = cli("scan", str(path), cache=cache)
         assert proc.returncode == 2, (name, proc.stdout, proc.stderr)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1, (name, proc.stderr)
@@ -78,7 +78,7 @@ def test_each_bad_input_gives_one_clear_line_and_exit_2(bad_inputs, tmp_path):
 
 def test_keep_going_reports_the_readable_models(bad_inputs, minilm, tmp_path):
     bad = [str(p) for p, _ in bad_inputs.values()]
-    proc = run_cli("scan", "--json", "--keep-going", str(minilm), *bad, str(minilm), cache=tmp_path / "c")
+    proc = cli("scan", "--json", "--keep-going", str(minilm), *bad, str(minilm), cache=tmp_path / "c")
     assert proc.returncode == 1
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [m["path"] for m in data["models"]] == [str(minilm), str(minilm)]

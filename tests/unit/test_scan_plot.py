@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 
-from helpers import picture_size, run_cli
+from helpers import cli, picture_size, run_cli
 from vllm_dedup.scan.files import scan_model
 from vllm_dedup.checkpoint.manifest import ManifestCache
 from vllm_dedup.scan.plot import plot_data, short_labels
@@ -39,7 +39,7 @@ def test_plot_of_smollm2_and_its_variants_leaves_the_report_unchanged(smollm2, v
     models = [str(smollm2), *map(str, variants.values())]
     plain = run_cli("scan", *models, cache=tmp_path / "cache", check=True)
     png = tmp_path / "heatmap.png"
-    plotted = run_cli("scan", "--plot", str(png), *models, cache=tmp_path / "cache")
+    plotted = cli("scan", "--plot", str(png), *models, cache=tmp_path / "cache")
     plot_ok(plotted, png)
     assert plotted.stdout == plain.stdout  # the text report is the same, the PNG comes in addition
 
@@ -48,7 +48,7 @@ def test_the_plotted_figures_are_the_reports(smollm2, variants, tmp_path):
     """The heatmap's matrix is the JSON report's pairs; each model's bar splits its bytes into
     content another model holds and content only it holds."""
     models = [smollm2, *variants.values()]
-    data = json.loads(run_cli("scan", "--json", *map(str, models), cache=tmp_path, check=True).stdout)
+    data = json.loads(cli("scan", "--json", *map(str, models), cache=tmp_path, check=True).stdout)
     pairs = {(p["a"], p["b"]): p["shared_bytes"] for p in data["pairs"]}
     report = Report([scan_model(m, cache=ManifestCache(tmp_path), progress=False) for m in models])
     plotted = plot_data(report)
@@ -76,11 +76,11 @@ def test_the_plotted_figures_are_the_reports(smollm2, variants, tmp_path):
 def test_plot_of_2_and_of_30_models(minilm, smollm2, variants, tmp_path):
     cache = tmp_path / "cache"
     two = tmp_path / "two.png"
-    w2, h2 = plot_ok(run_cli("scan", "--plot", str(two), str(smollm2), str(variants["last-layers"]), cache=cache),
+    w2, h2 = plot_ok(cli("scan", "--plot", str(two), str(smollm2), str(variants["last-layers"]), cache=cache),
                      two)
     copies = hardlinked_copies(minilm, tmp_path / "copies", 30)
     many = tmp_path / "many.png"
-    proc = run_cli("scan", "--json", "--plot", str(many), *map(str, copies), cache=cache)
+    proc = cli("scan", "--json", "--plot", str(many), *map(str, copies), cache=cache)
     w30, h30 = plot_ok(proc, many)
     assert w30 > w2 and h30 > h2  # the layout grows with the number of models
     data = json.loads(proc.stdout)  # --json still prints exactly one JSON object
@@ -108,7 +108,7 @@ def test_a_plot_that_cannot_be_written_is_one_clear_line_and_exit_2(minilm, tmp_
         "a folder": (tmp_path, "Is a directory"),
     }
     for name, (target, words) in cases.items():
-        proc = run_cli("scan", "--plot", str(target), str(minilm), cache=cache)
+        proc = cli("scan", "--plot", str(target), str(minilm), cache=cache)
         assert proc.returncode == 2, (name, proc.stdout, proc.stderr)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1, (name, proc.stderr)

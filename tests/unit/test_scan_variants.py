@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import scan_json
+from helpers import cli, scan_json
 from vllm_dedup.scan.files import model_files
 
 
@@ -108,9 +108,7 @@ def test_min_bytes_leaves_small_tensors_out(smollm2, variants, tmp_path):
 
 
 def test_human_report_names_models_and_totals(smollm2, variants, tmp_path):
-    from helpers import run_cli
-
-    proc = run_cli("scan", str(smollm2), str(variants["last-layers"]), cache=tmp_path, check=True)
+    proc = cli("scan", str(smollm2), str(variants["last-layers"]), cache=tmp_path, check=True)
     assert "bytes shared by each pair" in proc.stdout
     assert "saved bytes" in proc.stdout and str(variants["last-layers"]) in proc.stdout
 

@@ -75,6 +75,7 @@ def test_every_import_of_a_shipped_module_is_declared(wheel):
     assert undeclared == [], f"imports of packages the wheel does not declare: {undeclared}"
 
 
+@pytest.mark.slow  # imports every module, vLLM with them, in a child process (about 7 s)
 def test_every_shipped_module_imports_from_the_installed_wheel(wheel, tmp_path):
     """Installed on its own (no repository on the path), every module imports, and none pulls
     in the test scaffolding."""

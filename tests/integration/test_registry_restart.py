@@ -134,6 +134,8 @@ def test_a_lock_held_when_the_registry_dies_is_reclaimed_and_the_newcomer_maps(t
     maps everything: one copy, not two."""
     run = tmp_path / "run"
     monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    # The daemon b starts inherits this: 4 s rather than 10 to reclaim (a needs well under 1 s).
+    monkeypatch.setenv("VLLM_DEDUP_RECLAIM_GRACE_S", "4")
     sock = run / "vllm-dedup.sock"
     start_daemon(sock)
     a = lease_peer(sock, "publish-locked", "k1,k2", str(4 * MB))

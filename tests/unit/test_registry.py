@@ -137,3 +137,16 @@ def test_a_registry_replacing_a_dead_one_grants_only_reclaims_for_a_while(reg, m
 
 def test_a_fresh_registry_has_no_reclaim_period(reg):
     assert reg.try_lock(engine(reg, 10), "publish:cpu:default") is None
+
+
+def test_a_daemon_given_a_bad_reclaim_period_says_what_to_fix_and_takes_no_lock(tmp_path, monkeypatch, capsys):
+    from vllm_dedup.registry import daemon
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    monkeypatch.setenv(daemon.RECLAIM_GRACE_ENV, "ten")
+    with pytest.raises(SystemExit) as exited:
+        daemon.main(["--socket", str(run / "r.sock")])
+    assert exited.value.code == 2
+    assert "$VLLM_DEDUP_RECLAIM_GRACE_S='ten' is not a number of seconds" in capsys.readouterr().err
+    assert list(run.iterdir()) == []

@@ -22,10 +22,13 @@ from pathlib import Path
 from ..errors import RegistryUnavailable
 from .client import RegistryClient
 from .server import RegistryServer
-from .state import Registry
+from .state import RECLAIM_GRACE_S, Registry
 from .wire import ensure_private_dir, socket_path
 
-__all__ = ["is_daemon", "main", "start_daemon"]
+__all__ = ["RECLAIM_GRACE_ENV", "is_daemon", "main", "start_daemon"]
+
+# The daemons an engine's lease starts inherit its environment: this sets their reclaim period.
+RECLAIM_GRACE_ENV = "VLLM_DEDUP_RECLAIM_GRACE_S"
 
 
 def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0, timeout_s: float = 30.0) -> None:
@@ -83,7 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-warm-s", type=float, default=0.0)
     parser.add_argument("--idle-exit-s", type=float, default=None, help="exit when idle this long (default: never)")
     parser.add_argument("--detach", action="store_true", help="fork into the background and return at once")
+    parser.add_argument("--reclaim-grace-s", type=float, default=None,
+                        help="seconds a daemon that replaced a dead one grants only reclaimed locks "
+                             f"(default: ${RECLAIM_GRACE_ENV}, else {RECLAIM_GRACE_S:g})")
     args = parser.parse_args(argv)
+    grace_s = args.reclaim_grace_s
+    if grace_s is None:
+        value = os.environ.get(RECLAIM_GRACE_ENV) or str(RECLAIM_GRACE_S)
+        try:
+            grace_s = float(value)
+        except ValueError:
+            parser.error(f"${RECLAIM_GRACE_ENV}={value!r} is not a number of seconds; unset it or give e.g. 10")
     if args.detach:
         if os.fork() > 0:
             os._exit(0)  # the launcher returns; the daemon is re-parented away from its engine
@@ -97,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return 0  # another daemon owns this socket
         raise
-    server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path).start()
+    server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s).start()
     try:
         server.wait(args.idle_exit_s)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,7 +98,21 @@ class ServeProcess:
                     return self
             except OSError:
                 time.sleep(0.5)
-        raise TimeoutError(f"vllm serve {self.model} not ready after {timeout_s} s")
+        self.dump_stacks()
+        raise TimeoutError(f"vllm serve {self.model} not ready after {timeout_s} s (the stacks of its processes "
+                           f"are at the end of {self.log_path})")
+
+    def dump_stacks(self) -> None:
+        """Append the Python stack of every process of the server's tree to its log (py-spy, which
+        Ray installs; nothing if it is missing): where a server that never became ready waits."""
+        spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+        if spy is None:
+            return
+        for pid in self.pids():
+            dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, timeout=60)
+            self._log.write(f"\n--- py-spy dump --pid {pid} (rc {dump.returncode}) ---\n".encode()
+                            + dump.stdout + dump.stderr)
+        self._log.flush()
 
     def complete(self, prompts: list[str] = PROMPTS, max_tokens: int = 16) -> list[str]:
         """Greedy completions through the OpenAI-compatible ``/v1/completions`` route."""

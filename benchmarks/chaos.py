@@ -3,7 +3,7 @@ steady, bounded stream of requests (one client per engine, one request at a time
 few seconds the registry is SIGKILLed, an engine is SIGKILLed and started again, or an engine is
 hung (its process group SIGSTOPped, then SIGCONTed), drawn at random (`harness.chaos.Soak`).
 
-    .venv/bin/python benchmarks/chaos.py [--cycles 30] [--minutes M] [--interval-s 3] [--hang-s 5]
+    .venv/bin/python benchmarks/chaos.py [--cycles 30] [--minutes M] [--interval-s 3] [--hang-s 5] [--pause-s 0.5]
                                          [--seed 0] [--json]
 
 References first: per model a reference ``vllm serve`` (`harness.references`), asked one prompt
@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=None, help="wall-clock budget, start-up included")
     parser.add_argument("--interval-s", type=float, default=3.0, help="seconds between two cycles")
     parser.add_argument("--hang-s", type=float, default=5.0, help="seconds a hung engine stays stopped")
+    parser.add_argument("--pause-s", type=float, default=0.5, help="seconds a client waits between two requests")
     parser.add_argument("--seed", type=int, default=0, help="for the draw of the victims")
     parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
     args = parser.parse_args()
@@ -67,7 +68,7 @@ def main() -> int:
     models = smollm2_family(3)
     print(f"models: {', '.join(models)}; references, then the engines ...", flush=True)
     soak = Soak(models, work, work / "run" / "vllm-dedup.sock", args.interval_s, args.seed, hang_s=args.hang_s,
-                on_cycle=lambda c: print(c.line(), flush=True))
+                pause_s=args.pause_s, on_cycle=lambda c: print(c.line(), flush=True))
     interrupted = None
     try:
         soak.run(cycles=args.cycles, minutes=args.minutes)

@@ -1,5 +1,5 @@
 """A chaos soak: ``vllm serve`` engines of a model family serve a steady, bounded stream of
-requests (one client thread per engine, one request at a time) while every few seconds a driver
+requests (one client thread per engine, one request at a time, ``pause_s`` between two) while every few seconds a driver
 SIGKILLs the registry, SIGKILLs an engine and starts it again, or hangs an engine (SIGSTOP of its
 process group, SIGCONT a few seconds later).  Used by tests/e2e/test_chaos.py (a few cycles) and
 benchmarks/chaos.py (as many cycles, or minutes, as asked).  Not shipped.
@@ -136,15 +136,21 @@ class Soak:
         interval_s: seconds between two cycles.
         seed: for the victims' draw.
         max_tokens: per request.
+        pause_s: seconds a client waits between two requests.  Three engines on two cores with
+            no pause keep both cores busy, and an engine started again then takes up to ten
+            minutes to be ready (its worker gets a small share of a core); with half a second
+            the machine keeps room for a restart, under a load that never stops.
         hang_s: how long a hung engine stays stopped.
         on_cycle: called with each `CycleReport` as it is made (e.g. to print it).
     """
 
     def __init__(self, models: dict[str, Path], logs: Path, socket: Path, interval_s: float = 3.0, seed: int = 0,
-                 max_tokens: int = 16, hang_s: float = 5.0, on_cycle: Callable[[CycleReport], None] | None = None):
+                 max_tokens: int = 16, hang_s: float = 5.0, pause_s: float = 0.5,
+                 on_cycle: Callable[[CycleReport], None] | None = None):
         self.slots = [_Slot(name, Path(m)) for name, m in models.items()]
         self.logs, self.socket = Path(logs), Path(socket)
         self.interval_s, self.random, self.max_tokens, self.hang_s = interval_s, random.Random(seed), max_tokens, hang_s
+        self.pause_s = pause_s
         self.on_cycle = on_cycle or (lambda report: None)
         self.references: dict[str, dict] = {}
         self.report = SoakReport()
@@ -354,6 +360,7 @@ class Soak:
             if text != self.references[slot.name]["texts"][prompt]:
                 with self._lock:
                     self.report.wrong += 1
+            self._stop.wait(self.pause_s)
 
     # checks -------------------------------------------------------------------------------------
     def _cycle_report(self, cycle: int, action: str) -> CycleReport:

@@ -136,10 +136,9 @@ class Soak:
         interval_s: seconds between two cycles.
         seed: for the victims' draw.
         max_tokens: per request.
-        pause_s: seconds a client waits between two requests.  Three engines on two cores with
-            no pause keep both cores busy, and an engine started again then takes up to ten
-            minutes to be ready (its worker gets a small share of a core); with half a second
-            the machine keeps room for a restart, under a load that never stops.
+        pause_s: seconds a client waits between two requests: three engines on two cores with
+            no pause keep both cores busy; half a second leaves room for an engine's restart,
+            under a load that never stops.
         hang_s: how long a hung engine stays stopped.
         on_cycle: called with each `CycleReport` as it is made (e.g. to print it).
     """

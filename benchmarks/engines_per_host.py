@@ -8,8 +8,8 @@ Models (``--preset``): ``smollm2`` (the default), the converted SmolLM2-135M-Ins
 ``llama-1.2b``, a random-weight Llama of 1.17B parameters (bfloat16, 2.34 GB in three shards,
 `harness.sample_models.llama_1b`), made at the first run.  For the 1B model, as many engines as
 fit in 20 GiB: ``--preset llama-1.2b --scenario same-model --max-engines 14 --budget-gib 20``
-(a plain engine holds about 3.5 GB, a dedup engine after the first about 1.2 GB; the run stops
-adding engines once a phase's total passes the budget).
+(measured here: each plain engine adds 4.5 GB, each dedup engine after the first 1.6 GB, so
+plain 4 and dedup 11 fit; the run stops adding engines once a phase's total passes the budget).
 
 Scenarios (real ``vllm serve`` engines on 127.0.0.1, CPU backend, `harness.engines.ServeProcess`):
 

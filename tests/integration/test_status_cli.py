@@ -88,6 +88,13 @@ def read_until(fd: int, done, timeout_s: float = 60.0) -> str:
     return text.decode(errors="replace")
 
 
+def default_sigint() -> None:
+    """In the child before exec: SIGINT at its default, as an interactive shell starts a command.
+    A test run started in the background by a shell without job control has SIGINT ignored, an
+    ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(proc: subprocess.Popen, fd: int) -> tuple[int, str]:
     """SIGINT (Ctrl-C) to ``proc``; its exit status and what it wrote after that."""
     proc.send_signal(signal.SIGINT)
@@ -103,7 +110,7 @@ def test_watch_redraws_and_outlives_the_registry(registry_server, two_peers):
     publisher, _ = two_peers
     heading = "vllm-dedup status, every 0.2s"
     proc = subprocess.Popen([CLI, "status", "--watch", "0.2", "--namespace", "test"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=dict(os.environ))
+                            stderr=subprocess.STDOUT, env=dict(os.environ), preexec_fn=default_sigint)
     fd = proc.stdout.fileno()
     try:
         shown = read_until(fd, lambda t: t.count(f"{publisher.pid}  cpu ") >= 2)
@@ -133,7 +140,7 @@ def test_watch_redraws_in_place_on_a_terminal(registry_server, two_peers):
     publisher, mapper = two_peers
     master, slave = pty.openpty()
     proc = subprocess.Popen([CLI, "status", "--watch", "0.2", "--namespace", "test"], stdin=slave, stdout=slave,
-                            stderr=slave, env=dict(os.environ))
+                            stderr=slave, env=dict(os.environ), preexec_fn=default_sigint)
     os.close(slave)
     try:
         shown = read_until(master, lambda t: t.count("\x1b[H") >= 3 and t.endswith("\x1b[J"))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 
 PEERS = Path(__file__).resolve().parent / "peers"  # the child programs the tests drive
@@ -52,27 +53,18 @@ def cli(*args: str, cache: Path | None = None, check: bool = False) -> subproces
     """Run ``vllm-dedup ARGS`` in this process: ``vllm_dedup.cli.main`` with stdout and stderr
     captured and ``$VLLM_DEDUP_CACHE_DIR`` set to ``cache`` for the call.  The same exit code and
     output as `run_cli`, without an interpreter start and a torch import per call (about 1 s
-    each), for the scan tests; `test_scan_errors.py` and `test_scan_plot.py` also run the
-    console script itself.  An exception the command lets
-    out propagates (the console script would print a traceback)."""
+    each), for the scan tests; `test_scan_errors.py` and `test_scan_plot.py` also run the console
+    script itself.  An exception the command lets out propagates (the console script would print
+    a traceback)."""
     from vllm_dedup.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    saved = os.environ.get("VLLM_DEDUP_CACHE_DIR")
-    if cache is not None:
-        os.environ["VLLM_DEDUP_CACHE_DIR"] = str(cache)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as e:  # argparse's usage errors
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    finally:
-        if cache is not None:
-            if saved is None:
-                os.environ.pop("VLLM_DEDUP_CACHE_DIR", None)
-            else:
-                os.environ["VLLM_DEDUP_CACHE_DIR"] = saved
+    env = {"VLLM_DEDUP_CACHE_DIR": str(cache)} if cache is not None else {}
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     proc = subprocess.CompletedProcess(["vllm-dedup", *args], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(f"vllm-dedup {' '.join(args)} exited {code}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

@@ -374,7 +374,7 @@ def _stack_child(argv: list[str]) -> None:
     import torch
     from vllm import _custom_ops as ops
 
-    from vllm_dedup.engine import onednn
+    from vllm_dedup.engine import heap, onednn
     from vllm_dedup.segments.host import HostSegment
 
     os.sched_setaffinity(0, {int(c) for c in argv[0].split(",")})
@@ -418,7 +418,7 @@ def _stack_child(argv: list[str]) -> None:
             after = resource.getrusage(resource.RUSAGE_SELF)
             reply = {"ms": min(steps) * 1e3, "minor_faults": after.ru_minflt - before.ru_minflt}
         if "forward" not in req:
-            onednn.trim_heap()
+            heap.trim()
         print("OK " + json.dumps(reply), flush=True)
 
 
@@ -429,7 +429,7 @@ def _ab_child(argv: list[str]) -> None:
     import torch
     from vllm import _custom_ops as ops
 
-    from vllm_dedup.engine import onednn
+    from vllm_dedup.engine import heap, onednn
     from vllm_dedup.segments.host import HostSegment
 
     os.sched_setaffinity(0, {int(c) for c in argv[0].split(",")})
@@ -445,7 +445,7 @@ def _ab_child(argv: list[str]) -> None:
         seg = HostSegment.create_packed([(torch.frombuffer(packed.view(), dtype=torch.uint8), 0)], packed.nbytes)
         seg.close_fd()
         onednn.install(packed, seg.tensor(0, torch.uint8, (packed.nbytes,), (1,)))
-    onednn.trim_heap()
+    heap.trim()
     inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in shapes}
 
     def step(handlers) -> float:

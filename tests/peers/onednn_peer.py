@@ -27,7 +27,7 @@ import torch
 import xxhash
 from vllm import _custom_ops as ops
 
-from vllm_dedup.engine import onednn
+from vllm_dedup.engine import heap, onednn
 from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME, HostSegment
 
 
@@ -65,7 +65,7 @@ def main() -> None:
             seg = HostSegment.create_packed([(torch.frombuffer(bytearray(packed.view()), dtype=torch.uint8), 0)],
                                             packed.nbytes)
             onednn.install(packed, seg.tensor(0, torch.uint8, (packed.nbytes,), (1,)))
-            onednn.trim_heap()
+            heap.trim()
             keep.append(seg)
             reply = {"fd": seg.fileno()}
         elif "attach" in req:
@@ -73,7 +73,7 @@ def main() -> None:
             seg = HostSegment.attach(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC), packed.nbytes)
             seg.close_fd()
             freed = onednn.install(packed, seg.tensor(0, torch.uint8, (packed.nbytes,), (1,)))
-            onednn.trim_heap()
+            heap.trim()
             reply = {"freed": freed}
         elif req.get("run"):
             out = torch.cat([ops.onednn_mm(handler, x[:m], None).reshape(-1) for m in (1, 7)])

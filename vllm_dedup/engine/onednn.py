@@ -77,7 +77,7 @@ from ..errors import PackedWeightError
 from ..log import init_logger
 
 __all__ = ["PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in",
-           "holds_handler", "install", "module_handlers", "pinned_tensors", "probe", "trim_heap"]
+           "holds_handler", "install", "module_handlers", "pinned_tensors", "probe"]
 
 logger = init_logger(__name__)
 
@@ -593,11 +593,9 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
     was_private = not packed.shared
     if lib.set_data_handle(packed.memory, address) != _SUCCESS or lib.data_handle(packed.memory) != address:
         raise PackedWeightError("oneDNN refused the new data handle")
-    holds = getattr(packed.handler, _HOLDS, None)
-    if holds is None:
-        holds = []
-        setattr(packed.handler, _HOLDS, holds)
-    holds.append(data)
+    # The handler reads ``data`` alone from now on: a segment it read before (one this engine
+    # staged, `staging.py`) is let go of here, and freed with its last mapping.
+    setattr(packed.handler, _HOLDS, [data])
     return packed.nbytes if was_private else 0
 
 
@@ -611,16 +609,6 @@ def _libc():
 
 def _memcmp(a: int, b: int, nbytes: int) -> int:
     return _libc().memcmp(a, b, nbytes)
-
-
-def trim_heap() -> None:
-    """Give the heap's free pages back to the kernel (glibc ``malloc_trim(0)``): oneDNN's
-    packed buffers come from ``posix_memalign`` and, once freed, often sit inside the heap,
-    where only a trim returns their pages."""
-    try:
-        _libc().malloc_trim(0)
-    except AttributeError:  # not glibc
-        pass
 
 
 def handlers_in(model) -> list[tuple[str, object]]:

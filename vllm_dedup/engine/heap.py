@@ -1,0 +1,71 @@
+"""The process's C heap during a load (glibc): freed blocks reused while post-processing, and
+given back to the kernel at the end.
+
+vLLM's CPU post-processing frees each linear layer's plain weight right after oneDNN packed
+it, and a load that stages or replaces packed weights (`staging.py`, `replay.py`) frees each
+packed buffer right after.  glibc serves blocks above its mmap threshold (128 KiB, raised
+dynamically up to 32 MiB) with a fresh ``mmap`` and gives them back with ``munmap``: every
+layer's buffer then costs a page fault and a zeroed page per 4 KiB, paid again for the next
+layer.  `reused_heap` raises the threshold and the trim threshold for the duration, so the
+blocks freed by one layer serve the next (Note [glibc's thresholds]); `trim` gives the free
+pages back to the kernel afterwards (``malloc_trim``), so the process ends the load no larger
+than a plain load leaves it.
+
+Note [glibc's thresholds]
+    ``mallopt(M_MMAP_THRESHOLD)`` accepts at most ``HEAP_MAX_SIZE / 2`` (32 MiB on 64-bit):
+    larger blocks (a vocabulary embedding's) are still mapped and unmapped.  Setting it turns
+    glibc's dynamic threshold off for the rest of the process (glibc has no way to turn it
+    back on); `reused_heap` sets glibc's starting values again on exit (128 KiB each), which
+    is where a process that never freed a large block stays anyway.  On a C library other
+    than glibc both functions do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+
+__all__ = ["reused_heap", "trim"]
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
+_DEFAULT_THRESHOLD = 128 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MIN and DEFAULT_TRIM_THRESHOLD
+_MAX_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+_NO_TRIM = 2**31 - 1  # mallopt takes an int
+
+
+@functools.cache
+def _glibc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return libc
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def trim() -> None:
+    """Give the heap's free pages back to the kernel (glibc ``malloc_trim(0)``)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def reused_heap():
+    """Within the block, blocks up to 32 MiB come from the heap and freed ones stay there for
+    the next allocation (Note [glibc's thresholds]); on exit the thresholds go back to glibc's
+    starting values and the free pages to the kernel."""
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)
+    libc.mallopt(_M_TRIM_THRESHOLD, _NO_TRIM)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
+        libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
+        libc.malloc_trim(0)

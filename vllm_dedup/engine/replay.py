@@ -63,6 +63,8 @@ from ..checkpoint.loading import read_tensors
 from ..log import init_logger
 from ..segments import segment_class
 from .context import LoadContext, Placement
+from .heap import reused_heap
+from .post_processing import post_processing_hooks
 from .recipe import Match, RecipeDeclined, TensorRecipe
 from .resident import map_resident
 from .slots import attribute_tensors
@@ -373,62 +375,12 @@ class Replay:
             if name in packed:
                 self._install_packed(name, module, resident)
 
-        with _pre_processed(mapped, after), contextlib.ExitStack() as stack:
+        # Each layer's zero-page packing is freed once the segment is installed: the next
+        # layer's reuses it (`heap.reused_heap`).
+        with reused_heap(), post_processing_hooks(mapped, after, pre_processed=True), contextlib.ExitStack() as stack:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)
-
-
-@contextlib.contextmanager
-def _pre_processed(modules: dict[str, nn.Module], after=None):
-    """Run these modules' post-processing in vLLM's pre-processed mode (the others' normally) within
-    one ``process_weights_after_loading`` call: their quantization methods' (and a deferred
-    attention layer's own) ``process_weights_after_loading`` are wrapped, for the duration, to
-    enter ``weights_already_processed`` when called for one of them.  A failure there is a
-    `RecipeDeclined` naming the module and the method (some of vLLM's methods declare
-    ``supports_pre_processed_weights`` and then ignore the mode: ``patches/`` has their fixes).
-    ``after(name, module)`` runs right after one of them was post-processed."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.utils import weights_already_processed
-
-    name_of = {id(m): name for name, m in modules.items()}
-    patched: list[tuple[object, bool, object]] = []  # (owner, had an instance attribute, it)
-
-    def wrap(owner, bound, layer_of):
-        def process(*args, **kwargs):
-            name = name_of.get(id(layer_of(args)))
-            if name is None:
-                return bound(*args, **kwargs)
-            try:
-                with weights_already_processed():
-                    result = bound(*args, **kwargs)
-            except Exception as e:
-                raise RecipeDeclined(f"{type(owner).__name__}.process_weights_after_loading of {name} failed in vLLM's "
-                               f"pre-processed mode ({type(e).__name__}: {e})") from e
-            if after is not None:
-                after(name, modules[name])
-            return result
-
-        patched.append((owner, "process_weights_after_loading" in vars(owner),
-                        vars(owner).get("process_weights_after_loading")))
-        owner.process_weights_after_loading = process
-
-    seen = set()
-    for module in modules.values():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None and id(quant_method) not in seen:
-            seen.add(id(quant_method))
-            wrap(quant_method, quant_method.process_weights_after_loading, lambda args: args[0])
-        if is_deferred_attention_layer(module):
-            wrap(module, module.process_weights_after_loading, lambda args, m=module: m)
-    try:
-        yield
-    finally:
-        for owner, had, before in reversed(patched):
-            if had:
-                owner.process_weights_after_loading = before
-            else:
-                del owner.process_weights_after_loading
 
 
 def _keeps_weight(recipe) -> bool:

@@ -124,17 +124,35 @@ class RecordedLoad:
     def __init__(self, files: list[Path], cache: ManifestCache | None = None):
         self.files, self.cache = files, cache or ManifestCache(default_cache_dir())
         self.identities = {}
+        known: dict[str, str] = {}  # keys the manifest cache has: not hashed again while loading
+        self.cached: list[Path] = []
         for path in files:
             with SafetensorsFile(path) as f:
                 self.identities[path] = FileIdentity.of(path, f.header())
-        self.recorder = SourceRecorder(hash_keys=True)
+            manifest = self.cache.get(self.identities[path])
+            if manifest is not None:
+                self.cached.append(path)
+                known.update((e.name, str(k)) for e, k in zip(manifest.entries, manifest.keys))
+        self.recorder = SourceRecorder(hash_keys=True, known=known)
         self.attrs_before: dict = {}
         self.keys: dict[str, str] = {}
 
     def finish(self) -> None:
-        """Collect the keys hashed; store the manifests of fully hashed files."""
+        """Collect the keys; store the manifests of files hashed in full.  A file whose keys
+        came from the cache and whose identity changed during the load leaves no keys: what
+        was read from it may be neither version, so no recipe comes of this load."""
         self.keys = self.recorder.finish()
-        write_manifests(self.files, self.identities, self.keys, self.cache)
+        for path in self.cached:
+            try:
+                with SafetensorsFile(path) as f:
+                    same = FileIdentity.of(path, f.header()) == self.identities[path]
+            except (CheckpointError, OSError):
+                same = False
+            if not same:
+                self.recorder.unhashable.append(str(path))
+                self.keys = {}
+        uncached = [p for p in self.files if p not in self.cached]
+        write_manifests(uncached, self.identities, self.keys, self.cache)
 
 
 def leave_recipe(ctx: LoadContext, model, report: LoadReport, recorded: RecordedLoad | None = None,

@@ -39,7 +39,15 @@ _MAX_PENDING = 32  # tensors yielded but not hashed yet, at most (bounds the mem
 class SourceRecorder:
     """Hashes the tensors a load reads and records which module each went into, and whether
     each module is traced (module docstring).  Use `wrap` before ``load_weights``, `iterate`
-    around the weight iterator, and `finish` after.
+    around the weight iterator, `unwrap` as soon as ``load_weights`` returned (the recorder
+    then holds no tensor of the model: post-processing frees what it replaces, as in a plain
+    load), and `finish` for the keys.
+
+    Args:
+        hash_keys: hash the tensors read (source keys); False records attribution only.
+        threads: hashing threads (default ``min(8, cpu_count)``).
+        known: tensor name -> source key known already (from the manifest cache, for a file
+            whose identity the caller checks after the load): such tensors are not hashed.
 
     Attributes:
         module_sources: module name -> names of the checkpoint tensors its weight loaders got.
@@ -52,8 +60,9 @@ class SourceRecorder:
         bytes_read: bytes of those tensors.
     """
 
-    def __init__(self, hash_keys: bool = True, threads: int | None = None):
+    def __init__(self, hash_keys: bool = True, threads: int | None = None, known: dict[str, str] | None = None):
         self.hash_keys = hash_keys
+        self.known = dict(known or {})  # name -> source key already known (the manifest cache): not hashed
         self.module_sources: dict[str, set[str]] = defaultdict(set)
         self.untraced: dict[str, str] = {}
         self.loaded: set[int] = set()
@@ -129,6 +138,8 @@ class SourceRecorder:
         self._current = None
 
     def _submit(self, name: str, tensor) -> None:
+        if name in self.known:
+            return
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             self.unhashable.append(name)
             return
@@ -138,9 +149,9 @@ class SourceRecorder:
         self._futures[name] = fut
         self._pending.append(fut)
 
-    def finish(self) -> dict[str, str]:
-        """Restore the weight loaders, mark what was written outside them (`untraced`); return
-        the source keys hashed (name -> key string)."""
+    def unwrap(self) -> None:
+        """Restore the weight loaders, mark what was written outside them (`untraced`), and let
+        go of every tensor of the model.  Idempotent."""
         for t, module_name, name, original, is_param in self._wrapped:
             if original is None:
                 del t.weight_loader
@@ -152,18 +163,35 @@ class SourceRecorder:
             elif is_param and id(t) not in self.loaded:
                 self.untraced.setdefault(module_name, f"{name} is not filled from the checkpoint")
         self._wrapped.clear()
+        self._seen.clear()
+
+    def finish(self) -> dict[str, str]:
+        """`unwrap` (if not done yet); return the source keys (name -> key string): those hashed
+        and the ``known`` ones of the tensors read."""
+        self.unwrap()
         keys = {name: str(fut.result()) for name, fut in self._futures.items()}
+        keys.update({name: self.known[name] for name in self.consumed if name in self.known})
         if self._pool is not None:
             self._pool.shutdown()
         return keys
 
 
-def fingerprint(t, samples: int = 8192) -> bytes:
+def fingerprint(t, samples: int = 256) -> bytes:
     """A cheap fingerprint of a tensor's current values, to see whether something wrote into
     it: XXH3-64 of all its bytes up to 64 KiB, else of ``samples`` elements spread evenly over
     it (and its size).  A write that changes no sampled element goes unseen; the writes this
     looks for (a tensor copied over another, a parameter filled by hand) change them all.
-    Meta and empty tensors have an empty fingerprint."""
+    Meta and empty tensors have an empty fingerprint.
+
+    Few samples on purpose (Note [reading a parameter before it is written]).
+
+    Note [reading a parameter before it is written]
+        A large parameter is fresh anonymous memory until its weight loader writes it.  Reading
+        one of its pages maps the kernel's shared zero page there, and the loader's write then
+        has to replace that mapping (a copy-on-write fault with a TLB flush) instead of taking
+        a fresh page: sampling 8192 elements of every parameter before and between loader calls
+        touched every page of the model and made a 1.2B model's ``load_weights`` three times
+        slower than a plain load's.  Each sample costs at most one such page."""
     import torch
 
     if t.is_meta or t.numel() == 0:

@@ -91,6 +91,7 @@ class LoadReport:
     checkpoint_bytes_read: int = 0
     load_seconds: float = 0.0  # wall time of load_model
     peak_bytes: int = 0  # `meter.LoadMeter.peak_bytes`
+    created_bytes: int = 0  # segments the sharing pass made (live: the load meter samples it)
     errors: list[str] = field(default_factory=list)
     placement: dict[int, Placement] = field(default_factory=dict, repr=False)
 

@@ -151,14 +151,19 @@ class DedupModelLoader(BaseModelLoader):
         if ctx is None:
             return self._load_as_usual(vllm_config, model_config, prefix)
         report = self.report = LoadReport()
-        with LoadMeter(ctx.device_type) as meter, _gc_heap_frozen():
-            model, mapped, replay, recorded, decision = self._load(ctx, report)
-            self._share(model, ctx, report, mapped)
+        staging = self._staging(ctx)
+
+        def held() -> int:  # the segments this load made, as they exist now
+            return report.created_bytes + (staging.created_bytes if staging is not None else 0)
+
+        with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen():
+            model, mapped, replay, recorded, decision = self._load(ctx, report, staging)
+            self._share(model, ctx, report, mapped, staging)
             from .fast_path import leave_recipe
 
             leave_recipe(ctx, model, report, recorded, replay, decision)
         report.load_seconds = meter.seconds
-        report.peak_bytes = meter.peak_bytes(report.published_bytes + report.padding_bytes)
+        report.peak_bytes = meter.peak_bytes
         try:
             ctx.lease.report(report.figures())
         except RegistryUnavailable:
@@ -170,10 +175,22 @@ class DedupModelLoader(BaseModelLoader):
         logger.info("%s: %s", ctx.model_name, report.summary())
         return model
 
-    def _load(self, ctx: LoadContext, report: LoadReport):
+    @staticmethod
+    def _staging(ctx: LoadContext):
+        """A `staging.Staging` for a usual load of this context (packed weights moved into
+        segments as vLLM makes them), or None where nothing is staged: another device than
+        the host's, or packed weights not shared."""
+        if not ctx.share_packed or ctx.device_type != "cpu":
+            return None
+        from .share import colliding
+        from .staging import Staging
+
+        return Staging(ctx.config.min_tensor_bytes, ctx.device_key, colliding)
+
+    def _load(self, ctx: LoadContext, report: LoadReport, staging=None):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
         `replay.Replay` or None, the `fast_path.RecordedLoad` or None, the `fast_path.Decision`
-        or None)."""
+        or None).  A usual load stages its packed weights into ``staging`` as it goes."""
         from .fast_path import RecordedLoad, decide, fast_path_files
         from .recipe import RecipeDeclined
         from .replay import Replay
@@ -203,7 +220,10 @@ class DedupModelLoader(BaseModelLoader):
                 recorded = RecordedLoad(files)
             except (CheckpointError, OSError) as e:
                 logger.info("%s: this load leaves no recipe (%s)", ctx.model_name, e)
-        model = self._load_as_usual(ctx.vllm_config, ctx.model_config, ctx.prefix, recorded)
+        model = self._load_as_usual(ctx.vllm_config, ctx.model_config, ctx.prefix, recorded, staging)
+        if staging is not None and staging.staged:
+            logger.info("%s: %s while post-processing%s", ctx.model_name, staging.summary(),
+                        f"; some stay with oneDNN ({staging.failures[0]})" if staging.failures else "")
         if recorded is not None:
             try:
                 recorded.finish()
@@ -226,20 +246,20 @@ class DedupModelLoader(BaseModelLoader):
                         ctx.model_name, replay.mapped_bytes / 1e6)
 
     def _load_as_usual(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
-                       recorded=None) -> nn.Module:
+                       recorded=None, staging=None) -> nn.Module:
         """vLLM's own ``BaseModelLoader.load_model`` template with this loader's ``create_model``
-        and the inner loader's ``load_weights`` (recorded when ``recorded`` is given), or the
-        inner loader's own pipeline when it has one (the fast paths never record those:
-        `fast_path.fast_path_files`)."""
+        and the inner loader's ``load_weights`` (recorded when ``recorded`` is given; packed
+        weights staged into ``staging`` as they are made), or the inner loader's own pipeline
+        when it has one (the fast paths never record those: `fast_path.fast_path_files`)."""
         if type(self.inner).load_model is BaseModelLoader.load_model:
-            return _UsualLoad(self, recorded).load_model(vllm_config, model_config, prefix)
+            return _UsualLoad(self, recorded, staging).load_model(vllm_config, model_config, prefix)
         return self.inner.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
-    def _share(self, model, ctx: LoadContext, report: LoadReport, mapped: dict) -> None:
+    def _share(self, model, ctx: LoadContext, report: LoadReport, mapped: dict, staging=None) -> None:
         from .share import share_model
 
         try:
-            share_model(model, ctx, report, mapped)
+            share_model(model, ctx, report, mapped, staging=staging)
         except RegistryUnavailable as e:
             raise RuntimeError(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
         except SegmentError as e:
@@ -282,12 +302,18 @@ class DedupModelLoader(BaseModelLoader):
 class _UsualLoad(BaseModelLoader):
     """One usual load through vLLM's ``BaseModelLoader.load_model`` template: the outer loader's
     ``create_model``, the inner loader's ``load_weights``, and, for a `fast_path.RecordedLoad`,
-    its recorder around the weight iterator and the model's weight loaders (the state of one
-    load lives here, not in the long-lived loader)."""
+    its recorder around the weight iterator and the model's weight loaders; with a
+    `staging.Staging`, a hook after each module's post-processing (the state of one load lives
+    here, not in the long-lived loader)."""
 
-    def __init__(self, outer: DedupModelLoader, recorded=None):
+    def __init__(self, outer: DedupModelLoader, recorded=None, staging=None):
         super().__init__(outer.load_config)
-        self.outer, self.recorded = outer, recorded
+        self.outer, self.recorded, self.staging = outer, recorded, staging
+        self._hooks = contextlib.ExitStack()
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        with self._hooks:  # the post-processing hooks entered by `load_weights` end with the load
+            return super().load_model(vllm_config, model_config, prefix)
 
     def download_model(self, model_config: ModelConfig) -> None:
         self.outer.download_model(model_config)
@@ -296,6 +322,16 @@ class _UsualLoad(BaseModelLoader):
         return self.outer.create_model(vllm_config, model_config, prefix)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        self._load_weights(model, model_config)
+        if self.staging is not None:  # vLLM's template post-processes next: stage as it goes
+            from .heap import reused_heap
+            from .post_processing import post_processing_hooks
+
+            modules = {n: m for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None}
+            self._hooks.enter_context(reused_heap())  # each layer's freed buffers serve the next
+            self._hooks.enter_context(post_processing_hooks(modules, self.staging.after_post_processing))
+
+    def _load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         inner, recorded = self.outer.inner, self.recorded
         if recorded is None:
             return inner.load_weights(model, model_config)
@@ -310,6 +346,7 @@ class _UsualLoad(BaseModelLoader):
             return inner.load_weights(model, model_config)
         finally:
             del inner.get_all_weights  # back to the class's method
+            recorder.unwrap()  # before post-processing frees what it replaces
 
 
 @contextlib.contextmanager

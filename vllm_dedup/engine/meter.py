@@ -5,13 +5,15 @@ Memory growth is the peak, sampled every few milliseconds on a background thread
 process's private memory above its level when the load began: ``RssAnon`` (anonymous resident
 pages) on the CPU backend, torch's allocated device memory on a GPU.  Pages of a segment mapped
 from another engine are not private and do not count; segments this engine creates are new
-memory and are added (`LoadMeter.peak_bytes`).
+memory and are added *in the same sample*, as they exist at that moment (``live``): a private
+copy freed once its segment is made is not counted twice.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["LoadMeter", "private_bytes"]
@@ -33,14 +35,22 @@ def private_bytes(device_type: str) -> int:
 class LoadMeter:
     """Measures one load (a context manager).
 
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"`` (`private_bytes`).
+        interval_s: seconds between two samples.
+        live: bytes of memory the load holds outside private memory at the moment of the call
+            (the segments it created and still holds), added to each sample; read from the
+            sampling thread.
+
     Attributes:
         seconds: wall time of the ``with`` block.
-        peak_growth: the peak of private memory above its level at entry, in bytes.
+        peak_growth: the peak of private memory (plus ``live``) above its level at entry, in bytes.
     """
 
-    def __init__(self, device_type: str, interval_s: float = 0.002):
+    def __init__(self, device_type: str, interval_s: float = 0.002, live: Callable[[], int] | None = None):
         self.device_type = device_type
         self.interval_s = interval_s
+        self.live = live or (lambda: 0)
         self.seconds = 0.0
         self.peak_growth = 0
         self._stop = threading.Event()
@@ -59,12 +69,13 @@ class LoadMeter:
         self.seconds = time.perf_counter() - self._start
 
     def _note(self) -> None:
-        self.peak_growth = max(self.peak_growth, private_bytes(self.device_type) - self._base)
+        self.peak_growth = max(self.peak_growth, private_bytes(self.device_type) + self.live() - self._base)
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             self._note()
 
-    def peak_bytes(self, created_segment_bytes: int) -> int:
-        """Peak private growth plus the bytes of the segments this engine created."""
-        return max(self.peak_growth, 0) + created_segment_bytes
+    @property
+    def peak_bytes(self) -> int:
+        """The peak growth in bytes, at least 0."""
+        return max(self.peak_growth, 0)

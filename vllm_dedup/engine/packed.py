@@ -46,12 +46,15 @@ class PackedSlot:
         packed: the handler's packed weight (`onednn.find_packed`).
         tensor: a uint8 CPU tensor of ``packed.nbytes`` over the packed bytes, zero-copy; it
             dangles once `install` has run (oneDNN frees those bytes), so nothing reads it
-            after.
+            after.  A staged weight's is the staged segment's mapping, which stays valid.
+        staged: the segment of this engine's that the handler already reads and that holds
+            ``tensor`` (`staging.Staging`), or None while oneDNN's own buffer holds it.
     """
 
     module: str
     packed: onednn.PackedWeight
     tensor: object
+    staged: object = None
 
     refs = ()  # no parameter or buffer holds it (`slots.Slot.refs`)
 

@@ -17,6 +17,8 @@ are exactly those the kernels use.  The steps, in order (one method each of `Sha
    tensors are packed into one segment (`segments.packing`), and tensors whose pack would be
    mostly padding stay private;
 5. **publish**: copy each pack into a new segment, publish it, adopt the segment-backed tensors.
+   A packed weight staged while loading (`staging.py`) is in a segment of this engine's
+   already: that segment is published as it is, with no copy.
 
 Steps 3 to 5 hold the registry's publish lock of the device and share group, so engines that
 finish loading together map each other's tensors instead of each publishing a copy.
@@ -36,7 +38,6 @@ briefly need twice the model's memory.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import time
@@ -49,12 +50,13 @@ from ..log import init_logger
 from ..segments import segment_class
 from ..segments.packing import plan_packs
 from .context import LoadContext, LoadReport, Placement
+from .heap import trim
 from .onednn import pinned_tensors
 from .packed import PackedSlot, collect_packed, installed_handlers, packed_keys
 from .resident import map_resident
 from .slots import Slot, collect_slots, swap
 
-__all__ = ["FORCE_COLLISIONS_ENV", "SharingPass", "share_model"]
+__all__ = ["FORCE_COLLISIONS_ENV", "SharingPass", "colliding", "share_model"]
 
 logger = init_logger(__name__)
 
@@ -67,7 +69,8 @@ _RETURN_EVERY = 1 << 30  # bytes of dropped private copies between two empty_cac
 
 
 def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
-                mapped: dict[int, Placement] | None = None, pack_granularity: int | None = None) -> LoadReport:
+                mapped: dict[int, Placement] | None = None, pack_granularity: int | None = None,
+                staging=None) -> LoadReport:
     """Share ``model``'s tensors through the registry behind ``ctx.lease`` (module docstring).
 
     Args:
@@ -79,6 +82,9 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
             as shared, left alone.
         pack_granularity: pack new segments to this granularity (bytes, a power of two);
             default: the backend's (`Segment.granularity`; none on the host).
+        staging: the packed weights this load already moved into segments of its own
+            (`staging.Staging`, host backend): keyed already, published without a copy when no
+            other engine holds their bytes; let go of at the end.
 
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``on_registry_error`` is ``fail``.
@@ -86,10 +92,14 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
     """
     start = time.perf_counter()
     report = report if report is not None else LoadReport()
-    SharingPass(model, ctx, report, mapped or {}, pack_granularity).run()
+    try:
+        SharingPass(model, ctx, report, mapped or {}, pack_granularity, staging).run()
+    finally:
+        if staging is not None:
+            staging.release()
     # The private copies replaced are freed by reference counting as they go (nothing here
     # makes a cycle with them): only the allocator's caches need giving back.
-    _malloc_trim()
+    trim()
     _return_cached(ctx.device_type)
     report.seconds = time.perf_counter() - start
     return report
@@ -99,7 +109,7 @@ class SharingPass:
     """One model's sharing pass: the steps of the module docstring, one method each."""
 
     def __init__(self, model, ctx: LoadContext, report: LoadReport, mapped: dict[int, Placement],
-                 pack_granularity: int | None):
+                 pack_granularity: int | None, staging=None):
         self.ctx, self.lease, self.report = ctx, ctx.lease, report
         self.verify = ctx.config.verify
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
@@ -126,8 +136,9 @@ class SharingPass:
                 report.packed_tensors += 1
             report.private_tensors += private_n
             report.private_bytes += private_b
-            slots += packed
-            keys += [str(k) for k in _colliding(packed_keys(packed))]
+            staged = staging.slots() if staging is not None else []  # keyed already; each segment's owner first
+            slots += [slot for slot, _ in staged] + packed
+            keys += [key for _, key in staged] + [str(k) for k in colliding(packed_keys(packed))]
         # 2. key: content key -> the slots with that key (tied or equal tensors of this model)
         self.pending: dict[str, list[Slot | PackedSlot]] = defaultdict(list)
         for slot, key in zip(slots, keys):
@@ -224,7 +235,8 @@ class SharingPass:
                 continue
             if isinstance(slot, PackedSlot):
                 try:
-                    slot.install(shared)  # oneDNN frees the private copy
+                    if not (source and slot.staged is not None):  # a staged segment is installed already
+                        slot.install(shared)  # oneDNN frees the private copy (or the staged segment goes)
                 except PackedWeightError as e:
                     self.segment_failed([group[i:]], SegmentError(f"cannot install key {where.key}: {e}"))
                     break
@@ -268,12 +280,17 @@ class SharingPass:
 
     def publish(self, keys: list[str], offsets: list[int], nbytes: int) -> None:
         """One new segment holding the first tensor of each key's group at its offset."""
-        parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
-        try:
-            seg = self.seg_cls.create_packed(parts, nbytes, self.ctx.device_key)
-        except (SegmentError, RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
-            self.segment_failed([self.pending.pop(k) for k in keys], e)
-            return
+        first = self.pending[keys[0]][0]
+        if len(keys) == 1 and getattr(first, "staged", None) is not None:
+            seg = first.staged  # filled while loading (`staging.py`): published as it is, no copy
+        else:
+            parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
+            try:
+                seg = self.seg_cls.create_packed(parts, nbytes, self.ctx.device_key)
+            except (SegmentError, RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
+                self.segment_failed([self.pending.pop(k) for k in keys], e)
+                return
+            self.report.created_bytes += seg.size
         try:
             seg_id = self.lease.publish(seg.fileno(), seg.size,
                                         [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)])
@@ -298,10 +315,10 @@ def _keys(tensors, device_type: str) -> list[str]:
         keys = content_keys([lambda t=t: tensor_key(t) for t in tensors])
     else:
         keys = [fingerprint_key(t, d) for t, d in zip(tensors, device_fingerprints(tensors))]
-    return [str(k) for k in _colliding(keys)]
+    return [str(k) for k in colliding(keys)]
 
 
-def _colliding(keys: list[ContentKey]) -> list[ContentKey]:
+def colliding(keys: list[ContentKey]) -> list[ContentKey]:
     """The keys, or with `FORCE_COLLISIONS_ENV` set, the keys with their digests zeroed."""
     if os.environ.get(FORCE_COLLISIONS_ENV):
         return [ContentKey(bytes(16), k.dtype, k.shape, k.stride) for k in keys]
@@ -315,10 +332,3 @@ def _return_cached(device_type: str) -> None:
 
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

@@ -1,0 +1,169 @@
+"""`vllm_dedup.engine.staging` against real vLLM oneDNN handlers and a real registry, in one
+process: a packed weight staged right after its layer's post-processing is read from a sealed
+segment with bit-identical results, equal packed weights of one model share one segment (after
+an exact compare: a forced key collision keeps them apart), and the sharing pass publishes a
+staged segment as it is (no copy) or, where another engine's copy is resident, maps that one
+and frees the staged segment."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_dedup.config import DedupConfig
+from vllm_dedup.content.keys import ContentKey
+from vllm_dedup.engine import onednn
+from vllm_dedup.engine.context import LoadContext
+from vllm_dedup.engine.share import share_model
+from vllm_dedup.engine.staging import Staging
+from vllm_dedup.registry.client import RegistryClient, registry_stats
+from vllm_dedup.registry.lease import Lease
+
+ops = pytest.importorskip("vllm._custom_ops")
+N, K = 1536, 576  # SmolLM2's MLP projection: 1.8 MB packed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _supported():
+    support = onednn.probe("bfloat16")
+    if not support.supported:  # an AVX2-only CPU: vLLM cannot pack bfloat16 there (tests/unit/test_onednn.py)
+        pytest.skip(f"packed sharing is not supported here: {support.reason}")
+
+
+def _weight(seed: int) -> torch.Tensor:
+    return torch.randn(N, K, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+class _Layer(nn.Module):
+    """A module holding one vLLM oneDNN handler, as a linear layer does after post-processing."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.handler = ops.create_onednn_mm(_weight(seed).t(), 32)
+
+
+def _model(*seeds: int) -> nn.Module:
+    model = nn.Module()
+    for i, seed in enumerate(seeds):
+        model.add_module(f"layer{i}", _Layer(seed))
+    return model
+
+
+def _stage(model: nn.Module, staging: Staging) -> None:
+    for name, module in model.named_children():  # as vLLM post-processes them, one by one
+        staging.after_post_processing(name, module)
+
+
+def _outputs(model: nn.Module) -> list[torch.Tensor]:
+    x = torch.randn(8, K, generator=torch.Generator().manual_seed(99)).to(torch.bfloat16)
+    return [ops.onednn_mm(layer.handler, x, None) for layer in model.children()]
+
+
+def _address(layer: _Layer) -> int:
+    return onednn.find_packed(layer.handler).address
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_a_staged_weight_is_read_from_its_segment_with_the_same_results():
+    model = _model(1, 2)
+    before = _outputs(model)
+    nbytes = onednn.find_packed(model.layer0.handler).nbytes
+    staging = Staging(min_bytes=1)
+    _stage(model, staging)
+    assert [e.owner for e in staging.staged] == [True, True]
+    assert staging.created_bytes == 2 * nbytes
+    for layer, entry in zip(model.children(), staging.staged):
+        assert _address(layer) == entry.tensor.data_ptr()  # oneDNN's buffer is gone, the segment read
+        assert onednn.find_packed(layer.handler).shared
+    assert all(torch.equal(a, b) for a, b in zip(before, _outputs(model)))
+    with pytest.raises(OSError):  # sealed: nobody can write the bytes the kernel reads
+        os.pwrite(staging.staged[0].segment.fileno(), b"x", 0)
+
+
+def test_equal_packed_weights_share_one_segment():
+    model = _model(1, 1, 2)  # layer1 packs the same weight as layer0 (a tied head and its embedding)
+    staging = Staging(min_bytes=1)
+    _stage(model, staging)
+    owners = [e.owner for e in staging.staged]
+    assert owners == [True, False, True]
+    assert staging.staged[1].segment is staging.staged[0].segment
+    assert _address(model.layer0) == _address(model.layer1)
+    nbytes = onednn.find_packed(model.layer0.handler).nbytes
+    assert staging.created_bytes == 2 * nbytes
+
+
+def test_a_key_collision_is_caught_by_the_compare():
+    def collide(keys):
+        return [ContentKey(bytes(16), k.dtype, k.shape, k.stride) for k in keys]
+
+    model = _model(1, 2)  # other bytes, same layout: one key once digests are zeroed
+    before = _outputs(model)
+    staging = Staging(min_bytes=1, colliding=collide)
+    _stage(model, staging)
+    assert staging.staged[0].key == staging.staged[1].key
+    assert [e.owner for e in staging.staged] == [True, True]  # the compare refused the twin
+    assert _address(model.layer0) != _address(model.layer1)
+    assert all(torch.equal(a, b) for a, b in zip(before, _outputs(model)))
+
+
+def test_small_packed_weights_stay_with_onednn():
+    model = _model(1)
+    nbytes = onednn.find_packed(model.layer0.handler).nbytes
+    staging = Staging(min_bytes=nbytes + 1)
+    _stage(model, staging)
+    assert staging.staged == [] and staging.created_bytes == 0
+    assert not onednn.find_packed(model.layer0.handler).shared
+
+
+def _context(sock, name: str) -> LoadContext:
+    lease = Lease(RegistryClient(sock), name, "cpu", "default", "staging-test")
+    return LoadContext(DedupConfig(min_tensor_bytes=1, on_registry_error="fail"), lease, torch.device("cpu"), "cpu",
+                       share_packed=True)
+
+
+def test_the_sharing_pass_publishes_a_staged_segment_as_it_is_and_maps_it_elsewhere(registry_server):
+    first, second = _model(1, 1, 2), _model(1, 2)
+    want = _outputs(second)
+    nbytes = onednn.find_packed(first.layer0.handler).nbytes
+    a, b = _context(registry_server.path, "first"), _context(registry_server.path, "second")
+    try:
+        staged_a = Staging(min_bytes=1)
+        _stage(first, staged_a)
+        addresses = [_address(layer) for layer in first.children()]
+        report = share_model(first, a, staging=staged_a)
+        assert (report.published_tensors, report.published_bytes) == (2, 2 * nbytes)
+        assert report.shared_tensors == 1  # layer1: the same segment as layer0
+        assert report.created_bytes == 0  # the sharing pass made no segment: the staged ones were published
+        assert [_address(layer) for layer in first.children()] == addresses  # no copy, no new mapping
+        (group,) = registry_stats(registry_server.path).groups
+        assert (group.segments, group.resident_bytes) == (2, 2 * nbytes)
+        assert staged_a.staged == [] and staged_a.created_bytes == 2 * nbytes  # published: still memory
+
+        staged_b = Staging(min_bytes=1)
+        _stage(second, staged_b)
+        assert staged_b.created_bytes == 2 * nbytes
+        own = [_address(layer) for layer in second.children()]
+        report = share_model(second, b, staging=staged_b)
+        assert (report.shared_tensors, report.published_tensors) == (2, 0)  # the first engine's copies
+        assert staged_b.created_bytes == 0  # its staged segments are freed
+        assert all(_address(layer) != mine for layer, mine in zip(second.children(), own))
+        assert all(torch.equal(x, y) for x, y in zip(want, _outputs(second)))
+        (group,) = registry_stats(registry_server.path).groups
+        assert (group.segments, group.resident_bytes) == (2, 2 * nbytes)  # nothing published twice
+        gc.collect()
+        assert not any(_mapped(mine) for mine in own)  # the staged segments are unmapped, hence freed
+    finally:
+        a.lease.close()
+        b.lease.close()

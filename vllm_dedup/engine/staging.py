@@ -1,0 +1,193 @@
+"""Publish in place: a usual load's oneDNN packed weights go into segments as vLLM makes them.
+
+On vLLM's CPU backend with ``cpu_linear="packed"`` the bytes every kernel reads are the packed
+weights oneDNN allocates in ``process_weights_after_loading``, one linear layer at a time.  The
+sharing pass used to meet them only after the whole model was post-processed, so for a while
+the load held every packed weight twice (oneDNN's copy and the segment's), and paid a second
+pass over the bytes to key them.  Staging moves each one into a segment right after its own
+layer's post-processing, while the next layers are still plain:
+
+1. the handler's packed bytes are keyed (XXH3-128, `packed.packed_key`) where they lie;
+2. a packed weight equal to one staged earlier in this model (a tied head packs the embedding
+   it is tied to) is compared exactly and takes that segment: no second copy;
+3. otherwise they are copied once into a new sealed memfd (`HostSegment.create_packed`) and
+   the handler is pointed at its read-only mapping (`onednn.install`), which frees oneDNN's
+   buffer at once.
+
+So the load holds at most one layer's packed weight twice, never the model's.  The staged
+segments are this engine's own and not yet published: the sharing pass then acquires their
+keys like any other, maps another engine's copy where one is resident (compared exactly, and
+the staged segment is dropped), and publishes the staged segment itself otherwise, with no
+copy and no second hashing pass (`share.SharingPass`).
+
+Staging never stops a load: a handler whose packed weight cannot be found or replaced, or a
+segment that cannot be made, stays as vLLM made it and the sharing pass takes it as before.
+It runs on the host backend only; CUDA segments come in 2 MiB granules that the sharing pass
+packs (`segments.packing`), and vLLM's GPU kernels read plain parameters.
+
+Note [why the packed bytes are copied once]
+    oneDNN allocates a handler's packed buffer itself (``posix_memalign``) and offers no
+    allocator hook, so the bytes cannot be born in a memfd; anonymous pages cannot become a
+    memfd's either.  One copy per layer, right after packing while the bytes are warm, is the
+    least that is left (``patches/0005`` would let the handler pack into a caller's buffer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import xxhash
+
+from ..content.keys import ContentKey
+from ..errors import PackedWeightError, SegmentError
+from ..log import init_logger
+from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment
+from . import onednn
+from .packed import PackedSlot, packed_dtype
+
+__all__ = ["Staged", "Staging"]
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class Staged:
+    """One handler's packed weight, moved into a segment during post-processing.
+
+    Attributes:
+        module: the qualified name of the module holding the handler.
+        handler: vLLM's ``CPUDNNLGEMMHandler``.
+        key: its content key (Note [a packed weight's content key] in `packed.py`), as a string.
+        segment: the `HostSegment` holding the bytes; shared with an earlier `Staged` of equal
+            bytes (``owner`` False).
+        tensor: a uint8 tensor over the segment's read-only mapping, installed in the handler.
+        owner: whether this entry made ``segment`` (the others reuse it).
+    """
+
+    module: str
+    handler: object
+    key: str
+    segment: HostSegment
+    tensor: object
+    owner: bool
+
+
+class Staging:
+    """The packed weights one usual load moves into segments (module docstring).
+
+    Args:
+        min_bytes: packed weights smaller than this stay with oneDNN (``min_tensor_bytes``).
+        device_key: the segments' device key (``"cpu"``).
+        colliding: maps a list of `ContentKey` to the keys used (the sharing pass's test hook
+            that forces collisions; identity otherwise).
+
+    Attributes:
+        staged: every `Staged` entry, in the order the layers were post-processed.
+        created_bytes: bytes of the segments made here and not dropped yet (live; the load
+            meter samples it).
+        failures: the first few reasons a packed weight stayed with oneDNN.
+    """
+
+    def __init__(self, min_bytes: int, device_key: str = "cpu", colliding=None):
+        self.min_bytes, self.device_key = min_bytes, device_key
+        self.colliding = colliding or (lambda keys: keys)
+        self.staged: list[Staged] = []
+        self.created_bytes = 0
+        self.failures: list[str] = []
+        self._by_key: dict[str, Staged] = {}  # key -> the entry owning a segment of those bytes
+
+    def after_post_processing(self, name: str, module) -> None:
+        """Stage every packed weight ``module`` itself holds; called right after its
+        post-processing.  Never raises: what cannot be staged stays with oneDNN."""
+        for handler in onednn.module_handlers(module):
+            try:
+                self._stage(name, handler)
+            except (PackedWeightError, SegmentError) as e:
+                if len(self.failures) < 3:
+                    self.failures.append(f"{name}: {e}")
+            except Exception as e:  # never stop a load that vLLM itself completes
+                if len(self.failures) < 3:
+                    self.failures.append(f"{name}: {type(e).__name__}: {e}")
+
+    def _stage(self, name: str, handler) -> None:
+        import torch
+
+        packed = onednn.find_packed(handler)
+        if packed.shared or packed.nbytes < self.min_bytes:
+            return
+        view = packed.view()
+        digest = xxhash.xxh3_128_digest(view)
+        (key,) = self.colliding([ContentKey(digest, packed_dtype(packed.layout), (packed.nbytes,), (1,))])
+        key = str(key)
+        twin = self._by_key.get(key)
+        if twin is not None:
+            try:
+                onednn.install(packed, twin.tensor, compare=True)  # equal bytes only: else it stays
+            except PackedWeightError:
+                pass
+            else:
+                self.staged.append(Staged(name, handler, key, twin.segment, twin.tensor, owner=False))
+                return
+        segment = HostSegment.from_bytes(view, name=SEGMENT_MEMFD_NAME)
+        self.created_bytes += segment.size
+        tensor = segment.tensor(0, torch.uint8, (packed.nbytes,), (1,))
+        try:
+            # The segment was copied from these very bytes a moment ago: comparing them again
+            # would be a second pass over the model for nothing.
+            onednn.install(packed, tensor, compare=False)
+        except PackedWeightError:
+            self._drop(segment)
+            raise
+        entry = Staged(name, handler, key, segment, tensor, owner=True)
+        self.staged.append(entry)
+        self._by_key.setdefault(key, entry)
+
+    def slots(self) -> list[tuple[PackedSlot, str]]:
+        """The staged packed weights as the sharing pass takes them: (slot, content key), the
+        entry owning each segment first among equal keys.  A handler changed since it was
+        staged (it no longer reads its segment) is left out."""
+        out = []
+        for entry in sorted(self.staged, key=lambda e: not e.owner):
+            try:
+                packed = onednn.find_packed(entry.handler)
+            except PackedWeightError:
+                continue
+            if packed.address != entry.tensor.data_ptr():
+                continue
+            out.append((PackedSlot(entry.module, packed, entry.tensor,
+                                   staged=entry.segment if entry.owner else None), entry.key))
+        return out
+
+    def release(self) -> None:
+        """Let go of every staged segment: a published one lives on in the handlers that read
+        it (and the registry); one that was not (another engine's copy was mapped instead) is
+        freed as its last mapping goes.  Idempotent."""
+        in_use = {id(e.segment) for e in self.staged if _reads(e)}
+        for entry in self.staged:
+            if entry.owner and entry.segment.fileno() >= 0:  # never published: its descriptor is still ours
+                with contextlib.suppress(OSError):
+                    entry.segment.close_fd()
+                if id(entry.segment) not in in_use:  # another engine's copy took its place: freed
+                    self.created_bytes -= entry.segment.size
+        self.staged.clear()
+        self._by_key.clear()
+
+    def _drop(self, segment: HostSegment) -> None:
+        with contextlib.suppress(OSError):
+            segment.close_fd()
+        self.created_bytes -= segment.size
+
+    def summary(self) -> str:
+        """One line: how many packed weights were staged, in how many segments and bytes."""
+        owned = [e for e in self.staged if e.owner]
+        return (f"{len(self.staged)} packed weights staged in {len(owned)} segments "
+                f"({sum(e.segment.size for e in owned) / 1e6:.1f} MB)")
+
+
+def _reads(entry: Staged) -> bool:
+    """Whether ``entry``'s handler still reads its staged segment."""
+    try:
+        return onednn.find_packed(entry.handler).address == entry.tensor.data_ptr()
+    except PackedWeightError:
+        return False

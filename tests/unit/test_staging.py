@@ -7,8 +7,10 @@ and frees the staged segment."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
+import threading
 
 import pytest
 import torch
@@ -19,7 +21,10 @@ from vllm_dedup.content.keys import ContentKey
 from vllm_dedup.engine import onednn
 from vllm_dedup.engine.context import LoadContext
 from vllm_dedup.engine.share import share_model
+from vllm_dedup.engine import staging as staging_module
+from vllm_dedup.engine.heap import MAPPED_BLOCK_BYTES
 from vllm_dedup.engine.staging import Staging
+from vllm_dedup.errors import PackedWeightError
 from vllm_dedup.registry.client import RegistryClient, registry_stats
 from vllm_dedup.registry.lease import Lease
 
@@ -125,6 +130,81 @@ def test_small_packed_weights_stay_with_onednn():
     _stage(model, staging)
     assert staging.staged == [] and staging.created_bytes == 0
     assert not onednn.find_packed(model.layer0.handler).shared
+
+
+class _Big(nn.Module):
+    """A vocabulary-sized packed weight (8192 x 4096 bfloat16: 64 MiB), which the staging moves
+    in chunks (Note [moving a packed weight])."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.randn(8192, 4096, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        self.handler = ops.create_onednn_mm(self.weight.t(), 32)
+
+    def outputs(self) -> torch.Tensor:
+        x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+        return ops.onednn_mm(self.handler, x, None)
+
+
+def _held() -> int:
+    """This process's private memory plus the machine's shared memory, in bytes: a memfd's pages
+    count from when they are written, mapped or not."""
+    def field(path, name):
+        with open(path) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(name))
+
+    return field("/proc/self/status", "RssAnon:") + field("/proc/meminfo", "Shmem:")
+
+
+def test_a_large_packed_weight_is_moved_chunk_by_chunk():
+    big = _Big()
+    before = big.outputs()
+    packed = onednn.find_packed(big.handler)
+    assert packed.nbytes >= MAPPED_BLOCK_BYTES
+    peak, base, done = 0, _held(), False
+
+    def sample():
+        nonlocal peak
+        while not done:
+            peak = max(peak, _held() - base)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    staging = Staging(min_bytes=1)
+    try:
+        staging.after_post_processing("embed", big)
+    finally:
+        done = True
+        sampler.join()
+    assert staging.failures == [] and staging.staged[0].owner
+    assert _address(big) == staging.staged[0].tensor.data_ptr()
+    assert torch.equal(big.outputs(), before)
+    # memory never held the weight twice: the source gave its pages back as the memfd filled (a
+    # whole copy first would add packed.nbytes here)
+    assert peak < packed.nbytes // 2, (peak, packed.nbytes)
+
+
+@pytest.mark.parametrize("fail", ["install", "seal"])
+def test_a_move_that_fails_leaves_the_handler_its_bytes(monkeypatch, fail):
+    big = _Big()
+    before = big.outputs()
+    packed = onednn.find_packed(big.handler)
+    if fail == "install":
+        def refuse(*args, **kwargs):
+            raise PackedWeightError("refused for the test")
+
+        monkeypatch.setattr(onednn, "install", refuse)
+    else:
+        def no_seal(fd):
+            raise OSError(errno.EPERM, "sealing refused for the test")
+
+        monkeypatch.setattr(staging_module, "seal", no_seal)
+    staging = Staging(min_bytes=1)
+    staging.after_post_processing("embed", big)
+    assert staging.staged == [] and staging.created_bytes == 0 and len(staging.failures) == 1
+    assert _address(big) == packed.address and not onednn.find_packed(big.handler).shared
+    assert torch.equal(big.outputs(), before)  # every dropped page got its bytes back
+    onednn.check_packing(onednn.find_packed(big.handler), big.weight.t(), sample=None)
 
 
 def _context(sock, name: str) -> LoadContext:

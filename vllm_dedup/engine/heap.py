@@ -25,13 +25,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 
-__all__ = ["reused_heap", "trim"]
+__all__ = ["MAPPED_BLOCK_BYTES", "PAGE_BYTES", "drop_pages", "reused_heap", "trim"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
 _DEFAULT_THRESHOLD = 128 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MIN and DEFAULT_TRIM_THRESHOLD
 _MAX_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _NO_TRIM = 2**31 - 1  # mallopt takes an int
+_MADV_DONTNEED = 4  # asm-generic/mman-common.h
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+MAPPED_BLOCK_BYTES = _MAX_MMAP_THRESHOLD  # within `reused_heap`, blocks at least this large are mapped
 
 
 @functools.cache
@@ -40,9 +44,27 @@ def _glibc():
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
         return libc
     except (OSError, AttributeError):  # not glibc
         return None
+
+
+def drop_pages(address: int, nbytes: int) -> int:
+    """Give back to the kernel the whole pages inside ``[address, address + nbytes)`` of this
+    process's private anonymous memory (``madvise(MADV_DONTNEED)``): they read as zeros after.
+    Only the pages wholly inside the range go, so an allocator's headers on either side stay.
+    For a live buffer whose bytes were copied elsewhere and are no longer read.
+
+    Returns:
+        The bytes given back (0 where the call is not available or failed).
+    """
+    start = -(-address // PAGE_BYTES) * PAGE_BYTES
+    end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+    libc = _glibc()
+    if libc is None or end <= start:
+        return 0
+    return end - start if libc.madvise(start, end - start, _MADV_DONTNEED) == 0 else 0
 
 
 def trim() -> None:

@@ -14,7 +14,8 @@ layer's post-processing, while the next layers are still plain:
    the handler is pointed at its read-only mapping (`onednn.install`), which frees oneDNN's
    buffer at once.
 
-So the load holds at most one layer's packed weight twice, never the model's.  The staged
+So the load holds at most one layer's packed weight twice, never the model's; a large one
+(Note [moving a packed weight]) not even that.  The staged
 segments are this engine's own and not yet published: the sharing pass then acquires their
 keys like any other, maps another engine's copy where one is resident (compared exactly, and
 the staged segment is dropped), and publishes the staged segment itself otherwise, with no
@@ -30,11 +31,25 @@ Note [why the packed bytes are copied once]
     allocator hook, so the bytes cannot be born in a memfd; anonymous pages cannot become a
     memfd's either.  One copy per layer, right after packing while the bytes are warm, is the
     least that is left (``patches/0005`` would let the handler pack into a caller's buffer).
+
+Note [moving a packed weight]
+    A vocabulary embedding's packed weight (hundreds of MB) is staged first, while every plain
+    weight is still loaded: the moment of a plain load's peak.  Copying it whole would add its
+    size to that peak.  A buffer of at least `heap.MAPPED_BLOCK_BYTES` is one glibc maps and
+    unmaps on its own, so its pages are freed when oneDNN frees it anyway: it is copied in
+    chunks, and each chunk's whole pages are given back (`heap.drop_pages`) as soon as the
+    memfd holds them, so the copy adds one chunk.  Nobody reads the buffer meanwhile (the
+    handler is only used after post-processing); until `onednn.install` points the handler
+    at the segment, any failure copies the bytes back from the memfd first, so the handler
+    never reads a dropped page.  Smaller buffers sit in glibc's heap, where `reused_heap`
+    hands their pages to the next layer: dropping those would only fault them in again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 from dataclasses import dataclass
 
 import xxhash
@@ -42,13 +57,16 @@ import xxhash
 from ..content.keys import ContentKey
 from ..errors import PackedWeightError, SegmentError
 from ..log import init_logger
-from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment
+from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal, write_all
 from . import onednn
+from .heap import MAPPED_BLOCK_BYTES, PAGE_BYTES, drop_pages
 from .packed import PackedSlot, packed_dtype
 
 __all__ = ["Staged", "Staging"]
 
 logger = init_logger(__name__)
+
+_CHUNK_BYTES = 16 << 20  # Note [moving a packed weight]: what the copy of a large buffer adds
 
 
 @dataclass
@@ -129,7 +147,8 @@ class Staging:
             else:
                 self.staged.append(Staged(name, handler, key, twin.segment, twin.tensor, owner=False))
                 return
-        segment = HostSegment.from_bytes(view, name=SEGMENT_MEMFD_NAME)
+        moved = packed.nbytes >= MAPPED_BLOCK_BYTES
+        segment = _moved(packed, view) if moved else HostSegment.from_bytes(view, name=SEGMENT_MEMFD_NAME)
         self.created_bytes += segment.size
         tensor = segment.tensor(0, torch.uint8, (packed.nbytes,), (1,))
         try:
@@ -137,6 +156,8 @@ class Staging:
             # would be a second pass over the model for nothing.
             onednn.install(packed, tensor, compare=False)
         except PackedWeightError:
+            if moved:  # the handler keeps its own buffer: its dropped pages get their bytes back
+                ctypes.memmove(packed.address, tensor.data_ptr(), packed.nbytes)
             self._drop(segment)
             raise
         entry = Staged(name, handler, key, segment, tensor, owner=True)
@@ -183,6 +204,41 @@ class Staging:
         owned = [e for e in self.staged if e.owner]
         return (f"{len(self.staged)} packed weights staged in {len(owned)} segments "
                 f"({sum(e.segment.size for e in owned) / 1e6:.1f} MB)")
+
+
+def _moved(packed, view: memoryview) -> HostSegment:
+    """A new sealed memfd segment holding ``view`` (the bytes of ``packed``, a
+    `onednn.PackedWeight`), whose source pages are given back as it fills (Note [moving a
+    packed weight]).  On failure the source holds its bytes again.
+
+    Raises:
+        SegmentError: the memfd could not be made, filled, sealed or mapped.
+    """
+    nbytes, written = packed.nbytes, 0
+    try:
+        fd = os.memfd_create(SEGMENT_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as e:
+        raise SegmentError(f"cannot create a {nbytes}-byte memfd segment: {e}") from None
+    try:
+        os.ftruncate(fd, nbytes)
+        low = packed.address  # the first byte whose page may still hold bytes
+        while written < nbytes:
+            end = min(written + _CHUNK_BYTES, nbytes)
+            write_all(fd, view[written:end], written)
+            written = end
+            drop_pages(low, packed.address + end - low)
+            low = max(low, (packed.address + end) // PAGE_BYTES * PAGE_BYTES)
+        seal(fd)
+        return HostSegment(os.dup(fd), nbytes)  # closes that descriptor if it cannot be mapped
+    except (OSError, SegmentError) as e:
+        if written:  # the pages dropped so far are in the memfd
+            source = (ctypes.c_uint8 * written).from_address(packed.address)
+            done = 0
+            while done < written:
+                done += os.preadv(fd, [memoryview(source)[done:]], done)
+        raise SegmentError(f"cannot fill a {nbytes}-byte memfd segment: {e}") from None
+    finally:
+        os.close(fd)
 
 
 def _reads(entry: Staged) -> bool:

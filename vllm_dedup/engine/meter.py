@@ -57,7 +57,7 @@ class LoadMeter:
         self._thread = threading.Thread(target=self._sample, name="vllm-dedup-meter", daemon=True)
 
     def __enter__(self) -> LoadMeter:
-        self._base = private_bytes(self.device_type)
+        self._base = private_bytes(self.device_type) + self.live()
         self._start = time.perf_counter()
         self._thread.start()
         return self

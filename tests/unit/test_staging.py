@@ -247,3 +247,16 @@ def test_the_sharing_pass_publishes_a_staged_segment_as_it_is_and_maps_it_elsewh
     finally:
         a.lease.close()
         b.lease.close()
+
+
+
+def test_the_heap_is_trimmed_as_layers_are_staged(monkeypatch):
+    """Note [the heap while staging]: every `_TRIM_EVERY_BYTES` of oneDNN buffers freed into the
+    heap, its free pages go back to the kernel (else they grow by a weight per layer)."""
+    trims = []
+    monkeypatch.setattr(staging_module, "trim", lambda: trims.append(1))
+    model = _model(1, 2, 3, 4, 5)
+    nbytes = onednn.find_packed(model.layer0.handler).nbytes
+    monkeypatch.setattr(staging_module, "_TRIM_EVERY_BYTES", 2 * nbytes)
+    _stage(model, Staging(min_bytes=1))
+    assert len(trims) == 2  # after layers 1 and 3

@@ -32,6 +32,15 @@ Note [why the packed bytes are copied once]
     memfd's either.  One copy per layer, right after packing while the bytes are warm, is the
     least that is left (``patches/0005`` would let the handler pack into a caller's buffer).
 
+Note [the heap while staging]
+    Post-processing runs inside `heap.reused_heap`, where glibc keeps every freed block for
+    reuse.  In a plain load each layer frees its plain weight and allocates its packed one:
+    the heap stays level.  Staging also frees oneDNN's buffer, so each layer leaves a block
+    more than the next one takes, and the free blocks (resident, counted in the peak) would
+    grow by a plain weight per layer, up to the model's size.  Every `_TRIM_EVERY_BYTES` of
+    buffers freed into the heap, `heap.trim` gives the free pages back: the layers in between
+    still reuse each other's blocks, and the growth stays bounded.
+
 Note [moving a packed weight]
     A vocabulary embedding's packed weight (hundreds of MB) is staged first, while every plain
     weight is still loaded: the moment of a plain load's peak.  Copying it whole would add its
@@ -59,7 +68,7 @@ from ..errors import PackedWeightError, SegmentError
 from ..log import init_logger
 from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal, write_all
 from . import onednn
-from .heap import MAPPED_BLOCK_BYTES, PAGE_BYTES, drop_pages
+from .heap import MAPPED_BLOCK_BYTES, PAGE_BYTES, drop_pages, trim
 from .packed import PackedSlot, packed_dtype
 
 __all__ = ["Staged", "Staging"]
@@ -67,6 +76,7 @@ __all__ = ["Staged", "Staging"]
 logger = init_logger(__name__)
 
 _CHUNK_BYTES = 16 << 20  # Note [moving a packed weight]: what the copy of a large buffer adds
+_TRIM_EVERY_BYTES = 128 << 20  # Note [the heap while staging]
 
 
 @dataclass
@@ -114,10 +124,17 @@ class Staging:
         self.created_bytes = 0
         self.failures: list[str] = []
         self._by_key: dict[str, Staged] = {}  # key -> the entry owning a segment of those bytes
+        self._freed_since_trim = 0  # bytes of oneDNN buffers freed into the heap since the last trim
 
     def after_post_processing(self, name: str, module) -> None:
         """Stage every packed weight ``module`` itself holds; called right after its
         post-processing.  Never raises: what cannot be staged stays with oneDNN."""
+        self._stage_all(name, module)
+        if self._freed_since_trim >= _TRIM_EVERY_BYTES:  # Note [the heap while staging]
+            trim()
+            self._freed_since_trim = 0
+
+    def _stage_all(self, name: str, module) -> None:
         for handler in onednn.module_handlers(module):
             try:
                 self._stage(name, handler)
@@ -160,6 +177,8 @@ class Staging:
                 ctypes.memmove(packed.address, tensor.data_ptr(), packed.nbytes)
             self._drop(segment)
             raise
+        if not moved:  # a mapped block was unmapped by free(); this one stays in the heap
+            self._freed_since_trim += packed.nbytes
         entry = Staged(name, handler, key, segment, tensor, owner=True)
         self.staged.append(entry)
         self._by_key.setdefault(key, entry)

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..content.keys import ContentKey, content_keys, tensor_key
+from ..content.keys import ContentKey, content_key, content_keys
+from ..content.views import tensor_bytes
 from ..errors import PackedWeightError
 from ..log import init_logger
 from . import onednn
 
-__all__ = ["PackedSlot", "collect_packed", "installed_handlers", "packed_dtype", "packed_keys"]
+__all__ = ["PackedSlot", "collect_packed", "installed_handlers", "packed_dtype", "packed_key", "packed_keys"]
 
 logger = init_logger(__name__)
 
@@ -118,7 +119,12 @@ def installed_handlers(model, placement: dict) -> list[onednn.PackedWeight]:
     return out
 
 
+def packed_key(packed: onednn.PackedWeight, data) -> ContentKey:
+    """The content key of a packed weight (Note [a packed weight's content key]): ``data``, its
+    ``packed.nbytes`` bytes (any buffer), hashed in place."""
+    return content_key(data, packed_dtype(packed.layout), (packed.nbytes,), (1,))
+
+
 def packed_keys(slots: list[PackedSlot]) -> list[ContentKey]:
-    """Content keys of packed weights (Note [a packed weight's content key]), hashed in parallel."""
-    keys = content_keys([lambda t=s.tensor: tensor_key(t) for s in slots])
-    return [ContentKey(k.digest, packed_dtype(s.packed.layout), (s.nbytes,), (1,)) for k, s in zip(keys, slots)]
+    """Content keys of packed weights (`packed_key`), hashed in parallel."""
+    return content_keys([lambda s=s: packed_key(s.packed, tensor_bytes(s.tensor)) for s in slots])

@@ -61,15 +61,12 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-import xxhash
-
-from ..content.keys import ContentKey
 from ..errors import PackedWeightError, SegmentError
 from ..log import init_logger
 from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal, write_all
 from . import onednn
 from .heap import MAPPED_BLOCK_BYTES, PAGE_BYTES, drop_pages, trim
-from .packed import PackedSlot, packed_dtype
+from .packed import PackedSlot, packed_key
 
 __all__ = ["Staged", "Staging"]
 
@@ -152,8 +149,7 @@ class Staging:
         if packed.shared or packed.nbytes < self.min_bytes:
             return
         view = packed.view()
-        digest = xxhash.xxh3_128_digest(view)
-        (key,) = self.colliding([ContentKey(digest, packed_dtype(packed.layout), (packed.nbytes,), (1,))])
+        (key,) = self.colliding([packed_key(packed, view)])
         key = str(key)
         twin = self._by_key.get(key)
         if twin is not None:

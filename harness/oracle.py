@@ -18,6 +18,8 @@ answers with a digest per tensor:
   holds (`vllm_dedup.engine.onednn`): what the linear kernels read once vLLM dropped the
   weight, as the content key the sharing pass gives it (`vllm_dedup.engine.packed`:
   ``onednn:<layout identity digest>[<bytes>]/[1]:<XXH3-128 of the bytes>``);
+- ``output:<module>``: each quantized linear's output on a fixed input (`output_digests`): what
+  its kernel computes, with tensors it reads through raw pointers;
 
 each as ``dtype|shape|stride|<XXH3-128 of the bytes>`` (``meta`` in place of the digest for a
 tensor that has no data).  `differences` names every tensor whose entry is not the reference's.
@@ -30,7 +32,7 @@ import urllib.request
 
 from vllm_dedup.engine.slots import attribute_tensors
 
-__all__ = ["FinalTensors", "differences", "packed_digests", "serve_digests", "tensor_digests"]
+__all__ = ["FinalTensors", "differences", "output_digests", "packed_digests", "serve_digests", "tensor_digests"]
 
 EXTENSION = "harness.oracle.FinalTensors"
 
@@ -65,7 +67,42 @@ def tensor_digests(model) -> dict[str, str]:
     for where, t in attribute_tensors(model):
         out[f"attr:{where}"] = _digest(t)
     out.update(packed_digests(model))
+    out.update(output_digests(model))
     return out
+
+
+def output_digests(model) -> dict[str, str]:
+    """``output:<module>`` -> digest of each quantized vLLM linear's output on a fixed input
+    (``quant_method.apply``, 3 rows of seeded values in the layer's ``params_dtype``).  A
+    quantized kernel can read tensors through raw pointers its handler took at creation (a W8A8
+    handler's ``weight_scale``): equal parameters do not prove it reads them, its output does.
+    Empty where vLLM is not there."""
+    import torch
+
+    try:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    except ImportError:
+        return {}
+    out = {}
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if not isinstance(module, LinearBase) or method is None or isinstance(method, UnquantizedLinearMethod):
+                continue
+            k = getattr(module, "input_size_per_partition", module.input_size)
+            x = torch.randn(3, k, generator=generator).to(module.params_dtype)
+            bias = None if getattr(module, "skip_bias_add", False) else getattr(module, "bias", None)
+            out[f"output:{name}"] = _digest(method.apply(module, x.to(_device_of(module)), bias))
+    return out
+
+
+def _device_of(module):
+    import torch
+
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
 
 
 def packed_digests(model) -> dict[str, str]:

@@ -12,6 +12,7 @@ import os
 import shutil
 
 from harness.engines import PROMPTS, EngineProcess, ServeProcess
+from harness.oracle import differences
 from harness.procs import evict_from_page_cache, resident_bytes
 from helpers import scan_json, wait_for
 from vllm_dedup.registry.client import RegistryClient
@@ -234,15 +235,22 @@ def _reregistered(registry, pid: int, old_registry: int) -> bool:
     return stats.registry_pid != old_registry and engine is not None and engine.load.get("reregistered") == 1
 
 
-def test_a_quantized_model_is_shared_and_answers_as_plain(smollm2, registry, plain_tokens, same_tensors):
+def test_a_quantized_model_is_shared_and_answers_as_plain(smollm2, registry):
     """W8A8 int8 (compressed-tensors), which vLLM's CPU backend serves.  Its int8 weights are
-    shared like any others.  The fast path cannot map its attention layers in this vLLM: the
-    compressed-tensors KV-cache method declares pre-processed support but ignores the mode
-    (patches/0003 is the fix), so the engine loads as usual, with one line saying why."""
+    shared like any others; each oneDNN int8 handler reads its layer's ``weight_scale`` through
+    a raw pointer, so the oracle compares every quantized linear's output too (``output:``),
+    with a plain ``auto`` engine's, byte for byte.  The fast path cannot map its attention
+    layers in this vLLM: the compressed-tensors KV-cache method declares pre-processed support
+    but ignores the mode (patches/0003 is the fix), so the engine loads as usual, with one line
+    saying why."""
     from harness.variants import cached_variant
 
     quantized = cached_variant(smollm2, "w8a8-int8")
-    reference = plain_tokens(quantized)
+    with EngineProcess(quantized, "auto", core=0) as plain:
+        plain.wait_ready()
+        (plain_tensors,) = plain.final_tensors()
+        reference = plain.generate()
+    assert sum(k.startswith("output:") for k in plain_tensors) == 4 * 30  # qkv, o, gate_up, down in 30 layers
     engines = [EngineProcess(quantized, core=i).wait_ready() for i in range(2)]
     try:
         first, second = (registry.engine_loads()[e.pid] for e in engines)
@@ -256,7 +264,8 @@ def test_a_quantized_model_is_shared_and_answers_as_plain(smollm2, registry, pla
         assert second["shared_bytes"] == first["published_bytes"] + first["shared_bytes"]
         assert second["published_tensors"] == 0
         for e in engines:
-            same_tensors(e, quantized)
+            (tensors,) = e.final_tensors()
+            assert not differences(tensors, plain_tensors), differences(tensors, plain_tensors)[:5]
         assert second["load_path"] in ("none", "modules")
         if second["load_path"] == "none":  # vLLM without patches/0003
             assert "failed in vLLM's pre-processed mode" in engines[1].log(), dedup_lines(engines[1])

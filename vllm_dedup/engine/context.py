@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .handlers import HandlerRecord
+
 __all__ = ["LoadContext", "LoadReport", "Placement"]
 
 
@@ -41,6 +43,8 @@ class LoadContext:
             ``create_model`` for this call); None outside vLLM.
         share_packed: share the packed weights of vLLM's oneDNN handlers too (CPU backend,
             ``cpu_linear="packed"``: `packed.py`).
+        handlers: the oneDNN handlers this load created, recorded where vLLM made them, with
+            the tensors they read through raw pointers (`handlers.recorded_handlers`).
     """
 
     config: object
@@ -53,6 +57,7 @@ class LoadContext:
     prefix: str = ""
     create_model: Callable[[], object] | None = None
     share_packed: bool = False
+    handlers: HandlerRecord = field(default_factory=HandlerRecord)
 
     @property
     def device_type(self) -> str:

@@ -55,6 +55,7 @@ from ..config import DedupConfig
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from .context import LoadContext, LoadReport
+from .handlers import recorded_handlers
 from .meter import LoadMeter
 from .session import EngineSession
 from .signature import load_signature
@@ -156,7 +157,7 @@ class DedupModelLoader(BaseModelLoader):
         def held() -> int:  # the segments this load made, as they exist now
             return report.created_bytes + (staging.created_bytes if staging is not None else 0)
 
-        with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen():
+        with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen(), recorded_handlers(ctx.handlers):
             model, mapped, replay, recorded, decision = self._load(ctx, report, staging)
             self._share(model, ctx, report, mapped, staging)
             from .fast_path import leave_recipe

@@ -115,7 +115,7 @@ class SharingPass:
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
         self.seg_cls = segment_class(ctx.device_type)
         # 1. collect (what a recipe mapped is already shared)
-        pinned = pinned_tensors(model) if ctx.device_type == "cpu" else []  # read by oneDNN through raw pointers
+        pinned = _pinned(model, ctx) if ctx.device_type == "cpu" else []  # read by oneDNN through raw pointers
         slots, private_n, private_b = collect_slots(model, ctx.device_type, ctx.config.min_tensor_bytes,
                                                     exclude=set(mapped) | {id(t) for t in pinned})
         report.private_tensors += len(pinned)
@@ -307,6 +307,21 @@ class SharingPass:
             self.keep_private(differ)
         if not taken:  # the backend failed for every member
             self.lease.release([seg_id])
+
+
+def _pinned(model, ctx: LoadContext) -> list:
+    """The tensors oneDNN handlers read through raw pointers, which must stay where they are:
+    those recorded where the handlers were made (`handlers.recorded_handlers`, exact), and those
+    of every module the search finds holding such a handler (`onednn.pinned_tensors`, for a
+    model made outside a recorded load)."""
+    out = {id(t): t for t in pinned_tensors(model)}
+    storages = ctx.handlers.pinned()
+    if storages:
+        for module in model.modules():
+            for t in [*module._parameters.values(), *module._buffers.values()]:
+                if t is not None and t.untyped_storage().data_ptr() in storages:
+                    out.setdefault(id(t), t)
+    return list(out.values())
 
 
 def _keys(tensors, device_type: str) -> list[str]:

@@ -38,7 +38,8 @@ class DedupConfig:
             by ``F.linear``, shared like any tensor; slower, and rounded unlike a plain engine
             on some CPUs), ``private`` (vLLM's oneDNN, packed weights not shared).  Where
             ``packed`` cannot work (a vLLM build without its symbol table, a handler layout not
-            understood: `onednn.probe`), the engine runs ``plain`` and says why in one line.
+            understood: `onednn.probe`), the engine runs ``private`` (plain vLLM's speed and
+            numerics) and says why in one log line and its load report's ``private_linears``.
         cpu_share_linear: deprecated spelling: ``true`` is ``cpu_linear="plain"``, ``false``
             ``cpu_linear="private"``.
         registry_address: ``None`` (find or start one: see `registry.discovery.connect_registry`),

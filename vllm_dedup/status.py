@@ -51,6 +51,8 @@ def format_registry(where: str | None, stats: RegistryStats) -> str:
              "re-registered", "model"],
             "rllrrrrlrl",
         ))
+        out += [f"pid {e.pid}: oneDNN linears kept private: {e.load['private_linears']}"
+                for e in stats.engines if e.load.get("private_linears")]
     else:
         out.append("no engines connected")
     out += [f"lock {name} held by pid {pid}" for name, pid in stats.locks.items()]

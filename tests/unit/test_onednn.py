@@ -322,3 +322,50 @@ def test_the_tensors_a_w8a8_handler_reads_by_pointer_are_pinned():
     model = nn.Module()
     model.q, model.p = quantized, plain
     assert [id(t) for t in onednn.pinned_tensors(model)] == [id(quantized.weight_scale), id(quantized.bias)]
+
+
+def test_a_replay_placeholder_packs_zeros_and_a_write_to_it_faults():
+    """Note [packed weights replayed]: a replay's placeholder weight reads zeros, vLLM packs
+    it, and the pages are read-only: a write dies with SIGSEGV (in a child) instead of changing
+    what the next layer packs from the same pages."""
+    from vllm_dedup.engine.replay import ZeroPages
+
+    zeros = ZeroPages()
+    placeholder = zeros.tensor(DTYPE, torch.Size((96, 320)))
+    assert not placeholder.any() and placeholder.stride() == (320, 1)
+    handler = ops.create_onednn_mm(placeholder.t(), 32)
+    x = torch.randn(3, 320, generator=torch.Generator().manual_seed(1)).to(DTYPE)
+    assert not ops.onednn_mm(handler, x, None).any()
+    larger = zeros.tensor(DTYPE, torch.Size((4096, 1024)))  # grows by a new mapping
+    assert not larger.any() and not placeholder.any()
+    child = subprocess.run([sys.executable, "-c", (
+        "import torch\nfrom vllm_dedup.engine.replay import ZeroPages\n"
+        "t = ZeroPages().tensor(torch.float32, torch.Size((64, 64)))\nprint('made', flush=True)\nt[3, 5] = 1.0\n")],
+        capture_output=True, text=True, timeout=120)
+    assert child.stdout.strip() == "made", child.stderr[-2000:]
+    assert child.returncode == -11, (child.returncode, child.stderr[-2000:])  # SIGSEGV
+
+
+def test_reads_in_a_forked_child_see_the_childs_memory():
+    """Issue 28, fork: the handle on the process's own memory is opened by the process that
+    reads; a child made by ``fork`` after the parent read must not read the parent's bytes."""
+    lib = onednn._library()
+    buf = ctypes.create_string_buffer(b"parent", 16)
+    address = ctypes.addressof(buf)
+    assert lib.read(address, 6) == b"parent"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: change its copy of the page, read it through the library
+        try:
+            ctypes.memmove(address, b"child!", 6)
+            os.write(w, onednn._library().read(address, 6))
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        got = os.read(r, 16)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert got == b"child!"
+    assert lib.read(address, 6) == b"parent"

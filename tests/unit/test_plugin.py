@@ -46,3 +46,19 @@ def test_inner_loader_gets_only_its_own_config():
     assert loader.inner.load_config.model_loader_extra_config == {"num_threads": 2}
     with pytest.raises(ValueError, match="cannot be 'dedup'"):
         DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"inner_load_format": "dedup"}))
+
+
+def test_where_packed_sharing_cannot_work_linears_keep_vllms_private_packed_copies(monkeypatch):
+    """Issue 28, fallback: a failed probe runs ``private`` (vLLM's own oneDNN kernels on private
+    packed copies: plain's speed and numerics), not ``plain`` (``F.linear``, slower), and every
+    load report says which linears and why."""
+    import types
+
+    from vllm_dedup.engine import onednn
+
+    monkeypatch.setattr(onednn, "probe", lambda dtype: onednn.Support(False, f"no {dtype} here (test)"))
+    loader = DedupModelLoader(LoadConfig(load_format="dedup"))
+    assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "private"
+    assert loader.packed_declined == "every linear: packed sharing cannot work here (no bfloat16 here (test))"
+    asked = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"cpu_linear": "plain"}))
+    assert asked.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "plain" and asked.packed_declined == ""

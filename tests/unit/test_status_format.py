@@ -81,3 +81,10 @@ def test_an_empty_registry_says_so():
     stats = Registry().stats()
     text = format_status([("/run/r.sock", stats)])
     assert "no segments resident" in text and "no engines connected" in text
+
+
+def test_linears_kept_private_are_named_with_why():
+    why = "every linear: packed sharing cannot work here (no bfloat16 matmul on this CPU)"
+    text = format_status(stats_with([{"published_bytes": 4 * MB, "private_linears": why}, {"shared_bytes": 4 * MB}]))
+    assert f"pid 1000: oneDNN linears kept private: {why}" in text.splitlines()
+    assert "pid 1001" not in text

@@ -97,6 +97,7 @@ class LoadReport:
     load_seconds: float = 0.0  # wall time of load_model
     peak_bytes: int = 0  # `meter.LoadMeter.peak_bytes`
     created_bytes: int = 0  # segments the sharing pass made (live: the load meter samples it)
+    private_linears: str = ""  # oneDNN linears that keep private packed copies, and why ("" when none)
     errors: list[str] = field(default_factory=list)
     placement: dict[int, Placement] = field(default_factory=dict, repr=False)
 

@@ -66,6 +66,7 @@ Note [lifetimes]
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -255,12 +256,24 @@ class _Library:
                         addr["vtable_w8a8"] + _VTABLE_ADDRESS_POINT: "w8a8"}
         self.memory_vptr = addr["vtable_memory"] + _VTABLE_ADDRESS_POINT
         self.vllm = vllm.__version__
-        self._mem = os.open("/proc/self/mem", os.O_RDONLY | os.O_CLOEXEC)
+        self._mem, self._mem_pid = -1, -1
+
+    def _mem_fd(self) -> int:
+        """This process's ``/proc/self/mem``, opened once per process.  The file names the
+        process that opened it: after ``fork`` the inherited descriptor reads the parent's
+        memory, so a child opens its own (checked by pid, which covers every way to fork)."""
+        if self._mem_pid != os.getpid():
+            if self._mem >= 0 and self._mem_pid != -1:
+                with contextlib.suppress(OSError):
+                    os.close(self._mem)  # the parent's, inherited: not ours to read through
+            self._mem = os.open("/proc/self/mem", os.O_RDONLY | os.O_CLOEXEC)
+            self._mem_pid = os.getpid()
+        return self._mem
 
     def read(self, address: int, nbytes: int) -> bytes:
         """``nbytes`` at ``address`` of this process; an unmapped address raises."""
         try:
-            data = os.pread(self._mem, nbytes, address) if address > 0 else b""
+            data = os.pread(self._mem_fd(), nbytes, address) if address > 0 else b""
         except OSError as e:
             raise PackedWeightError(f"address {address:#x} cannot be read ({e.strerror})") from None
         if len(data) != nbytes:

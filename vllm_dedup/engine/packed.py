@@ -72,25 +72,27 @@ class PackedSlot:
         onednn.install(self.packed, shared, compare=False)
 
 
-def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int]:
+def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int, list[str]]:
     """The packed weights of ``model``'s oneDNN handlers that can be shared.
 
     A handler whose packed weight cannot be found or checked (`onednn.PackedWeightError`: a
-    layout not understood) keeps it private; one log line says how many and why.
+    layout not understood) keeps its private packed copy (vLLM's own speed and numerics); one
+    log line says how many and why.
 
     Returns:
-        (slots, private handlers, their bytes when known): slots of at least ``min_bytes``,
-        not shared yet.
+        (slots, private handlers, their bytes when known, "<module>: <why>" of each handler
+        kept private for a reason other than its size): slots of at least ``min_bytes``, not
+        shared yet.
     """
     import torch
 
-    slots, private_n, private_b, first = [], 0, 0, None
+    slots, private_n, private_b, declined = [], 0, 0, []
     for name, handler in onednn.handlers_in(model):
         try:
             packed = onednn.find_packed(handler)
         except PackedWeightError as e:
             private_n += 1
-            first = first or f"{name}: {e}"
+            declined.append(f"{name}: {e}")
             continue
         if packed.shared:
             continue
@@ -100,10 +102,10 @@ def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int]:
             continue
         raw = (ctypes.c_uint8 * packed.nbytes).from_address(packed.address)
         slots.append(PackedSlot(name, packed, torch.frombuffer(raw, dtype=torch.uint8)))
-    if first:
+    if declined:
         logger.warning("%d oneDNN packed weight(s) stay private: their layout is not understood (first: %s)",
-                       private_n, first)
-    return slots, private_n, private_b
+                       len(declined), declined[0])
+    return slots, private_n, private_b, declined
 
 
 def installed_handlers(model, placement: dict) -> list[onednn.PackedWeight]:

@@ -37,9 +37,10 @@ Note [packed weights replayed]
     vLLM's CPU backend packs an unquantized linear weight into its oneDNN handler
     (``dispatch_cpu_unquantized_gemm``) and drops it; only the handler can run the layer, and
     only vLLM's post-processing makes one.  So a replay lets it: the layer's ``weight`` is a
-    view, of the layer's shape and row-major strides, into one anonymous private mapping that
-    nothing writes (every page reads as the kernel's shared zero page: no memory, whatever the
-    size), vLLM packs those zeros into a private buffer, and the segment holding the first
+    view, of the layer's shape and row-major strides, into one anonymous private mapping,
+    mapped read-only (every page reads as the kernel's shared zero page: no memory, whatever the
+    size; every layer's placeholder views it, so a write would change what the next layer
+    packs: it faults instead), vLLM packs those zeros into a private buffer, and the segment holding the first
     engine's packed bytes takes its place at once (`onednn.install`, which frees the buffer:
     one layer's packed copy at a time is the peak).  The handler's layout must be the one the
     recipe's content key names (`packed.packed_dtype`), else the recipe is declined.  The zeros
@@ -70,7 +71,7 @@ from .resident import map_resident
 from .slots import attribute_tensors
 from .sources import SourceRecorder
 
-__all__ = ["Replay"]
+__all__ = ["Replay", "ZeroPages"]
 
 logger = init_logger(__name__)
 
@@ -93,7 +94,7 @@ class Replay:
         self.ctx, self.match, self.where = ctx, match, where
         self.placement: dict[int, Placement] = {}  # handlers' ids too, for their packed weights
         self.mapped_bytes = 0
-        self._zeros = None  # Note [packed weights replayed]
+        self._zeros = ZeroPages()  # Note [packed weights replayed]
         self._segment_of: dict[str, int] = {}  # uid -> segment id, of what was acquired
         self._unused: dict[str, int] = {}  # uid -> segment id of embeddings' packed copies not installed
         self.recorder = SourceRecorder(hash_keys=False)
@@ -239,19 +240,9 @@ class Replay:
         meta = next((old for old, new in replaced.values() if new is current), None)
         if meta is None or not meta.is_meta or meta.ndim != 2:
             raise RecipeDeclined(f"module {name}: no 2-D {recipe.packed.name} to pack (found {meta!r})")
-        placeholder = self._zero_pages(meta.dtype, meta.shape)
+        placeholder = self._zeros.tensor(meta.dtype, meta.shape)
         module._parameters[recipe.packed.name] = _like(meta, placeholder)
         replaced[id(meta)] = (meta, module._parameters[recipe.packed.name])
-
-    def _zero_pages(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """A row-major tensor of ``shape`` reading zeros, over one anonymous mapping kept for the
-        build (grown as needed); nothing may write it."""
-        import mmap
-
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        if self._zeros is None or len(self._zeros) < nbytes:
-            self._zeros = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return torch.frombuffer(self._zeros, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
     def _install_packed(self, name: str, module: nn.Module, resident: dict) -> None:
         """Right after ``module``'s post-processing: its handler reads the recipe's segment."""
@@ -381,6 +372,30 @@ class Replay:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)
+
+
+class ZeroPages:
+    """Placeholders that read zeros, over one anonymous private mapping mapped read-only (Note
+    [packed weights replayed]): every page is the kernel's shared zero page (no memory,
+    whatever the size), and a write faults (SIGSEGV) instead of changing what the next layer
+    packs from the same pages."""
+
+    def __init__(self):
+        self._pages = None
+
+    def tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """A row-major tensor of ``shape`` and ``dtype`` over the zero pages (the mapping grows,
+        by a new one, when a larger tensor is asked for; the old stays while a tensor views it)."""
+        import mmap
+        import warnings
+
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if self._pages is None or len(self._pages) < nbytes:
+            self._pages = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                    prot=mmap.PROT_READ)
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable: the point
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _keeps_weight(recipe) -> bool:

@@ -129,7 +129,9 @@ class SharingPass:
         report.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
         keys = _keys([s.tensor for s in slots], ctx.device_type)
         if ctx.share_packed:
-            packed, private_n, private_b = collect_packed(model, ctx.config.min_tensor_bytes)
+            packed, private_n, private_b, declined = collect_packed(model, ctx.config.min_tensor_bytes)
+            if declined:
+                report.private_linears = f"{len(declined)} private packed copies ({declined[0][:200]})"
             for handler in installed_handlers(model, mapped):  # by a recipe
                 report.shared_tensors += 1
                 report.shared_bytes += handler.nbytes

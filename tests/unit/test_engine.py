@@ -170,6 +170,29 @@ def test_a_change_an_untraced_module_may_depend_on_declines_the_recipe():
     assert found is None and "decoder" in why
 
 
+def test_a_derived_tensor_in_no_segment_makes_its_module_load_and_the_recipe_stays_readable():
+    """Issue 30: post-processing derives a tensor from a module's parameters (MLA's ``W_UV``)
+    that is neither in a segment nor small enough to keep inline.  The module is recorded as
+    not replayable (a later engine loads it), and the recipe is one every reader accepts: the
+    writer checks it with the reader's own parser (`Recipe.checked_bytes`)."""
+    model = Tiny()
+    recorder = recorded_load(model, checkpoint(untied=True), copy_decoder=False)
+    model.qkv.register_buffer("W_UV", model.qkv.weight.detach().t().contiguous().repeat(4, 1))  # 256 bytes
+    recipe = recipe_of(model, recorder)
+    qkv = recipe.modules["qkv"]
+    derived = next(t for t in qkv.tensors if t.name == "W_UV")
+    assert (derived.key, derived.inline, derived.alias) == (None, None, None)
+    assert not qkv.replayable and "W_UV" in qkv.why
+    back = Recipe.from_bytes(recipe.checked_bytes())
+    assert back == recipe
+    found, why = choose([back], source_keys(checkpoint(untied=True)))
+    assert why == "" and set(found.unmatched) == {"qkv"} and "embed" in found.matched
+    # A replayable module's tensor must have a place: such a recipe is refused by the writer.
+    qkv.replayable = True
+    with pytest.raises(ValueError, match="'W_UV' must have exactly one of key, inline and alias"):
+        recipe.checked_bytes()
+
+
 def test_malformed_recipes_are_declined_never_raised():
     model = Tiny()
     recipe = recipe_of(model, recorded_load(model, checkpoint()))

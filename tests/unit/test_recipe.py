@@ -98,3 +98,79 @@ def test_a_recipe_survives_its_bytes_and_names_its_final_keys():
         Recipe.from_bytes(b'{"version": 0}')
     with pytest.raises(ValueError, match="not a recipe"):
         Recipe.from_bytes(b'{"version": 1}')
+
+
+# The recipe contract (issue 30): whatever a recipe holds, what the writer checks is what every
+# reader reads.  Hypothesis builds recipes from every kind of entry: keyed, inline, aliased and
+# private tensors (the last only in modules that are not replayable), zero-size and empty ones,
+# strided views, inline attribute tensors, packed weights keyed or inline with their layout.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_NAMES = st.text("abcdefghijklmnopqrstuvwxyz_.0123456789", min_size=1, max_size=12)
+_DTYPES = st.sampled_from(["bfloat16", "float16", "float32", "int8", "uint8", "int32", "bool"])
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**53, 2**53), st.text(max_size=8),
+                     st.floats(allow_nan=False, allow_infinity=False))
+
+
+@st.composite
+def _tensor(draw, place: str | None = None, placed: bool = True) -> TensorRecipe:
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    stride = tuple(draw(st.lists(st.integers(0, 64), min_size=len(shape), max_size=len(shape))))
+    places = ["key", "inline", "alias"] + ([] if placed else ["none"])
+    place = place or draw(st.sampled_from(places))
+    t = TensorRecipe(draw(_NAMES), draw(st.booleans()), draw(_DTYPES), shape, stride)
+    if place == "key":
+        t.key, t.uid = draw(_NAMES), draw(st.one_of(st.just(""), _NAMES))
+    elif place == "inline":
+        t.inline = draw(st.binary(max_size=64))
+    elif place == "alias":
+        t.alias = draw(_NAMES)
+    return t
+
+
+@st.composite
+def _packed(draw) -> TensorRecipe:
+    n = draw(st.integers(0, 4096))
+    t = TensorRecipe("weight", True, "uint8", (n,), (1,))
+    if draw(st.booleans()):
+        t.key, t.uid = draw(_NAMES), draw(_NAMES)
+    else:
+        t.inline, t.layout = draw(st.binary(max_size=64)), "onednn:" + draw(st.text("0123456789abcdef", max_size=16))
+    return t
+
+
+@st.composite
+def _module(draw) -> ModuleRecipe:
+    replayable = draw(st.booleans())
+    return ModuleRecipe(
+        draw(st.lists(_NAMES, max_size=4, unique=True).map(sorted)),  # as `build_recipe` writes them
+        draw(st.lists(_tensor(placed=replayable), max_size=4)), replayable,
+        "" if replayable else draw(st.text(max_size=20)), traced := draw(st.booleans()),
+        "" if traced else draw(st.text(max_size=20)), draw(st.lists(_tensor(place="inline"), max_size=2)),
+        draw(st.one_of(st.none(), _packed())))
+
+
+_RECIPES = st.builds(
+    Recipe, signature=st.text(max_size=20), sources=st.dictionaries(_NAMES, _NAMES, max_size=6),
+    modules=st.dictionaries(_NAMES, _module(), max_size=5), attrs=st.dictionaries(_NAMES, _SCALARS, max_size=3),
+    unattributed=st.lists(_NAMES, max_size=3).map(sorted), replayable=st.booleans(), why=st.text(max_size=20))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_RECIPES)
+def test_every_recipe_the_writer_checks_reads_back_as_the_same_recipe(recipe):
+    data = recipe.checked_bytes()
+    back = Recipe.from_bytes(data)
+    assert back == recipe
+    assert back.id == recipe.id and back.final() == recipe.final()
+    assert back.to_bytes() == data
+
+
+@settings(max_examples=100, deadline=None)
+@given(_module(), st.data())
+def test_a_replayable_module_with_a_tensor_in_no_place_is_refused_by_the_writer(module, data):
+    module.replayable, module.why = True, ""
+    module.tensors.append(data.draw(_tensor(place="none", placed=False)))
+    with pytest.raises(ValueError, match="must have exactly one of key, inline and alias"):
+        Recipe("sig", {}, {"m": module}).checked_bytes()

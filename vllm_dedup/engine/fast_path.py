@@ -176,7 +176,13 @@ def leave_recipe(ctx: LoadContext, model, report: LoadReport, recorded: Recorded
             return
         recipe = build_recipe(model, ctx.signature, sources, recording, report.placement,
                               min(ctx.config.min_tensor_bytes, INLINE_MAX), attrs_before, inherited)
-        ctx.lease.put_recipe(recipe.to_bytes())
+        try:
+            data = recipe.checked_bytes()
+        except ValueError as e:
+            logger.warning("%s: the recipe of this load is not kept: a reader would refuse it (%s); the next "
+                           "engine loads as usual", ctx.model_name, e)
+            return
+        ctx.lease.put_recipe(data)
     except (RegistryUnavailable, SegmentError) as e:
         logger.warning("%s: the recipe of this load was not kept (%s); the next engine loads as "
                        "usual", ctx.model_name, e)

@@ -45,7 +45,8 @@ import blake3
 __all__ = ["Match", "ModuleRecipe", "Recipe", "RecipeDeclined", "TensorRecipe", "build_recipe", "choose",
            "model_attrs", "packed_recipe", "unreplayable_reason"]
 
-VERSION = 3  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights
+VERSION = 4  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights;
+#             4: an unreplayable module's tensors may have no place (private), `checked_bytes`
 
 
 class RecipeDeclined(Exception):
@@ -56,7 +57,8 @@ class RecipeDeclined(Exception):
 @dataclass
 class TensorRecipe:
     """One final parameter or buffer of a module.  Exactly one of ``key``, ``inline`` and
-    ``alias`` is set.
+    ``alias`` is set, or none for a tensor that stays private in a module that is not
+    replayable (its layout is recorded; a replay loads that module from the checkpoint).
 
     Attributes:
         name: its attribute name in the module.
@@ -104,12 +106,17 @@ class TensorRecipe:
         return out
 
     @classmethod
-    def from_json(cls, d: dict) -> TensorRecipe:
+    def from_json(cls, d: dict, placed: bool = True) -> TensorRecipe:
+        """Raises:
+            ValueError: more than one of key, inline and alias; or none, where ``placed`` (a
+                replayable module's tensor) asks for one."""
         t = cls(str(d["name"]), bool(d["param"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
                 tuple(int(x) for x in d["stride"]), d.get("key"), str(d.get("uid", "")),
                 base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"), str(d.get("layout", "")))
-        if sum(x is not None for x in (t.key, t.inline, t.alias)) != 1:
-            raise ValueError(f"tensor {t.name!r} must have exactly one of key, inline and alias")
+        places = sum(x is not None for x in (t.key, t.inline, t.alias))
+        if places > 1 or (placed and places == 0):
+            raise ValueError(f"tensor {t.name!r} must have exactly one of key, inline and alias"
+                             + ("" if placed else ", or none"))
         return t
 
 
@@ -148,8 +155,9 @@ class ModuleRecipe:
         if packed is not None and (packed.alias is not None or packed.dtype != "uint8" or len(packed.shape) != 1
                                    or (packed.inline is not None and not packed.layout.startswith("onednn:"))):
             raise ValueError("a packed weight is a uint8 vector under a content key, or inline with its layout")
-        return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t) for t in d["tensors"]],
-                   bool(d["replayable"]), str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")),
+        replayable = bool(d["replayable"])
+        return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t, placed=replayable) for t in d["tensors"]],
+                   replayable, str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")),
                    attributes, packed)
 
     def keyed(self) -> list[TensorRecipe]:
@@ -192,6 +200,19 @@ class Recipe:
             "unattributed": sorted(self.unattributed), "replayable": self.replayable, "why": self.why,
             "final": self.final(),
         }, separators=(",", ":")).encode()
+
+    def checked_bytes(self) -> bytes:
+        """`to_bytes`, read back by the parser every engine reads recipes with (`from_bytes`)
+        and written again to the same bytes: the recipe contract, checked before a recipe is
+        published, so that no engine publishes a recipe another refuses.
+
+        Raises:
+            ValueError: a reader would refuse this recipe, or read another one (says why).
+        """
+        data = self.to_bytes()
+        if Recipe.from_bytes(data).to_bytes() != data:
+            raise ValueError("the recipe does not read back as it was written")
+        return data
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Recipe:

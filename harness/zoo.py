@@ -121,6 +121,21 @@ _ARCHS = [
     _arch("qwen2_moe", "qwen2_moe", "MoE with a shared expert and its gate", **_DECODER, num_key_value_heads=2,
           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=512,
           decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+    # multi-head latent attention (MLA; vLLM's CPU kernel takes kv_lora_rank 512 + rope 64 only):
+    # post-processing derives W_UV and W_UK_T from kv_b_proj
+    _arch("deepseek_v2", "deepseek_v2", "MLA with kv_b_proj, no q LoRA, dense MLP", **_DECODER, num_key_value_heads=4,
+          kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+          first_k_dense_replace=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+          moe_intermediate_size=128, topk_method="greedy", tie_word_embeddings=False),
+    _arch("deepseek_v2_lora", "deepseek_v2", "MLA with q LoRA (q_a_proj, q_b_proj), MoE from layer 2",
+          **_DECODER, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=96, qk_nope_head_dim=32,
+          qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1,
+          num_experts_per_tok=2, moe_intermediate_size=128, topk_method="greedy", tie_word_embeddings=False),
+    _arch("deepseek_v3", "deepseek_v3", "DeepSeek-V3 shape: MLA, MoE with shared experts, e_score_correction_bias",
+          **_DECODER, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=96, qk_nope_head_dim=32,
+          qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+          num_experts_per_tok=2, moe_intermediate_size=128, n_group=2, topk_group=1, topk_method="noaux_tc",
+          scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False),
     # others ------------------------------------------------------------------------------------
     _arch("bert_mlm", "bert", "BertForMaskedLM: the MLM decoder is the word embedding (derived tensor)", embeddings_tune=True,
           auto_class="AutoModelForMaskedLM", kind="embed", hidden_size=256, num_hidden_layers=4,

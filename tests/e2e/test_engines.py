@@ -243,13 +243,16 @@ def _registry_actors(address: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ray_address):
+def test_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ray_address):
+    """Engines started and stopped one after another (five in CI; ``VLLM_DEDUP_SOAK_CYCLES``
+    asks for more) leave no engine, segment, descriptor or process behind."""
+    cycles = max(5, int(os.environ.get("VLLM_DEDUP_SOAK_CYCLES", "5")))
     reference = None
     fds = []  # the registry's open descriptors after each cycle
-    for cycle in range(10):
+    for cycle in range(cycles):
         with EngineProcess(smollm2, core=cycle % 2) as e:
             e.wait_ready()
-            if cycle in (0, 9):
+            if cycle in (0, cycles - 1):
                 out = e.generate()
                 reference = reference or out
                 assert out == reference
@@ -265,7 +268,7 @@ def test_ten_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ra
         recipe_holders = memfd_holders(RECIPE_MEMFD_NAME)
         assert set(recipe_holders) == {registry_pid} and len(recipe_holders) <= MAX_RECIPES, recipe_holders
     # Ray's own connections in the actor's process come and go by one or two; a descriptor leaked
-    # per engine would add nine over the nine cycles after the first.
+    # per engine would add at least four over the cycles after the first.
     assert fds[-1] - fds[0] <= 3, f"the registry's descriptors after each cycle: {fds}"
     assert registry_pid != os.getpid() and not registry.daemon_pids()  # the Ray actor, not a daemon
     assert len(_registry_actors(ray_address)) == 1

@@ -55,10 +55,10 @@ def rank_loads(registry, engine: TPEngine) -> dict[int, dict]:
 
 
 def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(smollm2, registry):
-    plain = TPEngine(smollm2, "auto")
-    reference = plain.tokens()
-    plain.stop()
+    # The reference (`harness.references`): a plain load's final tensors per rank and its tokens
+    # (tests/e2e/test_packed_linear.py holds such an engine against an `auto` one).
     alone = TPEngine(smollm2, REFERENCE_FORMAT, reference_options())
+    reference = alone.tokens()
     shards = alone.final_tensors()  # each rank's final tensors, as a plain load makes them
     alone.stop()
 

@@ -369,3 +369,32 @@ def test_reads_in_a_forked_child_see_the_childs_memory():
         os.waitpid(pid, 0)
     assert got == b"child!"
     assert lib.read(address, 6) == b"parent"
+
+
+def _elf_with_note(kind: int, name: bytes, desc: bytes) -> bytes:
+    """A minimal ELF64 little-endian file: a header and one SHT_NOTE section holding one note."""
+    import struct
+
+    pad = lambda b: b + b"\0" * (-len(b) % 4)  # noqa: E731
+    note = struct.pack("<III", len(name), len(desc), kind) + pad(name) + pad(desc)
+    note_at, shoff = 64, 64 + len(note)
+    header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, shoff, 0, 64,
+                                                                     0, 0, 64, 1, 0)
+    section = struct.pack("<IIQQQQIIQQ", 0, 7, 0, 0, note_at, len(note), 0, 0, 4, 0)
+    return header + note + section
+
+
+def test_the_packed_layout_identity_is_onednns_descriptor_and_the_build(tmp_path):
+    """Issue 28, item 6: a packed weight's identity is oneDNN's serialized memory descriptor and
+    the extension's GNU build id (not its path or file), and a build without an id declines."""
+    lib = onednn._library()
+    layout = onednn.find_packed(ops.create_onednn_mm(_weight(96, 320).t(), 32)).layout
+    assert layout.build_id == lib.build_id and len(lib.build_id) >= 16
+    assert f"|md={layout.descriptor}|build={lib.build_id}|" in layout.identity
+    assert lib.name not in layout.identity  # the binary is named by its build, not its file name
+    ident = bytes(range(20))
+    (tmp_path / "with.so").write_bytes(_elf_with_note(3, b"GNU\0", ident))
+    assert onednn._elf_build_id(str(tmp_path / "with.so")) == ident.hex()
+    (tmp_path / "without.so").write_bytes(_elf_with_note(1, b"GNU\0", ident))  # another note: no build id
+    with pytest.raises(PackedWeightError, match="has no GNU build id"):
+        onednn._elf_build_id(str(tmp_path / "without.so"))

@@ -38,7 +38,9 @@ Note [symbols from the library's own symbol table]
     ``dnnl_memory_*`` functions and of three vtables (``MatMulPrimitiveHandler``,
     ``W8A8MatMulPrimitiveHandler``, ``dnnl_memory``) from it and relocates them by the load
     address of an exported symbol (``release_dnnl_matmul_handler``).  A stripped build has no
-    ``.symtab``: `probe` says so and the loader keeps today's path.
+    ``.symtab``: `probe` says so and the loader keeps vLLM's private packed copies.  The same
+    file's GNU build id (``.note.gnu.build-id``) names the code in a packed weight's identity;
+    a build without one declines the same way.
 
 Note [reading another library's objects]
     The only private layout read is vLLM's handler (``DNNLMatMulPrimitiveHandler``: vptr, N, N
@@ -73,6 +75,8 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
+
+import xxhash
 
 from ..errors import PackedWeightError
 from ..log import init_logger
@@ -110,6 +114,7 @@ _SYMBOLS = {
     "get_memory_desc": "dnnl_memory_get_memory_desc",
     "desc_query": "dnnl_memory_desc_query",
     "desc_get_size": "dnnl_memory_desc_get_size",
+    "desc_get_blob": "dnnl_memory_desc_get_blob",
     "version": "dnnl_version",
     "effective_isa": "dnnl_get_effective_cpu_isa",
     "vtable_matmul": "_ZTV22MatMulPrimitiveHandler",
@@ -143,6 +148,8 @@ class PackedLayout:
     onednn: str                     # oneDNN's version and commit (dnnl_version)
     isa: int                        # dnnl_get_effective_cpu_isa
     vllm: str
+    descriptor: str = ""            # XXH3-128 of oneDNN's serialized memory descriptor (dnnl_memory_desc_get_blob)
+    build_id: str = ""              # the extension's GNU build id (ELF .note.gnu.build-id), hex
 
     @property
     def tag(self) -> str:
@@ -157,10 +164,11 @@ class PackedLayout:
     @property
     def identity(self) -> str:
         """Everything that decides how the bytes are read, as one string: part of a packed
-        buffer's content key."""
-        return (f"onednn-packed/1|{self.kind}|{self.dtype}|dims={list(self.dims)}|padded={list(self.padded_dims)}"
-                f"|strides={list(self.strides)}|{self.tag}|nbytes={self.nbytes}|{self.library}|onednn={self.onednn}"
-                f"|isa={self.isa:#x}|vllm={self.vllm}")
+        buffer's content key.  The layout is oneDNN's own exact memory descriptor (its
+        serialized blob, which holds every field oneDNN reads, padding and extra flags such as
+        int8 compensation included), and the code that reads it is the extension's build id
+        (one binary, whatever its path) on the ISA oneDNN dispatches to here."""
+        return f"onednn-packed/2|{self.kind}|md={self.descriptor}|build={self.build_id}|isa={self.isa:#x}"
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,7 @@ class _Library:
         addr = {key: base + found[sym] for key, sym in _SYMBOLS.items()}
         executable = _executable_ranges(self.path)
         for key in ("get_data_handle", "set_data_handle", "get_memory_desc", "desc_query", "desc_get_size",
-                    "version", "effective_isa"):
+                    "desc_get_blob", "version", "effective_isa"):
             if not any(lo <= addr[key] < hi for lo, hi in executable):
                 raise PackedWeightError(f"{self.name}: {_SYMBOLS[key]} does not resolve into its code")
         vp, i32 = ctypes.c_void_p, ctypes.c_int
@@ -249,6 +257,8 @@ class _Library:
         self.get_memory_desc = ctypes.CFUNCTYPE(i32, vp, ctypes.POINTER(vp))(addr["get_memory_desc"])
         self.desc_query = ctypes.CFUNCTYPE(i32, vp, i32, vp)(addr["desc_query"])
         self.desc_get_size = ctypes.CFUNCTYPE(ctypes.c_size_t, vp)(addr["desc_get_size"])
+        self.desc_get_blob = ctypes.CFUNCTYPE(i32, vp, ctypes.POINTER(ctypes.c_size_t), vp)(addr["desc_get_blob"])
+        self.build_id = _elf_build_id(self.path)
         version = ctypes.CFUNCTYPE(ctypes.POINTER(_Version))(addr["version"])().contents
         self.onednn = f"{version.major}.{version.minor}.{version.patch}+{(version.hash or b'').decode()[:12]}"
         self.isa = ctypes.CFUNCTYPE(i32)(addr["effective_isa"])()
@@ -294,6 +304,17 @@ class _Library:
         if self.get_data_handle(memory, ctypes.byref(handle)) != _SUCCESS:
             raise PackedWeightError("oneDNN refused to give a memory's data handle")
         return handle.value or 0
+
+    def descriptor_blob(self, md: int) -> bytes:
+        """oneDNN's serialization of the memory descriptor ``md`` (``dnnl_memory_desc_get_blob``:
+        called once for the size, once to fill)."""
+        size = ctypes.c_size_t(0)
+        if self.desc_get_blob(None, ctypes.byref(size), md) != _SUCCESS or not 0 < size.value <= 1 << 16:
+            raise PackedWeightError("oneDNN refused to serialize the packed weight's memory descriptor")
+        blob = (ctypes.c_uint8 * size.value)()
+        if self.desc_get_blob(blob, ctypes.byref(size), md) != _SUCCESS:
+            raise PackedWeightError("oneDNN refused to serialize the packed weight's memory descriptor")
+        return bytes(blob)[: size.value]
 
     def query_int(self, md: int, what: int) -> int:
         out = ctypes.c_int32()
@@ -353,6 +374,31 @@ def _executable_ranges(path: str) -> list[tuple[int, int]]:
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 out.append((lo, hi))
     return out
+
+
+def _elf_build_id(path: str) -> str:
+    """The GNU build id of an ELF64 little-endian file (the ``NT_GNU_BUILD_ID`` note, in
+    ``.note.gnu.build-id``), hex: what names one build of a binary, wherever it lies.  (ELF
+    format: the System V gABI, "Note Section".)
+
+    Raises:
+        PackedWeightError: the file has no build id (a build made without ``--build-id``).
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        shoff, = struct.unpack_from("<Q", m, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", m, 0x3A)
+        for i in range(shnum):
+            _, sh_type, _, _, offset, size, _, _, _, _ = struct.unpack_from("<IIQQQQIIQQ", m, shoff + i * shentsize)
+            end = offset + size
+            while sh_type == 7 and offset + 12 <= end:  # SHT_NOTE: namesz, descsz, type, name, desc
+                namesz, descsz, kind = struct.unpack_from("<III", m, offset)
+                name_at = offset + 12
+                desc_at = name_at + (namesz + 3) // 4 * 4
+                if kind == 3 and m[name_at:name_at + namesz] == b"GNU\0" and desc_at + descsz <= end:
+                    return m[desc_at:desc_at + descsz].hex()
+                offset = desc_at + (descsz + 3) // 4 * 4
+    raise PackedWeightError(f"{os.path.basename(path)} has no GNU build id, which names the code that packed a "
+                            "weight: packed weights are not shared with such a build")
 
 
 def _elf_symbols(path: str, names) -> dict[str, int]:
@@ -484,7 +530,7 @@ def _layout(lib: _Library, md: int, kind: str, b_type: int, k: int, n: int) -> P
     name, size = _DATA_TYPES[dtype]
     nbytes = lib.desc_get_size(md)
     layout = PackedLayout(kind, name, dims, padded, strides, blks, idxs, nbytes, lib.name, lib.onednn,
-                          lib.isa, lib.vllm)
+                          lib.isa, lib.vllm, xxhash.xxh3_128_hexdigest(lib.descriptor_blob(md)), lib.build_id)
     per_dim = [_product(b for b, d in zip(blks, idxs) if d == dim) for dim in range(2)]
     if any(i not in (0, 1) for i in idxs) or any(p % b or p < d for p, b, d in zip(padded, per_dim, dims)):
         raise PackedWeightError(f"the packed weight's blocks {layout.tag} do not divide its padded dims {padded}")

@@ -7,8 +7,8 @@ published or mapped like any tensor, and *adopted* by `onednn.install`, which po
 handler at a segment's read-only mapping and lets oneDNN free its private copy.
 
 Note [a packed weight's content key]
-    ``dtype`` is ``onednn:<digest of PackedLayout.identity>`` (the layout, oneDNN's version and
-    ISA, vLLM's version and extension), ``shape`` the byte count, ``digest`` the XXH3-128 of the
+    ``dtype`` is ``onednn:<digest of PackedLayout.identity>`` (oneDNN's exact memory descriptor,
+    serialized; the extension's GNU build id; the ISA oneDNN dispatches to), ``shape`` the byte count, ``digest`` the XXH3-128 of the
     packed bytes.  Equal bytes would compute the same in any handler of this build; the
     layout's identity in the key keeps packings of different layouts, machines or builds apart
     in the registry all the same, so a lookup never even finds them.  The bytes are compared

@@ -3,6 +3,13 @@ side in one run (issue 21).
 
     .venv/bin/python benchmarks/cpu_decode.py [--models smollm2,llama-1.2b] [--rounds 3]
                                              [--tokens 32] [--core 1] [--json]
+                                             [--quick] [--dtype float32] [--isa avx2]
+
+``--quick``: only plain, the packed dedup engines and a fine-tune (below); ``--dtype``: the
+engines' dtype (bfloat16 by default; float32 is what oneDNN packs on AVX2); ``--isa avx2``: every
+engine with oneDNN and torch held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``,
+``ATEN_CPU_CAPABILITY=avx2``), the branch an AVX2 machine takes (bfloat16 linears are not packed
+there: vLLM runs ``F.linear`` and so does the dedup engine, on shared weights).
 
 Engines (``LLM()`` alone in a child process each, ``enforce_eager``, bf16, bound to one core):
 
@@ -13,7 +20,9 @@ Engines (``LLM()`` alone in a child process each, ``enforce_eager``, bf16, bound
   first's recipe (load path ``full``: the checkpoint is not read, vLLM packs placeholders of
   zero pages and each is replaced by its segment at once);
 - ``F.linear 1st`` / ``F.linear 2nd``: ``--load-format dedup`` with ``cpu_linear="plain"`` (plain
-  weights, ``F.linear``, shared through the registry; the default before packed sharing).
+  weights, ``F.linear``, shared through the registry; the default before packed sharing);
+- ``fine-tune``: the model's last-layers variant (`harness.variants`), a dedup engine started
+  while ``dedup 1st`` is up (load path ``modules``), against a plain engine of the fine-tune.
 
 The engines use a registry of the benchmark's own (``VLLM_DEDUP_RUNTIME_DIR``, a temporary
 directory), each case in its own share group.
@@ -120,11 +129,12 @@ def _vmstat() -> dict[str, int]:
 
 def _child(argv: list[str]) -> None:
     model, fmt, extra, core = argv[0], argv[1], json.loads(argv[2]), argv[3]
+    dtype = argv[4] if len(argv) > 4 else "bfloat16"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = core
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model, load_format=fmt, dtype="bfloat16", max_model_len=512, enforce_eager=True,
+    llm = LLM(model, load_format=fmt, dtype=dtype, max_model_len=512, enforce_eager=True,
               kv_cache_memory_bytes=64 << 20, seed=0, **({"model_loader_extra_config": extra} if extra else {}))
     info = {"load_seconds": round(time.perf_counter() - started, 1)}
     if fmt == "auto":
@@ -196,13 +206,16 @@ def cpu_flags() -> list[str]:
 class Engine:
     """One benchmark engine in a child process (`harness.procs.PeerProcess`)."""
 
+    dtype = "bfloat16"  # of every engine (`main`'s --dtype)
+    env: dict = {}  # for every engine: --isa avx2 holds oneDNN and torch to AVX2
+
     def __init__(self, label: str, model: Path, fmt: str, extra: dict | None, core: str):
         from harness.procs import PeerProcess
 
         self.label = label
-        self.proc = PeerProcess([__file__, "--child", model, fmt, json.dumps(extra or {}), core], label,
+        self.proc = PeerProcess([__file__, "--child", model, fmt, json.dumps(extra or {}), core, self.dtype], label,
                                 env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                     "VLLM_LOGGING_STREAM": "ext://sys.stderr"})
+                                     "VLLM_LOGGING_STREAM": "ext://sys.stderr", **self.env})
         print(f"  starting {label} ...", file=sys.stderr, flush=True)
         self.info = self.proc.read_json(timeout_s=900)
         self.rates: dict[int, list[float]] = {b: [] for b in BATCHES}
@@ -267,7 +280,7 @@ def _paired(a: Engine, b: Engine, batch: int) -> float:
     return statistics.median(x / y for x, y in zip(a.rates[batch], b.rates[batch]))
 
 
-def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str) -> dict:
+def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str, quick: bool = False) -> dict:
     result: dict = {"model": name, "path": str(model), "rows": []}
     rows = result["rows"]
 
@@ -311,10 +324,17 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str) -
     row("dedup 2nd (packed oneDNN)", second, second_vs_plain, plain,
         {"start_s": second.info["load_seconds"], "load_path": load2["load_path"],
          "packed_handlers_mapped": load2["packed_tensors"], "mapped_mb": round(load2["shared_bytes"] / 1e6),
-         "saved_share_of_linear": round((anon_plain - anon_2) / linear_bytes, 3),
-         "pair_pss_saved_share_of_linear": round((2 * pss_plain - pss_pair) / linear_bytes, 3)}, second_paired)
-    first.stop()
+         "saved_share_of_linear": round((anon_plain - anon_2) / linear_bytes, 3) if linear_bytes else None,
+         "pair_pss_saved_share_of_linear": (round((2 * pss_plain - pss_pair) / linear_bytes, 3)
+                                            if linear_bytes else None)}, second_paired)
     second.stop()
+    if quick:
+        _fine_tune_phase(name, model, rounds, tokens, core, row)
+        first.stop()
+        result.update(linear_bytes=linear_bytes, handlers=len(packed_info), pss_plain=pss_plain,
+                      pss_packed_pair=pss_pair)
+        return result
+    first.stop()
 
     print(f"{name}: plain and F.linear 1st", file=sys.stderr, flush=True)
     plain = Engine("plain", model, "auto", None, core)
@@ -351,6 +371,26 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str) -
                   pss_packed_pair=pss_pair, pss_flinear_pair=pss_flin, pss_plain_second_phase=pss_plain_again,
                   shapes=sorted({(p["tag"], p["nbytes"]) for p in packed_info.values()}))
     return result
+
+
+def _fine_tune_phase(name: str, model: Path, rounds: int, tokens: int, core: str, row) -> None:
+    """The last-layers fine-tune of ``model``: a dedup engine started while the base's first
+    dedup engine is up (it maps the unchanged layers), against a plain engine of the fine-tune,
+    taking turns."""
+    from harness.variants import cached_variant
+
+    tuned = cached_variant(model, "last-layers")
+    print(f"{name}: plain fine-tune and dedup fine-tune", file=sys.stderr, flush=True)
+    plain = Engine("plain fine-tune", tuned, "auto", None, core)
+    engine = Engine("dedup fine-tune", tuned, "dedup", {"share_group": f"packed-{name}"}, core)
+    load = engine.load()
+    _rounds([plain, engine], rounds, tokens)
+    row("dedup fine-tune (vs plain fine-tune)", engine, {b: _ratio(engine, plain, b) for b in BATCHES}, plain,
+        {"start_s": engine.info["load_seconds"], "load_path": load["load_path"],
+         "mapped_mb": round(load["shared_bytes"] / 1e6), "read_mb": round(load["checkpoint_bytes_read"] / 1e6)},
+        {b: _paired(engine, plain, b) for b in BATCHES})
+    plain.stop()
+    engine.stop()
 
 
 def _placement_summary(plain: dict, other: dict) -> dict:
@@ -565,22 +605,31 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--core", default="1", help="the CPU core(s) every engine's OpenMP threads run on")
     parser.add_argument("--no-micro", action="store_true", help="skip the per-shape microbenchmark")
+    parser.add_argument("--quick", action="store_true",
+                        help="plain, the packed dedup engines and a fine-tune only (no F.linear, mechanism, micro)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--isa", choices=("avx2",), help="hold oneDNN and torch to this ISA in every engine")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    Engine.dtype = args.dtype
+    if args.isa == "avx2":
+        Engine.env = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
     from harness.sample_models import random_model, smollm2_hf
     from vllm_dedup.engine import onednn
     from vllm_dedup.registry.client import shutdown_registry
 
-    support = onednn.probe("bfloat16")
+    support = onednn.probe(args.dtype)  # in this process: without --isa's hold (the engines have it)
     flags = cpu_flags()
-    print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} CPUs; engines on core(s) {args.core}")
+    print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} CPUs; engines on core(s) {args.core}; "
+          f"dtype {args.dtype}; ISA {'held to ' + args.isa if args.isa else 'native'}")
     print(f"packed sharing: {'supported' if support.supported else 'NOT supported: ' + support.reason} "
           f"{support.details}")
     models = {"smollm2": smollm2_hf,
               "llama-1.2b": lambda: random_model("llama-1.2b", LLAMA_1B, dtype="bfloat16", max_shard_size="1GB")}
     result = {"cpu_flags": flags, "cpus": os.cpu_count(), "core": args.core, "probe": support.details,
-              "rounds": args.rounds, "tokens": args.tokens, "models": []}
+              "rounds": args.rounds, "tokens": args.tokens, "dtype": args.dtype, "isa": args.isa or "native",
+              "quick": args.quick, "models": []}
     # (N, K) of SmolLM2's qkv, o, gate_up, down, head, then the 1.2B Llama's
     micro_shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576),
                     (2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (49152, 2048)]
@@ -590,10 +639,11 @@ def main() -> int:
         os.environ["VLLM_DEDUP_CACHE_DIR"] = str(Path(run_dir) / "cache")
         try:
             for name, path in paths.items():
-                result["models"].append(measure_model(name, path, args.rounds, args.tokens, args.core))
+                result["models"].append(measure_model(name, path, args.rounds, args.tokens, args.core, args.quick))
         finally:
             shutdown_registry()
-    result["microbenchmark_ms_per_call_m1"] = [] if args.no_micro else microbenchmark(micro_shapes)
+    quick = args.no_micro or args.quick
+    result["microbenchmark_ms_per_call_m1"] = [] if quick else microbenchmark(micro_shapes)
 
     for m in result["models"]:
         print(f"\n{m['model']}: {m['handlers']} packed weights, {m['linear_bytes'] / 1e6:.0f} MB; "
@@ -608,6 +658,8 @@ def main() -> int:
         print("paired medians vs plain (b=1, b=8): " + "; ".join(
             f"{r['case']}: {r['paired_median_vs_plain'][1]:.3f}, {r['paired_median_vs_plain'][8]:.3f}"
             for r in m["rows"][1:]))
+        if args.quick:
+            continue
         st = m["stack"]
         print(f"mechanism alone, one decode step's linears: best ms {st['ms_best']}, vs private (paired median) "
               f"{st['vs_private_paired_median']}, minor faults after warm-up {st['minor_faults_after_first_round']}")
@@ -623,7 +675,8 @@ def main() -> int:
     for r in result["microbenchmark_ms_per_call_m1"]:
         print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_decode.json").write_text(json.dumps(result, indent=2) + "\n")
+    suffix = "" if not args.quick else f"-quick-{args.dtype}-{args.isa or 'native'}"
+    (RESULTS / f"cpu_decode{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result))
     return 0

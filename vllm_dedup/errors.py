@@ -13,6 +13,7 @@ import os
 __all__ = [
     "CheckpointError",
     "DedupError",
+    "LockTimeout",
     "PackedWeightError",
     "ProtocolError",
     "RegistryTimeout",
@@ -34,6 +35,11 @@ class RegistryTimeout(RegistryUnavailable):
     """The registry accepted the connection but did not answer in time: it is hung, stopped
     (SIGSTOP) or starved.  The connection is closed then (a late reply must never be read as the
     answer to a later request), and the engine goes on without the registry."""
+
+
+class LockTimeout(DedupError, TimeoutError):
+    """A registry lock (a GPU's start-up lock) was still held by another engine when its
+    timeout ran out; the message names the holder."""
 
 
 class ProtocolError(RegistryUnavailable):

@@ -155,6 +155,7 @@ def test_a_segment_that_cannot_be_created_leaves_its_tensors_private_and_the_eng
     with pytest.raises(RuntimeError) as err:
         failing.wait_ready()
     assert "shared memory for the weights could not be created or mapped" in str(err.value)
+    assert "SegmentError" in str(err.value)  # its own type (`fallback.fail_or_fall_back`), not a bare RuntimeError
     failing.end()
 
 
@@ -170,6 +171,7 @@ def test_unreachable_registry_falls_back_or_fails(smollm2, registry):
     assert failing.proc.returncode != 0
     assert "cannot reach the weight registry" in str(err.value)
     assert f"no Ray cluster answers at {address}" in str(err.value)
+    assert "RegistryUnavailable" in str(err.value)
 
 
 def test_share_groups_never_share(smollm2, registry):

@@ -55,6 +55,7 @@ from ..config import DedupConfig
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from .context import LoadContext, LoadReport
+from .fallback import fail_or_fall_back
 from .handlers import recorded_handlers
 from .meter import LoadMeter
 from .session import EngineSession
@@ -102,7 +103,8 @@ class DedupModelLoader(BaseModelLoader):
         bytes predicted to be mapped from other engines.  Takes the GPU's start-up lock.
 
         Raises:
-            RuntimeError: registry or lock trouble with ``on_registry_error="fail"``.
+            DedupError: registry, device or lock trouble with ``on_registry_error="fail"``
+                (`EngineSession.begin_startup`).
         """
         return (self.inner.get_external_weight_memory(vllm_config)
                 + EngineSession.current().begin_startup(self.config, vllm_config))
@@ -150,8 +152,10 @@ class DedupModelLoader(BaseModelLoader):
         """Load on the path the registry's recipes allow, then share (module docstring).
 
         Raises:
-            RuntimeError: the registry cannot be reached, or fails, or shared memory cannot be
-                made, and ``on_registry_error`` is ``fail``.
+            RegistryUnavailable: the registry cannot be reached, or fails, and
+                ``on_registry_error`` is ``fail``.
+            SegmentError: shared memory cannot be made or mapped, and ``on_registry_error`` is
+                ``fail``.
         """
         ctx = self._context(vllm_config, model_config, prefix)
         if ctx is None:
@@ -264,12 +268,13 @@ class DedupModelLoader(BaseModelLoader):
     def _share(self, model, ctx: LoadContext, report: LoadReport, mapped: dict, staging=None) -> None:
         from .share import share_model
 
+        # The sharing pass raises only under on_registry_error="fail"; the message says what to do.
         try:
             share_model(model, ctx, report, mapped, staging=staging)
         except RegistryUnavailable as e:
-            raise RuntimeError(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
+            raise RegistryUnavailable(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
         except SegmentError as e:
-            raise RuntimeError(
+            raise SegmentError(
                 f"vllm-dedup: shared memory for the weights could not be created or mapped ({e}); "
                 "set on_registry_error='fallback' to load such tensors privately instead") from None
 
@@ -291,9 +296,8 @@ class DedupModelLoader(BaseModelLoader):
                 device = torch.device("cuda", torch.cuda.current_device())
             device_key = segment_class(device.type).device_key(device)
         except (NotImplementedError, RuntimeError, SegmentError) as e:  # no backend, driver or cuda-bindings
-            if self.config.on_registry_error == "fail":
-                raise RuntimeError(f"vllm-dedup: cannot share weights on {device}: {e}") from None
-            logger.warning("cannot share weights on %s (%s); loading privately", device, e)
+            fail_or_fall_back(self.config, SegmentError(f"vllm-dedup: cannot share weights on {device}: {e}"),
+                              "loading privately")
             return None
         cpu_linear = self.cpu_linear(model_config) if device.type == "cpu" else ""
         signature = load_signature(vllm_config, model_config, self.config.inner_load_format, cpu_linear)

@@ -68,10 +68,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from ..config import DedupConfig
-from ..errors import RegistryUnavailable
+from ..errors import LockTimeout, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from ..registry.lease import Lease
 from ..registry.state import startup_lock_name
+from .fallback import fail_or_fall_back
 
 __all__ = ["EngineSession", "startup_devices"]
 
@@ -116,7 +117,8 @@ class EngineSession:
         opened for this device and signature, else a new one.  None: no registry (fallback).
 
         Raises:
-            RuntimeError: the registry cannot be reached and ``on_registry_error`` is ``fail``.
+            RegistryUnavailable: the registry cannot be reached and ``on_registry_error`` is
+                ``fail`` (`fallback.fail_or_fall_back`).
         """
         if self.startup_device == device_key and self.startup_signature == signature:
             return self.startup_client
@@ -136,12 +138,9 @@ class EngineSession:
             return Lease(client, model, device_key, config.share_group, signature, restart,
                          timeout_s=config.registry_timeout_s)
         except RegistryUnavailable as e:
-            if config.on_registry_error == "fail":
-                raise RuntimeError(
-                    f"vllm-dedup: cannot reach the weight registry ({e}). Start it or fix "
-                    "registry_address, or set on_registry_error='fallback' to load without sharing."
-                ) from None
-            logger.warning("cannot reach the weight registry (%s); loading without sharing", e)
+            fail_or_fall_back(config, RegistryUnavailable(
+                f"vllm-dedup: cannot reach the weight registry ({e}). Start it or fix registry_address, or set "
+                "on_registry_error='fallback' to load without sharing"), "loading without sharing")
             return None
 
     def hold(self, lease: Lease, segment_bytes: int, shared_bytes: int) -> None:
@@ -200,15 +199,15 @@ class EngineSession:
             Bytes to report as external weight memory (`plan_startup`); 0 where the engine's
             weights stay private or the registry or the device cannot say.
 
-        Raises:
-            RuntimeError: the registry cannot be reached, or the lock could not be had within
-                ``startup_lock_timeout_s``, and ``on_registry_error`` is ``fail``.
+        Raises (only with ``on_registry_error="fail"``, `fallback.fail_or_fall_back`):
+            RegistryUnavailable: the registry cannot be reached or cannot say what to map.
+            SegmentError: the GPU cannot be named or measured (no usable driver).
+            LockTimeout: the start-up lock could not be had within ``startup_lock_timeout_s``.
         """
         import torch
 
         if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
             return 0
-        from ..errors import SegmentError
         from ..segments.cuda import CudaSegment
         from ..segments.cudadrv import memory_info as cudadrv_memory_info
         from .signature import load_signature
@@ -219,9 +218,8 @@ class EngineSession:
             names = sorted({startup_lock_name(CudaSegment.device_key(d))
                             for d in startup_devices(pc.tensor_parallel_size * pc.pipeline_parallel_size)})
         except SegmentError as e:  # no usable driver or cuda-bindings: the load will stay private
-            if config.on_registry_error == "fail":
-                raise RuntimeError(f"vllm-dedup: cannot name this GPU ({e})") from None
-            logger.warning("cannot name this GPU (%s); starting without the start-up lock", e)
+            fail_or_fall_back(config, SegmentError(f"vllm-dedup: cannot name this GPU ({e})"),
+                              "starting without the start-up lock")
             return 0
         signature = load_signature(vllm_config, None, config.inner_load_format)
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
@@ -232,10 +230,9 @@ class EngineSession:
             client.lock(names, owner=f"vllm-instance:{vllm_config.instance_id}",
                         timeout_s=config.startup_lock_timeout_s)
         except TimeoutError as e:
-            if config.on_registry_error == "fail":
-                raise RuntimeError(f"vllm-dedup: {e}") from None
-            logger.warning("starting without the start-up lock (%s); if another engine is starting "
-                           "on this GPU now, both KV cache sizes may be off", e)
+            fail_or_fall_back(config, LockTimeout(f"vllm-dedup: {e}"),
+                              "starting without the start-up lock: if another engine is starting on this GPU now, "
+                              "both KV cache sizes may be off")
             return 0
         self.locks = names
         from .worker_hooks import private_reason
@@ -246,9 +243,8 @@ class EngineSession:
             free, total = cudadrv_memory_info(torch.cuda.current_device())
             predicted = client.expected_shared_bytes()
         except (SegmentError, RegistryUnavailable) as e:
-            if config.on_registry_error == "fail":
-                raise RuntimeError(f"vllm-dedup: cannot predict the weights to map ({e})") from None
-            logger.warning("cannot predict the weights to map (%s); nothing reported as external", e)
+            fail_or_fall_back(config, type(e)(f"vllm-dedup: cannot predict the weights to map ({e})"),
+                              "nothing reported as external")
             return 0
         report = self.plan_startup(config.accounting, predicted, free, total,
                                    vllm_config.cache_config.gpu_memory_utilization)

@@ -42,7 +42,7 @@ def test_startup_lock_serialises_engines_and_defers_frees_on_its_device(registry
         with pytest.raises(TimeoutError, match=f"pid {starting.pid}"):
             other.lock(lock, owner="vllm-instance:B", timeout_s=0.3)
         # An engine on the device exits while the other is profiling: its segment must stay.
-        seg = HostSegment.create(torch.zeros(MB, dtype=torch.uint8), GPU0)
+        seg = HostSegment.create_packed([(torch.zeros(MB, dtype=torch.uint8), 0)], MB, GPU0)
         leaving.publish(seg.fileno(), seg.nbytes, [("k", 0, seg.nbytes)])
         seg.close_fd()
         del seg

@@ -271,10 +271,6 @@ class Lease:
         finally:
             self.unlock(names)
 
-    @property
-    def held_segments(self) -> int:
-        return len(self._held)
-
     def _check_locks(self) -> None:
         if self._lost_locks:
             raise RegistryUnavailable(f"registry lock(s) {', '.join(sorted(self._lost_locks))} were lost when the "

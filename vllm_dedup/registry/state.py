@@ -362,9 +362,6 @@ class Registry:
                 if name.startswith(STARTUP_LOCK_PREFIX):
                     self._free_deferred(name.removeprefix(STARTUP_LOCK_PREFIX))
 
-    def fd_of(self, seg_id: int) -> int:
-        return self.segments[seg_id].fd
-
     # lifetime ----------------------------------------------------------------------------
     def _hold(self, seg_id: int, engine_id: int) -> None:
         seg = self.segments[seg_id]

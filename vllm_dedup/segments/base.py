@@ -39,13 +39,6 @@ class Segment(ABC):
     device: str
 
     @classmethod
-    def create(cls, data, device: str | None = None) -> Segment:
-        """A new segment holding a copy of ``data`` (a contiguous torch tensor), sealed.
-        ``device``: its device key; by default `device_key` of the tensor's device."""
-        return cls.create_packed([(data, 0)], data.numel() * data.element_size(),
-                                 device or cls.device_key(data.device))
-
-    @classmethod
     @abstractmethod
     def create_packed(cls, parts, nbytes: int, device: str) -> Segment:
         """A new sealed segment of ``nbytes`` usable bytes holding copies of several tensors.

@@ -198,7 +198,6 @@ class CudaSegment(Segment):
         size: bytes mapped here, a multiple of the granularity (the whole allocation for the
             creator; an importer maps only what it needs).
         device: ``cuda:GPU-<uuid>``.
-        read_only: this process's mapping refuses writes (False where the driver refused).
     """
 
     def __init__(self, mapping: vmm.Mapping, fd: int, nbytes: int, device: str):
@@ -207,7 +206,6 @@ class CudaSegment(Segment):
         self.nbytes = nbytes
         self.size = mapping.size
         self.device = device
-        self.read_only = mapping.read_only
 
     @classmethod
     def device_key(cls, device) -> str:

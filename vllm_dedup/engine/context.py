@@ -91,7 +91,7 @@ class LoadReport:
     collisions: int = 0  # equal keys, different bytes: caught by the exact compare
     packed_tensors: int = 0  # of the shared and published: oneDNN packed weights (`packed.py`)
     padding_bytes: int = 0  # bytes of the segments this engine created that hold no tensor
-    seconds: float = 0.0  # of the sharing pass
+    share_seconds: float = 0.0  # wall time of the sharing pass
     load_path: str = "none"
     checkpoint_bytes_read: int = 0
     load_seconds: float = 0.0  # wall time of load_model
@@ -119,5 +119,5 @@ class LoadReport:
             f"{self.published_tensors} / {self.published_bytes / mb:.1f} MB published, "
             f"{self.private_tensors} / {self.private_bytes / mb:.1f} MB private "
             f"({self.packed_tensors} of the shared and published are oneDNN packed weights), "
-            f"{self.collisions} collisions, {self.padding_bytes / mb:.1f} MB padding, sharing {self.seconds:.2f} s"
+            f"{self.collisions} collisions, {self.padding_bytes / mb:.1f} MB padding, sharing {self.share_seconds:.2f} s"
         )

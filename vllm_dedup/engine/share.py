@@ -101,7 +101,7 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
     # makes a cycle with them): only the allocator's caches need giving back.
     trim()
     _return_cached(ctx.device_type)
-    report.seconds = time.perf_counter() - start
+    report.share_seconds = time.perf_counter() - start
     return report
 
 

@@ -623,8 +623,8 @@ def main() -> int:
     flags = cpu_flags()
     print(f"CPU flags: {' '.join(flags)}; {os.cpu_count()} CPUs; engines on core(s) {args.core}; "
           f"dtype {args.dtype}; ISA {'held to ' + args.isa if args.isa else 'native'}")
-    print(f"packed sharing: {'supported' if support.supported else 'NOT supported: ' + support.reason} "
-          f"{support.details}")
+    print(f"packed sharing (probed in this process, at the native ISA): "
+          f"{'supported' if support.supported else 'NOT supported: ' + support.reason} {support.details}")
     models = {"smollm2": smollm2_hf,
               "llama-1.2b": lambda: random_model("llama-1.2b", LLAMA_1B, dtype="bfloat16", max_shard_size="1GB")}
     result = {"cpu_flags": flags, "cpus": os.cpu_count(), "core": args.core, "probe": support.details,

@@ -39,7 +39,8 @@ class DedupConfig:
             on some CPUs), ``private`` (vLLM's oneDNN, packed weights not shared).  Where
             ``packed`` cannot work (a vLLM build without its symbol table, a handler layout not
             understood: `onednn.probe`), the engine runs ``private`` (plain vLLM's speed and
-            numerics) and says why in one log line and its load report's ``private_linears``.
+            numerics) and says why in one log line and its load report's ``private_linears``;
+            where vLLM itself runs ``F.linear`` for the dtype (bfloat16 on AVX2), ``plain``.
         cpu_share_linear: deprecated spelling: ``true`` is ``cpu_linear="plain"``, ``false``
             ``cpu_linear="private"``.
         registry_address: ``None`` (find or start one: see `registry.discovery.connect_registry`),

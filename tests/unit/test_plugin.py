@@ -49,16 +49,21 @@ def test_inner_loader_gets_only_its_own_config():
 
 
 def test_where_packed_sharing_cannot_work_linears_keep_vllms_private_packed_copies(monkeypatch):
-    """Issue 28, fallback: a failed probe runs ``private`` (vLLM's own oneDNN kernels on private
-    packed copies: plain's speed and numerics), not ``plain`` (``F.linear``, slower), and every
-    load report says which linears and why."""
+    """Issue 28, fallback: where vLLM packs but sharing cannot (a failed probe), the engine runs
+    ``private`` (vLLM's own oneDNN kernels on private packed copies: plain's speed and numerics),
+    not ``plain`` (``F.linear``, slower), and every load report says which linears and why."""
     import types
 
     from vllm_dedup.engine import onednn
 
     monkeypatch.setattr(onednn, "probe", lambda dtype: onednn.Support(False, f"no {dtype} here (test)"))
+    monkeypatch.setattr(onednn, "vllm_packs", lambda dtype: True)
     loader = DedupModelLoader(LoadConfig(load_format="dedup"))
     assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "private"
     assert loader.packed_declined == "every linear: packed sharing cannot work here (no bfloat16 here (test))"
+    # Where vLLM itself runs F.linear (bfloat16 on AVX2), so does the engine, on shared weights.
+    monkeypatch.setattr(onednn, "vllm_packs", lambda dtype: False)
+    loader = DedupModelLoader(LoadConfig(load_format="dedup"))
+    assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "plain" and loader.packed_declined == ""
     asked = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"cpu_linear": "plain"}))
     assert asked.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "plain" and asked.packed_declined == ""

@@ -110,17 +110,24 @@ class DedupModelLoader(BaseModelLoader):
                 + EngineSession.current().begin_startup(self.config, vllm_config))
 
     def cpu_linear(self, model_config: ModelConfig) -> str:
-        """``cpu_linear`` as this engine runs it on the CPU backend: the configured mode, or
-        ``private`` where ``packed`` cannot work here (`onednn.probe`, said once in the log and
-        in every load report's ``private_linears``)."""
+        """``cpu_linear`` as this engine runs it on the CPU backend: the configured mode; where
+        ``packed`` cannot work here (`onednn.probe`), ``plain`` if vLLM itself runs ``F.linear``
+        for this dtype (`onednn.vllm_packs`: the same kernel, on shared weights), else
+        ``private`` (said once in the log and in every load report's ``private_linears``)."""
         if self._cpu_linear is None:
             mode = self.config.cpu_linear
             if mode == "packed":
-                from .onednn import probe
+                from .onednn import probe, vllm_packs
 
                 dtype = str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")
                 support = probe(dtype)
-                if not support.supported:
+                if not support.supported and not vllm_packs(dtype):
+                    # vLLM itself runs F.linear here (its oneDNN matmul cannot be made for this
+                    # dtype, e.g. bfloat16 on AVX2): so does this engine, on shared weights.
+                    logger.info("vLLM runs F.linear for %s linears on this CPU (%s); so does this engine, on "
+                                "shared weights (cpu_linear=plain)", dtype, support.reason)
+                    mode = "plain"
+                elif not support.supported:
                     # vLLM's own kernels on private packed copies: plain's speed and numerics,
                     # where F.linear on shared weights runs at a third to two thirds of it.
                     self.packed_declined = f"every linear: packed sharing cannot work here ({support.reason})"

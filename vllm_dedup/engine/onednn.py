@@ -82,7 +82,7 @@ from ..errors import PackedWeightError
 from ..log import init_logger
 
 __all__ = ["PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in",
-           "holds_handler", "install", "module_handlers", "pinned_tensors", "probe"]
+           "holds_handler", "install", "module_handlers", "pinned_tensors", "probe", "vllm_packs"]
 
 logger = init_logger(__name__)
 
@@ -742,6 +742,23 @@ def _handlers_of(attributes: dict, cls, depth: int):
                     pass
         elif depth < 2 and hasattr(value, "__dict__") and type(value).__module__.startswith("vllm"):
             yield from _handlers_of(vars(value), cls, depth + 1)
+
+
+@functools.cache
+def vllm_packs(dtype_name: str = "bfloat16") -> bool:
+    """Whether vLLM's CPU backend packs linear weights of this dtype for oneDNN here: its
+    ``create_onednn_mm`` makes a handler (``dispatch_cpu_unquantized_gemm`` falls back to
+    ``F.linear`` when it raises, e.g. for bfloat16 on AVX2).  Cached."""
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+
+        if not ops._supports_onednn:
+            return False
+        ops.create_onednn_mm(torch.zeros(64, 32, dtype=getattr(torch, dtype_name)).t(), 32)
+        return True
+    except Exception:  # vLLM's own test: any failure means F.linear
+        return False
 
 
 @functools.cache

@@ -120,7 +120,7 @@ def test_found_and_validated(n, k):
     assert layout.nbytes >= n * k * DTYPE.itemsize and packed.address % 64 == 0
     assert all(p >= d for p, d in zip(layout.padded_dims, layout.dims))
     onednn.check_packing(packed, weight.t(), sample=None if n * k <= 1 << 21 else 4096)
-    assert layout.library in layout.identity and layout.onednn in layout.identity and layout.tag in layout.identity
+    assert layout.descriptor in layout.identity and layout.build_id in layout.identity and layout.tag
     assert not packed.shared
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from vllm_dedup.engine import onednn
+from vllm_dedup.engine.onednn import library as onednn_library
 from vllm_dedup.errors import PackedWeightError
 from vllm_dedup.segments.host import HostSegment
 
@@ -294,10 +295,10 @@ def test_handlers_in_a_model():
 def test_a_library_without_symbols_declines(tmp_path):
     plain = tmp_path / "stripped.so"
     plain.write_bytes(b"\x7fELF\x02\x01" + bytes(58))
-    assert onednn._elf_symbols(str(plain), ["dnnl_memory_set_data_handle"]) == {}
+    assert onednn_library.elf_symbols(str(plain), ["dnnl_memory_set_data_handle"]) == {}
     with pytest.raises(PackedWeightError, match="ELF"):
         (tmp_path / "not-elf").write_bytes(b"hello")
-        onednn._elf_symbols(str(tmp_path / "not-elf"), ["x"])
+        onednn_library.elf_symbols(str(tmp_path / "not-elf"), ["x"])
 
 
 def test_the_tensors_a_w8a8_handler_reads_by_pointer_are_pinned():
@@ -349,7 +350,7 @@ def test_a_replay_placeholder_packs_zeros_and_a_write_to_it_faults():
 def test_reads_in_a_forked_child_see_the_childs_memory():
     """Issue 28, fork: the handle on the process's own memory is opened by the process that
     reads; a child made by ``fork`` after the parent read must not read the parent's bytes."""
-    lib = onednn._library()
+    lib = onednn_library.library()
     buf = ctypes.create_string_buffer(b"parent", 16)
     address = ctypes.addressof(buf)
     assert lib.read(address, 6) == b"parent"
@@ -358,7 +359,7 @@ def test_reads_in_a_forked_child_see_the_childs_memory():
     if pid == 0:  # the child: change its copy of the page, read it through the library
         try:
             ctypes.memmove(address, b"child!", 6)
-            os.write(w, onednn._library().read(address, 6))
+            os.write(w, onednn_library.library().read(address, 6))
         finally:
             os._exit(0)
     os.close(w)
@@ -387,14 +388,14 @@ def _elf_with_note(kind: int, name: bytes, desc: bytes) -> bytes:
 def test_the_packed_layout_identity_is_onednns_descriptor_and_the_build(tmp_path):
     """Issue 28, item 6: a packed weight's identity is oneDNN's serialized memory descriptor and
     the extension's GNU build id (not its path or file), and a build without an id declines."""
-    lib = onednn._library()
+    lib = onednn_library.library()
     layout = onednn.find_packed(ops.create_onednn_mm(_weight(96, 320).t(), 32)).layout
     assert layout.build_id == lib.build_id and len(lib.build_id) >= 16
     assert f"|md={layout.descriptor}|build={lib.build_id}|" in layout.identity
     assert lib.name not in layout.identity  # the binary is named by its build, not its file name
     ident = bytes(range(20))
     (tmp_path / "with.so").write_bytes(_elf_with_note(3, b"GNU\0", ident))
-    assert onednn._elf_build_id(str(tmp_path / "with.so")) == ident.hex()
+    assert onednn_library.elf_build_id(str(tmp_path / "with.so")) == ident.hex()
     (tmp_path / "without.so").write_bytes(_elf_with_note(1, b"GNU\0", ident))  # another note: no build id
     with pytest.raises(PackedWeightError, match="has no GNU build id"):
-        onednn._elf_build_id(str(tmp_path / "without.so"))
+        onednn_library.elf_build_id(str(tmp_path / "without.so"))

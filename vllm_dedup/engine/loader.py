@@ -29,7 +29,7 @@ worker hooks lives in its `session.EngineSession`.
 
 On vLLM's CPU backend, linear layers follow ``cpu_linear``.  ``packed`` (the default) leaves
 vLLM's own oneDNN path as it is: vLLM packs each linear weight into oneDNN memory, and the
-sharing pass shares those packed weights (`packed.py`, `onednn.py`), so every engine runs
+sharing pass shares those packed weights (`packed.py`, `onednn/`), so every engine runs
 vLLM's kernels, with a plain engine's numerics.  Where that cannot work here (`onednn.probe`)
 the engine runs ``plain`` and says why once.  ``plain`` keeps linear weights and the output
 head plain (``F.linear``), shared as any tensor: vLLM's own ``_cpu_skip_gemm_dispatch`` mark

@@ -1,7 +1,7 @@
 """oneDNN packed weights as the sharing pass sees them (CPU backend, ``cpu_linear="packed"``).
 
 vLLM's CPU backend packs each linear weight (and the vocabulary head's) into memory its oneDNN
-handler owns, and drops the torch weight (`onednn.py` finds the packed bytes).  A `PackedSlot`
+handler owns, and drops the torch weight (`onednn/` finds the packed bytes).  A `PackedSlot`
 is such a buffer in the role a `slots.Slot` plays for a tensor: it is keyed, compared, and
 published or mapped like any tensor, and *adopted* by `onednn.install`, which points the
 handler at a segment's read-only mapping and lets oneDNN free its private copy.

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from vllm_dedup.engine.context import Placement
-from vllm_dedup.engine.recipe import Recipe, RecipeDeclined, build_recipe, choose, match
+from vllm_dedup.engine.recipe import Recipe, RecipeDeclined, choose, match
+from vllm_dedup.engine.recipe_builder import build_recipe
 from vllm_dedup.engine.slots import attribute_tensors, collect_slots, swap
 from vllm_dedup.engine.sources import SourceRecorder, fingerprint
 

@@ -329,7 +329,7 @@ def test_a_replay_placeholder_packs_zeros_and_a_write_to_it_faults():
     """Note [packed weights replayed]: a replay's placeholder weight reads zeros, vLLM packs
     it, and the pages are read-only: a write dies with SIGSEGV (in a child) instead of changing
     what the next layer packs from the same pages."""
-    from vllm_dedup.engine.replay import ZeroPages
+    from vllm_dedup.engine.packed import ZeroPages
 
     zeros = ZeroPages()
     placeholder = zeros.tensor(DTYPE, torch.Size((96, 320)))
@@ -340,7 +340,7 @@ def test_a_replay_placeholder_packs_zeros_and_a_write_to_it_faults():
     larger = zeros.tensor(DTYPE, torch.Size((4096, 1024)))  # grows by a new mapping
     assert not larger.any() and not placeholder.any()
     child = subprocess.run([sys.executable, "-c", (
-        "import torch\nfrom vllm_dedup.engine.replay import ZeroPages\n"
+        "import torch\nfrom vllm_dedup.engine.packed import ZeroPages\n"
         "t = ZeroPages().tensor(torch.float32, torch.Size((64, 64)))\nprint('made', flush=True)\nt[3, 5] = 1.0\n")],
         capture_output=True, text=True, timeout=120)
     assert child.stdout.strip() == "made", child.stderr[-2000:]

@@ -24,7 +24,8 @@ from ..checkpoint.readers import SafetensorsFile
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from .context import LoadContext, LoadReport
-from .recipe import Match, Recipe, build_recipe, choose, model_attrs
+from .recipe import Match, Recipe, choose
+from .recipe_builder import build_recipe, model_attrs
 from .sources import SourceRecorder
 
 __all__ = ["Decision", "RecordedLoad", "decide", "fast_path_files", "leave_recipe"]

@@ -352,7 +352,7 @@ class _UsualLoad(BaseModelLoader):
         inner, recorded = self.outer.inner, self.recorded
         if recorded is None:
             return inner.load_weights(model, model_config)
-        from .recipe import model_attrs
+        from .recipe_builder import model_attrs
 
         recorded.attrs_before = model_attrs(model)
         recorder = recorded.recorder

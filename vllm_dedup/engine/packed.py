@@ -1,25 +1,50 @@
-"""oneDNN packed weights as the sharing pass sees them (CPU backend, ``cpu_linear="packed"``).
+"""oneDNN packed weights as the engine sees them (CPU backend, ``cpu_linear="packed"``): in the
+sharing pass, and in a recipe's replay.
 
 vLLM's CPU backend packs each linear weight (and the vocabulary head's) into memory its oneDNN
 handler owns, and drops the torch weight (`onednn/` finds the packed bytes).  A `PackedSlot`
 is such a buffer in the role a `slots.Slot` plays for a tensor: it is keyed, compared, and
 published or mapped like any tensor, and *adopted* by `onednn.install`, which points the
-handler at a segment's read-only mapping and lets oneDNN free its private copy.
+handler at a segment's read-only mapping and lets oneDNN free its private copy.  A replay
+lets vLLM pack placeholders over `ZeroPages`, then puts the recipe's segment in place of each
+packing (`install_replayed`).
 
 Note [a packed weight's content key]
     ``dtype`` is ``onednn:<digest of PackedLayout.identity>`` (oneDNN's exact memory descriptor,
-    serialized; the extension's GNU build id; the ISA oneDNN dispatches to), ``shape`` the byte count, ``digest`` the XXH3-128 of the
-    packed bytes.  Equal bytes would compute the same in any handler of this build; the
+    serialized; the extension's GNU build id; the ISA oneDNN dispatches to), ``shape`` the byte
+    count, ``digest`` the XXH3-128 of the packed bytes.  Equal bytes would compute the same in any handler of this build; the
     layout's identity in the key keeps packings of different layouts, machines or builds apart
     in the registry all the same, so a lookup never even finds them.  The bytes are compared
     exactly before a segment is installed, as for every tensor.
+
+Note [packed weights replayed]
+    vLLM's CPU backend packs an unquantized linear weight into its oneDNN handler
+    (``dispatch_cpu_unquantized_gemm``) and drops it; only the handler can run the layer, and
+    only vLLM's post-processing makes one.  So a replay lets it: the layer's ``weight`` is a
+    view, of the layer's shape and row-major strides, into one anonymous private mapping,
+    mapped read-only (every page reads as the kernel's shared zero page: no memory, whatever the
+    size; every layer's placeholder views it, so a write would change what the next layer
+    packs: it faults instead), vLLM packs those zeros into a private buffer, and the segment holding the first
+    engine's packed bytes takes its place at once (`onednn.install`, which frees the buffer:
+    one layer's packed copy at a time is the peak).  The handler's layout must be the one the
+    recipe's content key names (`packed.packed_dtype`), else the recipe is declined.  The zeros
+    are never compared with the segment (they differ by design): the trust is the recipe's, as
+    for every tensor mapped here.  A small packed weight (a router's gate) travels inline in the
+    recipe and is installed from a private copy.  A vocabulary embedding (or head) keeps its
+    weight (mapped), so its handler packs the real bytes: they are compared with the recipe's
+    segment and replaced by it at once when equal.  When they differ (a tied head packs the
+    embedding it is tied to, which a fine-tune may have loaded from a changed checkpoint), the
+    copy stays for the sharing pass, which keys, compares and maps it as after a usual load.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
+import warnings
 from dataclasses import dataclass
 
+import torch
 import xxhash
 
 from ..content.keys import ContentKey, content_key, content_keys
@@ -28,7 +53,8 @@ from ..errors import PackedWeightError
 from ..log import init_logger
 from . import onednn
 
-__all__ = ["PackedSlot", "collect_packed", "installed_handlers", "packed_dtype", "packed_key", "packed_keys"]
+__all__ = ["PackedSlot", "ZeroPages", "collect_packed", "install_replayed", "installed_handlers", "keeps_weight",
+           "packed_dtype", "packed_key", "packed_keys"]
 
 logger = init_logger(__name__)
 
@@ -84,8 +110,6 @@ def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int, l
         kept private for a reason other than its size): slots of at least ``min_bytes``, not
         shared yet.
     """
-    import torch
-
     slots, private_n, private_b, declined = [], 0, 0, []
     for name, handler in onednn.handlers_in(model):
         try:
@@ -130,3 +154,78 @@ def packed_key(packed: onednn.PackedWeight, data) -> ContentKey:
 def packed_keys(slots: list[PackedSlot]) -> list[ContentKey]:
     """Content keys of packed weights (`packed_key`), hashed in parallel."""
     return content_keys([lambda s=s: packed_key(s.packed, tensor_bytes(s.tensor)) for s in slots])
+
+
+# replaying a recipe (Note [packed weights replayed]) ----------------------------------------
+class ZeroPages:
+    """Placeholders that read zeros, over one anonymous private mapping mapped read-only (Note
+    [packed weights replayed]): every page is the kernel's shared zero page (no memory,
+    whatever the size), and a write faults (SIGSEGV) instead of changing what the next layer
+    packs from the same pages."""
+
+    def __init__(self):
+        self._pages = None
+
+    def tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """A row-major tensor of ``shape`` and ``dtype`` over the zero pages (the mapping grows,
+        by a new one, when a larger tensor is asked for; the old stays while a tensor views it)."""
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if self._pages is None or len(self._pages) < nbytes:
+            self._pages = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                    prot=mmap.PROT_READ)
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable: the point
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def keeps_weight(recipe) -> bool:
+    """Whether a module with a packed weight keeps the weight it packs (a vocabulary embedding
+    or head: its lookup reads it) rather than dropping it (a linear layer)."""
+    return recipe.packed is not None and any(t.name == recipe.packed.name and t.nbytes for t in recipe.tensors)
+
+
+def install_replayed(name: str, module, recipe, tensor):
+    """Right after ``module``'s post-processing in a replay: its one oneDNN handler reads
+    ``tensor`` (uint8, the recipe's packed bytes: a segment's mapping, or a private copy of
+    inline bytes) instead of what vLLM packed (Note [packed weights replayed]).
+
+    Args:
+        name: the module's qualified name (for messages).
+        module: the module, post-processed.
+        recipe: its `recipe.ModuleRecipe`, whose ``packed`` entry names the bytes.
+        tensor: those bytes, ``recipe.packed.nbytes`` long.
+
+    Returns:
+        The handler now reading ``tensor``; None for an embedding (or head) whose own packing
+        differs from ``tensor`` (it keeps its copy, for the sharing pass), or that has no
+        handler.
+
+    Raises:
+        RecipeDeclined: a linear layer's handler is not one, has another layout than the
+            recipe's content key names, or oneDNN refused the replacement.
+    """
+    from .recipe import RecipeDeclined
+
+    entry = recipe.packed
+    handlers = onednn.module_handlers(module)
+    if keeps_weight(recipe):  # its handler packed the real (mapped) weight: compare, exactly
+        if len(handlers) != 1:
+            return None
+        try:
+            onednn.install(onednn.find_packed(handlers[0]), tensor, compare=True)
+        except PackedWeightError as e:
+            logger.debug("module %s: the recipe's packed copy is not this one (%s); the sharing pass keys it", name, e)
+            return None
+        return handlers[0]
+    if len(handlers) != 1:
+        raise RecipeDeclined(f"module {name}: {len(handlers)} oneDNN handlers after post-processing, not one")
+    layout = entry.layout if entry.inline is not None else ContentKey.parse(entry.key).dtype
+    try:
+        packed = onednn.find_packed(handlers[0])
+        if (packed_dtype(packed.layout), (packed.nbytes,)) != (layout, entry.shape):
+            raise RecipeDeclined(f"module {name}: oneDNN packed {packed.layout.tag} ({packed.nbytes} bytes), "
+                                 f"not the layout of the recipe's {entry.key or entry.layout}")
+        onednn.install(packed, tensor, compare=False)  # packed from zeros: the bytes differ by design
+    except PackedWeightError as e:
+        raise RecipeDeclined(f"module {name}: its packed weight cannot be replaced ({e})") from e
+    return handlers[0]

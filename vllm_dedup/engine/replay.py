@@ -32,25 +32,6 @@ The steps of `Replay.build`, in order:
 Any failure raises `recipe.RecipeDeclined` after giving back every segment acquired; the loader
 then loads the whole model as usual.  No byte is compared here: the trust is the BLAKE3 source
 keys, the load signature and the segments the recipe names (docs/architecture.md, "Trust").
-
-Note [packed weights replayed]
-    vLLM's CPU backend packs an unquantized linear weight into its oneDNN handler
-    (``dispatch_cpu_unquantized_gemm``) and drops it; only the handler can run the layer, and
-    only vLLM's post-processing makes one.  So a replay lets it: the layer's ``weight`` is a
-    view, of the layer's shape and row-major strides, into one anonymous private mapping,
-    mapped read-only (every page reads as the kernel's shared zero page: no memory, whatever the
-    size; every layer's placeholder views it, so a write would change what the next layer
-    packs: it faults instead), vLLM packs those zeros into a private buffer, and the segment holding the first
-    engine's packed bytes takes its place at once (`onednn.install`, which frees the buffer:
-    one layer's packed copy at a time is the peak).  The handler's layout must be the one the
-    recipe's content key names (`packed.packed_dtype`), else the recipe is declined.  The zeros
-    are never compared with the segment (they differ by design): the trust is the recipe's, as
-    for every tensor mapped here.  A small packed weight (a router's gate) travels inline in the
-    recipe and is installed from a private copy.  A vocabulary embedding (or head) keeps its
-    weight (mapped), so its handler packs the real bytes: they are compared with the recipe's
-    segment and replaced by it at once when equal.  When they differ (a tied head packs the
-    embedding it is tied to, which a fine-tune may have loaded from a changed checkpoint), the
-    copy stays for the sharing pass, which keys, compares and maps it as after a usual load.
 """
 
 from __future__ import annotations
@@ -65,13 +46,14 @@ from ..log import init_logger
 from ..segments import segment_class
 from .context import LoadContext, Placement
 from .heap import reused_heap
+from .packed import ZeroPages, install_replayed, keeps_weight
 from .post_processing import post_processing_hooks
 from .recipe import Match, RecipeDeclined, TensorRecipe
 from .resident import map_resident
 from .slots import attribute_tensors
 from .sources import SourceRecorder
 
-__all__ = ["Replay", "ZeroPages"]
+__all__ = ["Replay"]
 
 logger = init_logger(__name__)
 
@@ -193,7 +175,7 @@ class Replay:
                 tensor = got.segment.tensor(hit.offset, getattr(torch, t.dtype), t.shape, t.stride)
                 resident[asked] = (tensor, got.found.uid)
         for name in list(self.match.matched):
-            optional = recipe.modules[name].packed if _keeps_weight(recipe.modules[name]) else None
+            optional = recipe.modules[name].packed if keeps_weight(recipe.modules[name]) else None
             missing = [t.name for t in recipe.modules[name].keyed()
                        if t is not optional and (t.key, t.uid if strict else "") not in resident]
             if missing:
@@ -234,7 +216,7 @@ class Replay:
         dropped by vLLM's post-processing) becomes a placeholder over zero pages of the meta
         weight's shape (Note [packed weights replayed])."""
         recipe = self.match.recipe.modules[name]
-        if recipe.packed is None or _keeps_weight(recipe):
+        if recipe.packed is None or keeps_weight(recipe):
             return  # no packed weight, or an embedding: it packs its own weight
         current = module._parameters.get(recipe.packed.name)
         meta = next((old for old, new in replaced.values() if new is current), None)
@@ -245,56 +227,25 @@ class Replay:
         replaced[id(meta)] = (meta, module._parameters[recipe.packed.name])
 
     def _install_packed(self, name: str, module: nn.Module, resident: dict) -> None:
-        """Right after ``module``'s post-processing: its handler reads the recipe's segment."""
-        from ..content.keys import ContentKey
-        from ..errors import PackedWeightError
-        from . import onednn
-        from .packed import packed_dtype
-
+        """Right after ``module``'s post-processing: its handler reads the recipe's segment (an
+        embedding's, only where its own packing is equal: `packed.install_replayed`)."""
         recipe, strict = self.match.recipe.modules[name], self.ctx.config.verify
         entry = recipe.packed
-        if _keeps_weight(recipe):
-            return self._install_embedding_copy(name, module, resident)
-        handlers = onednn.module_handlers(module)
-        if len(handlers) != 1:
-            raise RecipeDeclined(f"module {name}: {len(handlers)} oneDNN handlers after post-processing, not one")
         if entry.inline is not None:  # a small packed weight, kept in the recipe (private here too)
-            tensor, uid, layout = torch.frombuffer(bytearray(entry.inline), dtype=torch.uint8).clone(), "", entry.layout
-        else:
-            (tensor, uid), layout = resident[(entry.key, entry.uid if strict else "")], ContentKey.parse(entry.key).dtype
-        try:
-            packed = onednn.find_packed(handlers[0])
-            if (packed_dtype(packed.layout), (packed.nbytes,)) != (layout, entry.shape):
-                raise RecipeDeclined(f"module {name}: oneDNN packed {packed.layout.tag} ({packed.nbytes} bytes), "
-                                     f"not the layout of the recipe's {entry.key or entry.layout}")
-            onednn.install(packed, tensor, compare=False)  # packed from zeros: Note [packed weights replayed]
-        except PackedWeightError as e:
-            raise RecipeDeclined(f"module {name}: its packed weight cannot be replaced ({e})") from e
-        if entry.inline is None:
-            self.placement[id(handlers[0])] = Placement(entry.key, uid)
-            self.mapped_bytes += entry.nbytes
-
-    def _install_embedding_copy(self, name: str, module: nn.Module, resident: dict) -> None:
-        """An embedding (or head) packed its own weight: the recipe's segment takes the place of
-        that copy if its bytes are equal (exact compare); otherwise the copy stays for the
-        sharing pass, and a segment nobody installed is given back after post-processing."""
-        from ..errors import PackedWeightError
-        from . import onednn
-
-        entry, strict = self.match.recipe.modules[name].packed, self.ctx.config.verify
-        found = resident.get((entry.key, entry.uid if strict else ""))
-        handlers = onednn.module_handlers(module)
-        if found is None or len(handlers) != 1:
+            install_replayed(name, module, recipe, torch.frombuffer(bytearray(entry.inline), dtype=torch.uint8).clone())
             return
+        found = resident.get((entry.key, entry.uid if strict else ""))
+        if found is None:  # only an embedding's copy may be missing (`_acquire` demotes the rest)
+            if keeps_weight(recipe):
+                return
+            raise RecipeDeclined(f"module {name}: its packed weight {entry.key} is not resident")
         tensor, uid = found
-        try:
-            onednn.install(onednn.find_packed(handlers[0]), tensor, compare=True)
-        except PackedWeightError as e:
-            logger.debug("module %s: the recipe's packed copy is not this one (%s); the sharing pass keys it", name, e)
+        handler = install_replayed(name, module, recipe, tensor)
+        if handler is None:  # an embedding whose own packing differs: the sharing pass keys it
             self._unused.setdefault(uid, self._segment_of.get(uid, -1))
             return
-        self._unused[uid] = None  # installed: the segment stays held
-        self.placement[id(handlers[0])] = Placement(entry.key, uid)
+        self._unused[uid] = None  # a handler reads it: `_release_unused` keeps it held
+        self.placement[id(handler)] = Placement(entry.key, uid)
         self.mapped_bytes += entry.nbytes
 
     def _release_unused(self) -> None:
@@ -372,36 +323,6 @@ class Replay:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)
-
-
-class ZeroPages:
-    """Placeholders that read zeros, over one anonymous private mapping mapped read-only (Note
-    [packed weights replayed]): every page is the kernel's shared zero page (no memory,
-    whatever the size), and a write faults (SIGSEGV) instead of changing what the next layer
-    packs from the same pages."""
-
-    def __init__(self):
-        self._pages = None
-
-    def tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """A row-major tensor of ``shape`` and ``dtype`` over the zero pages (the mapping grows,
-        by a new one, when a larger tensor is asked for; the old stays while a tensor views it)."""
-        import mmap
-        import warnings
-
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        if self._pages is None or len(self._pages) < nbytes:
-            self._pages = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                                    prot=mmap.PROT_READ)
-        with warnings.catch_warnings():  # torch warns that the buffer is not writable: the point
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-
-
-def _keeps_weight(recipe) -> bool:
-    """Whether a module with a packed weight keeps the weight it packs (a vocabulary embedding
-    or head: its lookup reads it) rather than dropping it (a linear layer)."""
-    return recipe.packed is not None and any(t.name == recipe.packed.name and t.nbytes for t in recipe.tensors)
 
 
 def _like(meta, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""Building a recipe: what one loaded, post-processed and shared model's modules became (the
+data it fills in, and how a later engine matches it, are in `recipe.py`).
+
+A module's entry says whether it is replayable (`unreplayable_reason`), and, on vLLM's CPU
+backend with ``cpu_linear="packed"``, names its oneDNN handler's packed weight
+(`packed_recipe`), so a replay can put the segment back in place of a placeholder's packing.
+"""
+
+from __future__ import annotations
+
+from .recipe import ModuleRecipe, Recipe, TensorRecipe
+
+__all__ = ["build_recipe", "model_attrs", "packed_recipe", "unreplayable_reason"]
+
+def unreplayable_reason(module, packed_in_segment: bool = False) -> str | None:
+    """Why this module's post-processing cannot be replayed from its final tensors, or None.
+    ``packed_in_segment``: the packed weight of its oneDNN handler is in a segment
+    (`packed_recipe`)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.platforms import current_platform
+
+    quant_method = getattr(module, "quant_method", None)
+    if isinstance(quant_method, QuantizeMethodBase) and not quant_method.supports_pre_processed_weights:
+        return f"{type(quant_method).__name__} does not support pre-processed weights"
+    if not current_platform.is_cpu():
+        return None
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from .onednn import holds_handler
+
+    if packed_in_segment:
+        return None
+    if ((isinstance(module, LinearBase) and not getattr(module, "_cpu_skip_gemm_dispatch", False))
+            or (holds_handler(module) and not isinstance(module, VocabParallelEmbedding))):
+        # An embedding keeps its weight and packs it again when replayed (its post-processing
+        # ignores the pre-processed mode); a linear's weight is gone once packed.
+        return ("on the CPU backend vLLM repacked its weight where a recipe cannot follow (a oneDNN handler "
+                "whose packed weight is not in a segment, or another CPU packing)")
+    return None
+
+
+def packed_recipe(module, placement: dict, inline_max: int = 0) -> tuple[TensorRecipe | None, str]:
+    """The recipe entry of the packed weight of ``module``'s own oneDNN handler, if a replay can
+    make it again: one handler, made by vLLM's unquantized linear method from the module's
+    ``weight`` (so a placeholder of that shape packs to the same layout), its packed weight in a
+    segment (``placement[id(handler)]``) or, up to ``inline_max`` bytes (a router's gate),
+    inline.  A vocabulary embedding (or head) keeps its weight, and a replay packs that again:
+    its entry (only when in a segment) lets the replay put the segment in place at once, after an
+    exact compare; without one, or when the bytes differ (a tied head's embedding loaded from a
+    changed checkpoint), the sharing pass keys and maps the packed copy.  Returns (entry or None,
+    why not; "" when the module has no handler, or is an embedding whose copy is in no segment)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from ..errors import PackedWeightError
+    from .onednn import find_packed, module_handlers
+
+    handlers = module_handlers(module)
+    quant_method = getattr(module, "quant_method", None)
+    embedding = isinstance(quant_method, UnquantizedEmbeddingMethod)
+    if not handlers or (embedding and (len(handlers) != 1 or id(handlers[0]) not in placement)):
+        return None, ""
+    if len(handlers) != 1:
+        return None, f"it holds {len(handlers)} oneDNN handlers"
+    if not isinstance(quant_method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+        return None, f"its oneDNN handler comes from {type(quant_method).__name__}"
+    try:
+        packed = find_packed(handlers[0])
+    except PackedWeightError as e:
+        return None, f"its packed weight cannot be read ({e})"
+    where = placement.get(id(handlers[0]))
+    if where is not None:
+        return TensorRecipe("weight", True, "uint8", (packed.nbytes,), (1,), key=where.key, uid=where.uid), ""
+    if packed.nbytes <= inline_max:
+        from .packed import packed_dtype
+
+        return TensorRecipe("weight", True, "uint8", (packed.nbytes,), (1,), inline=bytes(packed.view()),
+                            layout=packed_dtype(packed.layout)), ""
+    return None, "its packed weight is not in a segment"
+
+
+def model_attrs(model) -> dict:
+    """The model's own public attributes whose values are numbers, strings, booleans or None."""
+    return {k: v for k, v in vars(model).items()
+            if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
+
+
+def build_recipe(model, signature: str, sources: dict[str, str], recording, placement: dict, inline_max: int,
+                 attrs_before: dict, inherited: dict[str, ModuleRecipe] | None = None) -> Recipe:
+    """The recipe of a loaded, post-processed and shared model.
+
+    Args:
+        model: the model, after `share.share_model`.
+        signature: its load signature.
+        sources: checkpoint tensor name -> source key, for every tensor the load read (or, for
+            a partial load, every tensor of the checkpoint).
+        recording: the `sources.SourceRecorder` of the load (its ``module_sources`` and
+            ``untraced``).
+        placement: ``id`` of a tensor bound in the model -> its `context.Placement`.
+        inline_max: tensors of at most this many bytes (and private) are stored inline.
+        attrs_before: `model_attrs` before ``load_weights`` (what loading set is the difference).
+        inherited: modules mapped from an earlier recipe, taken over as they are.
+    """
+    inherited = inherited or {}
+    modules: dict[str, ModuleRecipe] = {}
+    owner: dict[int, str] = {}  # id(tensor) -> "module.name" of its first place
+    for module_name, module in model.named_modules():
+        tensors = [(n, t, True) for n, t in module._parameters.items() if t is not None]
+        tensors += [(n, t, False) for n, t in module._buffers.items() if t is not None]
+        for n, t, _ in tensors:
+            owner.setdefault(id(t), _qualified(module_name, n))
+        attributes = _attribute_tensors(module)
+        if not tensors and not attributes:
+            continue
+        if module_name in inherited:
+            modules[module_name] = inherited[module_name]
+            continue
+        packed, why_packed = packed_recipe(module, placement, inline_max)
+        why = unreplayable_reason(module, packed_in_segment=packed is not None)
+        if why and why_packed:
+            why = f"{why} ({why_packed})"
+        untraced = recording.untraced.get(module_name, "")
+        recipe = ModuleRecipe(sorted(recording.module_sources.get(module_name, ())), [], packed=packed)
+        for n, t in attributes:
+            nbytes = t.numel() * t.element_size()
+            if t.is_meta or not t.is_contiguous() or nbytes > inline_max:
+                why = why or f"its attribute {n} ({nbytes} bytes) cannot be kept in the recipe"
+            else:
+                recipe.attributes.append(TensorRecipe(n, False, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                                      tuple(t.stride()), inline=bytes(_host_bytes(t))))
+        for n, t, is_param in tensors:
+            qualified = _qualified(module_name, n)
+            entry = TensorRecipe(n, is_param, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
+            if owner[id(t)] != qualified:
+                entry.alias = owner[id(t)]
+            elif id(t) in placement:
+                entry.key, entry.uid = placement[id(t)].key, placement[id(t)].uid
+            elif t.is_meta:
+                why = why or f"{n} was never materialized"
+            elif t.is_contiguous() and t.numel() * t.element_size() <= inline_max:
+                entry.inline = bytes(_host_bytes(t))
+            else:
+                why = why or (f"{n} ({t.numel() * t.element_size()} bytes) is neither in a segment nor small "
+                              "enough to keep in the recipe")
+            recipe.tensors.append(entry)
+        recipe.replayable, recipe.why = not why, why or ""
+        recipe.traced, recipe.why_untraced = not untraced, untraced
+        modules[module_name] = recipe
+    attributed = set().union(*recording.module_sources.values(), *(m.sources for m in inherited.values()))
+    after = model_attrs(model)
+    attrs = {k: v for k, v in after.items() if attrs_before.get(k, object()) != v}
+    whole_why = ("the model has its own process_weights_after_loading (it may combine modules)"
+                 if callable(getattr(type(model), "process_weights_after_loading", None)) else "")
+    return Recipe(signature, dict(sources), modules, attrs, sorted(set(sources) - attributed), not whole_why,
+                  whole_why)
+
+
+def _attribute_tensors(module) -> list[tuple[str, object]]:
+    """(name, tensor) of the tensors ``module`` keeps in its own plain attributes (not its
+    parameters or buffers, not serving state such as the KV cache)."""
+    import torch
+
+    from .slots import RUNTIME_STATE
+
+    return [(n, v) for n, v in vars(module).items()
+            if isinstance(v, torch.Tensor) and not n.startswith("__") and n not in RUNTIME_STATE]
+
+
+def _qualified(module_name: str, name: str) -> str:
+    return f"{module_name}.{name}" if module_name else name
+
+
+def _host_bytes(t) -> memoryview:
+    from ..content.views import tensor_bytes
+
+    return tensor_bytes(t.detach().cpu().contiguous())

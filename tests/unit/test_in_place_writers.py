@@ -8,7 +8,7 @@ import pytest
 from vllm.config import VllmConfig
 from vllm.config.load import LoadConfig
 
-from vllm_dedup.engine import worker_hooks
+from vllm_dedup.engine import vllm_facts, worker_hooks
 from vllm_dedup.engine.loader import DedupModelLoader
 from vllm_dedup.engine.session import EngineSession
 from vllm_dedup.errors import SharedWeightsError
@@ -37,9 +37,9 @@ def weight_transfer(c):
                          ids=["eplb", "uva-offload", "prefetch-offload", "weight-transfer"])
 def test_an_engine_configured_to_write_its_weights_keeps_them_private(configure, words, caplog):
     config = VllmConfig()
-    assert worker_hooks.private_reason(config) is None
+    assert vllm_facts.private_reason(config) is None
     configure(config)
-    assert words in worker_hooks.private_reason(config)
+    assert words in vllm_facts.private_reason(config)
     loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"on_registry_error": "fail"}))
     # No registry is reached, no device is named: the load goes the plain way, with a warning
     # (even with on_registry_error="fail": nothing failed, the configuration asked for it).
@@ -53,7 +53,7 @@ def test_sleep_mode_keeps_weights_private():
 
     config = VllmConfig()
     config.model_config = Model()
-    assert "sleep mode" in worker_hooks.private_reason(config)
+    assert "sleep mode" in vllm_facts.private_reason(config)
 
 
 def test_expert_rebalancing_and_draft_weight_updates_are_refused_while_weights_are_shared(monkeypatch):

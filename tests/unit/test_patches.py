@@ -99,7 +99,7 @@ def test_source_parts_apply_to_the_vllm_release(patch):
 
 
 def test_worker_hooks_cover_the_methods_the_patches_hook():
-    from vllm_dedup.engine import worker_hooks
+    from vllm_dedup.engine import vllm_facts, worker_hooks
 
     worker_hooks.install()
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -113,5 +113,5 @@ def test_worker_hooks_cover_the_methods_the_patches_hook():
               if "_check_weights_writable(\"" in line and line.startswith("+")}
     assert hooked == {"sleep", "reload_weights", "start_weight_update", "start_draft_weight_update",
                       "update_weights", "reset_weights"}
-    guarded = {name for module, cls, name, _ in worker_hooks.GUARDED if cls in ("Worker", "CPUWorker")}
+    guarded = {name for module, cls, name, _ in vllm_facts.GUARDED if cls in ("Worker", "CPUWorker")}
     assert guarded == hooked

@@ -90,7 +90,7 @@ def allow_cpu_aot_loads() -> bool:
     import vllm
     from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
 
-    from .worker_hooks import CHECKED_VLLM_VERSIONS
+    from .vllm_facts import CHECKED_VLLM_VERSIONS
 
     if vllm.__version__ not in CHECKED_VLLM_VERSIONS or "finalize_loading" in vars(Bundled):
         return False

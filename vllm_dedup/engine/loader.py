@@ -60,6 +60,7 @@ from .handlers import recorded_handlers
 from .meter import LoadMeter
 from .session import EngineSession
 from .signature import load_signature
+from .vllm_facts import private_reason
 
 __all__ = ["DedupModelLoader"]
 
@@ -291,7 +292,6 @@ class DedupModelLoader(BaseModelLoader):
         from ..segments import segment_class
 
         device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
-        from .worker_hooks import private_reason
 
         reason = private_reason(vllm_config)
         if reason is not None:

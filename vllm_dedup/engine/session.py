@@ -73,6 +73,7 @@ from ..log import init_logger
 from ..registry.lease import Lease
 from ..registry.state import startup_lock_name
 from .fallback import fail_or_fall_back
+from .vllm_facts import private_reason
 
 __all__ = ["EngineSession", "startup_devices"]
 
@@ -235,7 +236,6 @@ class EngineSession:
                               "both KV cache sizes may be off")
             return 0
         self.locks = names
-        from .worker_hooks import private_reason
 
         if private_reason(vllm_config):  # the loader will keep this engine's weights private
             return 0

@@ -10,17 +10,17 @@ kinds, both reading this process's `session.EngineSession`:
   on a device without read-only mappings, silently change every other engine's model.  Each
   guard refuses with a clear error while this process holds tensors in segments and passes
   through otherwise.  An engine whose configuration says it will write its weights in place
-  (`private_reason`: EPLB, weight offloading, RLHF weight transfer, sleep mode) never shares
+  (`vllm_facts.private_reason`: EPLB, weight offloading, RLHF weight transfer, sleep mode) never shares
   them in the first place: the loader keeps them private.
 - **start-up hooks** (GPU accounting, `session.py`): after ``Worker.load_model`` the engine's
   budget is corrected by the bytes mapped beyond the prediction; after
   ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
   even when warm-up fails.
 
-Each wrapper is tied to the vLLM versions it was checked against (`CHECKED_VLLM_VERSIONS`); on
+Each wrapper is tied to the vLLM versions it was checked against (`vllm_facts.CHECKED_VLLM_VERSIONS`); on
 another version a method that no longer exists is skipped with a warning, never guessed at.
 ``patches/`` holds the upstream-vLLM form of both kinds, which would make this module
-unnecessary: a method whose source already carries the patch's hook (`PATCHED_BY`) is not
+unnecessary: a method whose source already carries the patch's hook (`vllm_facts.PATCHED_BY`) is not
 wrapped, so that nothing (the budget correction above all) is applied twice.
 """
 
@@ -32,25 +32,11 @@ import importlib
 from ..errors import SharedWeightsError
 from ..log import init_logger
 from .session import EngineSession
+from .vllm_facts import CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, PATCHED_BY
 
-__all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "PATCHED_BY", "STARTUP_HOOKS", "install", "private_reason"]
+__all__ = ["STARTUP_HOOKS", "install"]
 
 logger = init_logger(__name__)
-
-CHECKED_VLLM_VERSIONS = ("0.32.0",)
-
-# (module, class, method, what the operation does to weights)
-GUARDED = (
-    ("vllm.v1.worker.gpu_worker", "Worker", "sleep", "sleep mode offloads or discards the weights"),
-    ("vllm.v1.worker.cpu_worker", "CPUWorker", "sleep", "sleep mode offloads or discards the weights"),
-    ("vllm.v1.worker.gpu_worker", "Worker", "reload_weights", "weight reload writes new weights in place"),
-    ("vllm.v1.worker.gpu_worker", "Worker", "start_weight_update", "weight updates write weights in place"),
-    ("vllm.v1.worker.gpu_worker", "Worker", "start_draft_weight_update", "weight updates write weights in place"),
-    ("vllm.v1.worker.gpu_worker", "Worker", "update_weights", "weight updates write weights in place"),
-    ("vllm.v1.worker.gpu_worker", "Worker", "reset_weights", "weight reset zeroes the weights in place"),
-    ("vllm.distributed.eplb.eplb_state", "EplbState", "rearrange",
-     "expert load balancing moves expert weights in place"),
-)
 
 # (module, class, method, what runs after it)
 STARTUP_HOOKS = (
@@ -60,33 +46,7 @@ STARTUP_HOOKS = (
      lambda worker: EngineSession.current().end_startup()),
 )
 
-# What a method's source holds once patches/ is applied to it: (class, method) -> marker.  The
-# guards' marker is the check the patch adds to every guarded method.
-PATCHED_BY = {("Worker", "load_model"): "external_weight_correction_bytes",
-              ("Worker", "compile_or_warm_up_model"): "on_startup_done"}
-_GUARD_MARKER = "_check_weights_writable("
-
 _MARK = "__vllm_dedup_hook__"
-
-
-def private_reason(vllm_config) -> str | None:
-    """Why an engine must keep its weights private, from its configuration, or None: the
-    features that write into weights in place (or move them out of the device) after loading.
-    The list of every in-place writer of vLLM 0.32 is in docs/architecture.md ("In-place
-    writers")."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    if getattr(parallel, "enable_eplb", False):
-        return ("expert parallel load balancing (--enable-eplb, also under elastic EP) moves expert weights in "
-                "place (vllm/distributed/eplb/rebalance_execute.py: move_from_buffer)")
-    offload = getattr(vllm_config, "offload_config", None)  # vLLM 0.32: uva and prefetch sub-configs
-    if ((getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0) or 0) > 0
-            or (getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0) > 0):
-        return "weight offloading (--cpu-offload-gb, --offload-group-size) moves weights to host memory"
-    if getattr(vllm_config, "weight_transfer_config", None) is not None:
-        return "RLHF weight transfer (weight_transfer_config) writes new weights in place"
-    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
-        return "sleep mode (--enable-sleep-mode) offloads or discards the weights and restores them in place"
-    return None
 
 
 def install() -> list[str]:
@@ -102,7 +62,7 @@ def install() -> list[str]:
                        ", ".join(CHECKED_VLLM_VERSIONS), vllm.__version__)
     wrapped = []
     for module_name, cls_name, name, why in GUARDED:
-        if _wrap(module_name, cls_name, name, functools.partial(_guard, name=name, why=why), _GUARD_MARKER):
+        if _wrap(module_name, cls_name, name, functools.partial(_guard, name=name, why=why), GUARD_MARKER):
             wrapped.append(f"{cls_name}.{name}")
     for module_name, cls_name, name, after in STARTUP_HOOKS:
         if _wrap(module_name, cls_name, name, functools.partial(_run_after, after=after),

@@ -1,0 +1,53 @@
+"""What vllm-dedup relies on in vLLM, in one place: the versions checked, the Worker methods
+that write weights in place (guarded while weights are shared), the hooks ``patches/`` adds,
+and the engine configurations that keep weights private.
+
+When vLLM moves, this is the module to re-read against its source: each fact names the file
+it comes from.  `worker_hooks.py` wraps what is listed here; the loader and `session.py` ask
+`private_reason`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "GUARD_MARKER", "PATCHED_BY", "private_reason"]
+
+CHECKED_VLLM_VERSIONS = ("0.32.0",)
+
+# (module, class, method, what the operation does to weights)
+GUARDED = (
+    ("vllm.v1.worker.gpu_worker", "Worker", "sleep", "sleep mode offloads or discards the weights"),
+    ("vllm.v1.worker.cpu_worker", "CPUWorker", "sleep", "sleep mode offloads or discards the weights"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "reload_weights", "weight reload writes new weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "start_weight_update", "weight updates write weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "start_draft_weight_update", "weight updates write weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "update_weights", "weight updates write weights in place"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "reset_weights", "weight reset zeroes the weights in place"),
+    ("vllm.distributed.eplb.eplb_state", "EplbState", "rearrange",
+     "expert load balancing moves expert weights in place"),
+)
+
+# What a method's source holds once patches/ is applied to it: (class, method) -> marker.  The
+# guards' marker is the check the patch adds to every guarded method.
+PATCHED_BY = {("Worker", "load_model"): "external_weight_correction_bytes",
+              ("Worker", "compile_or_warm_up_model"): "on_startup_done"}
+GUARD_MARKER = "_check_weights_writable("
+
+
+def private_reason(vllm_config) -> str | None:
+    """Why an engine must keep its weights private, from its configuration, or None: the
+    features that write into weights in place (or move them out of the device) after loading.
+    The list of every in-place writer of vLLM 0.32 is in docs/architecture.md ("In-place
+    writers")."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "enable_eplb", False):
+        return ("expert parallel load balancing (--enable-eplb, also under elastic EP) moves expert weights in "
+                "place (vllm/distributed/eplb/rebalance_execute.py: move_from_buffer)")
+    offload = getattr(vllm_config, "offload_config", None)  # vLLM 0.32: uva and prefetch sub-configs
+    if ((getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0) or 0) > 0
+            or (getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0) > 0):
+        return "weight offloading (--cpu-offload-gb, --offload-group-size) moves weights to host memory"
+    if getattr(vllm_config, "weight_transfer_config", None) is not None:
+        return "RLHF weight transfer (weight_transfer_config) writes new weights in place"
+    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False):
+        return "sleep mode (--enable-sleep-mode) offloads or discards the weights and restores them in place"
+    return None

@@ -14,22 +14,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+from ..segments import segment_class
 
 __all__ = ["LoadMeter", "private_bytes"]
 
 
 def private_bytes(device_type: str) -> int:
-    """The process's private memory now, in bytes: ``RssAnon`` of ``/proc/self/status`` on the
-    CPU, ``torch.cuda.memory_allocated()`` on a GPU."""
-    if device_type == "cuda":
-        import torch
-
-        return torch.cuda.memory_allocated()
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    """The process's private memory on a device type now, in bytes (`Segment.private_bytes`:
+    ``RssAnon`` on the CPU, ``torch.cuda.memory_allocated()`` on a GPU)."""
+    return segment_class(device_type).private_bytes()
 
 
 class LoadMeter:

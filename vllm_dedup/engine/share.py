@@ -38,13 +38,12 @@ briefly need twice the model's memory.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from collections import defaultdict
 
-from ..content.fingerprint import device_fingerprints, fingerprint_key, same_bytes
-from ..content.keys import ContentKey, content_keys, tensor_key
+from ..content.fingerprint import same_bytes
+from ..content.keys import ContentKey
 from ..errors import PackedWeightError, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from ..segments import segment_class
@@ -100,7 +99,7 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
     # The private copies replaced are freed by reference counting as they go (nothing here
     # makes a cycle with them): only the allocator's caches need giving back.
     trim()
-    _return_cached(ctx.device_type)
+    segment_class(ctx.device_type).return_cached()
     report.share_seconds = time.perf_counter() - start
     return report
 
@@ -127,7 +126,7 @@ class SharingPass:
                  if t is not None and id(t) in mapped}
         report.shared_tensors += len(bound)
         report.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
-        keys = _keys([s.tensor for s in slots], ctx.device_type)
+        keys = [str(k) for k in colliding(self.seg_cls.content_keys([s.tensor for s in slots]))]
         if ctx.share_packed:
             packed, private_n, private_b, declined = collect_packed(model, ctx.config.min_tensor_bytes)
             if declined:
@@ -258,7 +257,7 @@ class SharingPass:
                 self.report.shared_tensors += 1
                 self.report.shared_bytes += slot.nbytes
         if self.freed >= _RETURN_EVERY:
-            _return_cached(self.ctx.device_type)
+            self.seg_cls.return_cached()
             self.freed = 0
         return taken, differ
 
@@ -326,26 +325,8 @@ def _pinned(model, ctx: LoadContext) -> list:
     return list(out.values())
 
 
-def _keys(tensors, device_type: str) -> list[str]:
-    """Content keys: XXH3-128 of host bytes on the CPU, device fingerprints elsewhere."""
-    if device_type == "cpu":
-        keys = content_keys([lambda t=t: tensor_key(t) for t in tensors])
-    else:
-        keys = [fingerprint_key(t, d) for t, d in zip(tensors, device_fingerprints(tensors))]
-    return [str(k) for k in colliding(keys)]
-
-
 def colliding(keys: list[ContentKey]) -> list[ContentKey]:
     """The keys, or with `FORCE_COLLISIONS_ENV` set, the keys with their digests zeroed."""
     if os.environ.get(FORCE_COLLISIONS_ENV):
         return [ContentKey(bytes(16), k.dtype, k.shape, k.stride) for k in keys]
     return keys
-
-
-def _return_cached(device_type: str) -> None:
-    """Give the caching allocator's free blocks back to the driver (GPU only)."""
-    if device_type == "cuda":
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()

@@ -10,8 +10,11 @@ One backend per device type, one module each, behind `Segment`:
 - ``cuda`` (`CudaSegment`): CUDA virtual memory management through ``cuda-bindings``.
 
 `segment_class` picks the backend for a torch device type.  A backend also names devices
-(`Segment.device_key`: the registry keeps each device's segments apart) and says its allocation
-granularity (`Segment.granularity`: small tensors are packed into one segment, `packing.py`).
+(`Segment.device_key`: the registry keeps each device's segments apart), says its allocation
+granularity (`Segment.granularity`: small tensors are packed into one segment, `packing.py`),
+and holds what else differs between devices for the engine: how content keys are computed
+(`Segment.content_keys`), what private memory is (`Segment.private_bytes`) and what an allocator
+gives back (`Segment.return_cached`).
 
 Every backend failure raises `errors.SegmentError`, so the engine side has one thing to catch
 (the tensors concerned stay private).
@@ -66,6 +69,24 @@ class Segment(ABC):
     @abstractmethod
     def attach(cls, fd: int, nbytes: int, device: str) -> Segment:
         """Map a segment another process created, read-only.  Takes ownership of ``fd``."""
+
+    # What differs between devices on the engine side, so that the engine never branches on one.
+    @classmethod
+    @abstractmethod
+    def content_keys(cls, tensors) -> list:
+        """The content keys (`content.keys.ContentKey`) of contiguous tensors on this backend's
+        device, in order: XXH3-128 of the bytes on the host, a device fingerprint on a GPU."""
+
+    @classmethod
+    @abstractmethod
+    def private_bytes(cls) -> int:
+        """This process's private memory on this backend's device now, in bytes (what a load
+        grows: `engine.meter.LoadMeter`)."""
+
+    @classmethod
+    def return_cached(cls) -> None:
+        """Give memory an allocator keeps cached for this process back to the device (after
+        tensors were swapped for segments).  Nothing to give back by default."""
 
     _fd: int  # the segment's descriptor in this process, -1 once closed
 

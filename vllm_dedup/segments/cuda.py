@@ -208,6 +208,32 @@ class CudaSegment(Segment):
         self.device = device
 
     @classmethod
+    def content_keys(cls, tensors) -> list:
+        """Device fingerprints of each tensor's bytes, computed on the GPU (`content.fingerprint`)."""
+        from ..content.fingerprint import device_fingerprints, fingerprint_key
+
+        return [fingerprint_key(t, d) for t, d in zip(tensors, device_fingerprints(tensors))]
+
+    @classmethod
+    def private_bytes(cls) -> int:
+        """``torch.cuda.memory_allocated()``: bytes PyTorch's caching allocator has handed out on
+        the current device (segments are VMM allocations outside it)."""
+        import torch
+
+        return torch.cuda.memory_allocated()
+
+    @classmethod
+    def return_cached(cls) -> None:
+        """Free what the caching allocator keeps (``torch.cuda.empty_cache``) after a
+        ``gc.collect()``, so that swapped-out weights give their memory back to the driver."""
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    @classmethod
     def device_key(cls, device) -> str:
         """``cuda:GPU-<uuid>`` of a torch CUDA device (``torch.device``, ``"cuda:1"``, ordinal).
         Creates no CUDA context and leaves the current one as it is.

@@ -165,6 +165,23 @@ class HostSegment(Segment):
         return None  # one memfd per tensor wastes less than a page: nothing to pack
 
     @classmethod
+    def content_keys(cls, tensors) -> list:
+        """XXH3-128 of each tensor's bytes, read in place, hashed in parallel (`content.keys`)."""
+        from ..content.keys import content_keys, tensor_key
+
+        return content_keys([lambda t=t: tensor_key(t) for t in tensors])
+
+    @classmethod
+    def private_bytes(cls) -> int:
+        """``RssAnon`` of ``/proc/self/status`` in bytes: anonymous private memory (a memfd's
+        pages are shared memory, not counted)."""
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    @classmethod
     def attach(cls, fd: int, nbytes: int, device: str = "cpu") -> HostSegment:
         """Map a received memfd read-only.
 

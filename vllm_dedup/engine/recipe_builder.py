@@ -8,6 +8,7 @@ backend with ``cpu_linear="packed"``, names its oneDNN handler's packed weight
 
 from __future__ import annotations
 
+from .attributes import module_attributes
 from .recipe import ModuleRecipe, Recipe, TensorRecipe
 
 __all__ = ["build_recipe", "model_attrs", "packed_recipe", "unreplayable_reason"]
@@ -161,10 +162,7 @@ def _attribute_tensors(module) -> list[tuple[str, object]]:
     parameters or buffers, not serving state such as the KV cache)."""
     import torch
 
-    from .slots import RUNTIME_STATE
-
-    return [(n, v) for n, v in vars(module).items()
-            if isinstance(v, torch.Tensor) and not n.startswith("__") and n not in RUNTIME_STATE]
+    return [(a.name, a.value) for a in module_attributes(module, max_depth=0) if isinstance(a.value, torch.Tensor)]
 
 
 def _qualified(module_name: str, name: str) -> str:

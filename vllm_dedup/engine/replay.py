@@ -44,6 +44,7 @@ from torch import nn
 from ..checkpoint.loading import read_tensors
 from ..log import init_logger
 from ..segments import segment_class
+from .attributes import module_attributes
 from .context import LoadContext, Placement
 from .heap import reused_heap
 from .packed import ZeroPages, install_replayed, keeps_weight
@@ -370,27 +371,17 @@ def _retie(model: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tenso
     and buffers of other modules (ties made at construction), module attributes, and attributes
     of the plain objects modules hold (an attention implementation keeps ``sinks``).
     ``replaced`` keeps each meta tensor alive, so an ``id`` here names that tensor and no other."""
-    from .slots import RUNTIME_STATE
-
     def fresh(value):
         return (isinstance(value, torch.Tensor) and id(value) in replaced and replaced[id(value)][0] is value)
-
-    def retie_attributes(obj, depth: int) -> None:
-        for n, value in list(vars(obj).items()):
-            if n in ("_parameters", "_buffers", "_modules") or n in RUNTIME_STATE:
-                continue
-            if fresh(value):
-                setattr(obj, n, replaced[id(value)][1])
-            elif (depth == 0 and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type, torch.Tensor))
-                  and type(value).__module__.startswith("vllm")):
-                retie_attributes(value, depth + 1)
 
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for n, t in list(table.items()):
                 if fresh(t):
                     table[n] = replaced[id(t)][1]
-        retie_attributes(module, 0)
+        for a in module_attributes(module):
+            if fresh(a.value):
+                setattr(a.owner, a.name, replaced[id(a.value)][1])
 
 
 def _check_no_meta(model: nn.Module) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RUNTIME_STATE", "Slot", "attribute_tensors", "collect_slots", "swap"]
+from .attributes import closure_contents, module_attributes
+
+__all__ = ["Slot", "attribute_tensors", "collect_slots", "swap"]
 
 
 @dataclass
@@ -90,37 +92,23 @@ def attribute_tensors(model):
     """Tensors the model's modules keep outside ``_parameters`` and ``_buffers``: in their own
     attributes, one level into plain objects they hold (an attention layer's implementation),
     and captured by a layer's ``cpu_linear`` closure (vLLM's CPU GEMM dispatch).  Kernels read
-    them too, and a model built on the meta device can leave a stale meta tensor there.
+    them too, and a model built on the meta device can leave a stale meta tensor there
+    (`attributes.module_attributes`).
 
     Yields:
         ``("<module>.<attribute>[...]", tensor)``, where a tensor is reachable from several
-        modules once per place.
+        modules once per place.  Parameters too: an attribute holding a parameter object (CPU
+        attention's ``impl.sinks``) keeps the old one when a loader puts a new object in its
+        module.
     """
     import torch
-    from torch import nn
-
-    def of(prefix: str, obj, depth: int):
-        for name, value in list(vars(obj).items()):
-            if name in ("_parameters", "_buffers", "_modules") or name in RUNTIME_STATE:
-                continue
-            if isinstance(value, torch.Tensor):
-                # Parameters too: an attribute holding a parameter object (CPU attention's
-                # ``impl.sinks``) keeps the old one when a loader puts a new object in its module.
-                yield f"{prefix}.{name}", value
-            elif name == "cpu_linear" and getattr(value, "__closure__", None):
-                for i, cell in enumerate(value.__closure__):
-                    try:
-                        content = cell.cell_contents
-                    except ValueError:  # an empty cell
-                        continue
-                    if isinstance(content, torch.Tensor):
-                        yield f"{prefix}.cpu_linear[{i}]", content
-            elif (depth == 0 and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
-                  and type(value).__module__.startswith("vllm")):
-                yield from of(f"{prefix}.{name}", value, depth + 1)
 
     for module_name, module in model.named_modules(remove_duplicate=False):
-        yield from of(module_name or "<model>", module, 0)
-
-
-RUNTIME_STATE = frozenset({"kv_cache"})  # attributes serving writes (the KV cache): not weights
+        prefix = module_name or "<model>"
+        for a in module_attributes(module):
+            if isinstance(a.value, torch.Tensor):
+                yield f"{prefix}.{a.path}", a.value
+            elif a.name == "cpu_linear":
+                for i, content in closure_contents(a.value):
+                    if isinstance(content, torch.Tensor):
+                        yield f"{prefix}.{a.path}[{i}]", content

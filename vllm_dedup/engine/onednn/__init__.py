@@ -21,8 +21,8 @@ read-only mapping in its place, so that every engine runs vLLM's own kernel on o
 - `model.py`: the handlers a model's layers hold, and the tensors they pin.
 - `library.py`: vLLM's extension as a library (symbols from its ELF symbol table, safe reads).
 
-The sharing pass sees packed weights through `engine/packed.py`; this package never imports
-the engine.
+The engine sees packed weights through `engine/packed.py`; of the engine, this package imports
+only the attribute walker (`engine/attributes.py`).
 """
 
 from .handler import PackedWeight, find_packed, install

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..attributes import closure_contents, module_attributes
+
 __all__ = ["handlers_in", "holds_handler", "module_handlers", "pinned_tensors"]
 
 
@@ -14,7 +16,7 @@ def handlers_in(model) -> list[tuple[str, object]]:
 
     out, seen = [], set()
     for name, module in model.named_modules():
-        for handler in _handlers_of(vars(module), CPUDNNLGEMMHandler, 0):
+        for handler in _handlers_of(module, CPUDNNLGEMMHandler):
             if id(handler) not in seen:
                 seen.add(id(handler))
                 out.append((name, handler))
@@ -25,7 +27,7 @@ def module_handlers(module) -> list:
     """The vLLM ``CPUDNNLGEMMHandler`` objects ``module`` itself (not its children) holds, once each."""
     from vllm._custom_ops import CPUDNNLGEMMHandler
 
-    return list({id(h): h for h in _handlers_of(vars(module), CPUDNNLGEMMHandler, 0)}.values())
+    return list({id(h): h for h in _handlers_of(module, CPUDNNLGEMMHandler)}.values())
 
 
 def pinned_tensors(model) -> list:
@@ -60,22 +62,13 @@ def holds_handler(module) -> bool:
     return bool(module_handlers(module))
 
 
-def _handlers_of(attributes: dict, cls, depth: int):
-    from torch import nn
-
-    for key, value in attributes.items():
-        if key in ("_parameters", "_buffers", "_modules") or isinstance(value, nn.Module):
-            continue
-        if isinstance(value, cls):
-            yield value
-        elif callable(value) and getattr(value, "__closure__", None):
-            for cell in value.__closure__:
-                try:
-                    if isinstance(cell.cell_contents, cls):
-                        yield cell.cell_contents
-                except ValueError:  # an empty cell
-                    pass
-        elif depth < 2 and hasattr(value, "__dict__") and type(value).__module__.startswith("vllm"):
-            yield from _handlers_of(vars(value), cls, depth + 1)
-
-
+def _handlers_of(module, cls):
+    """The ``cls`` objects in ``module``'s attributes, two levels into the vLLM objects it holds
+    (a W8A8 kernel's ``dnnl_handler``), and in its attributes' closures (``cpu_linear``)."""
+    for a in module_attributes(module, max_depth=2, skip=frozenset()):
+        if isinstance(a.value, cls):
+            yield a.value
+        else:
+            for _, content in closure_contents(a.value):
+                if isinstance(content, cls):
+                    yield content

@@ -1,0 +1,66 @@
+"""What a module keeps outside its parameters and buffers: the one walker over its attributes.
+
+Kernels read more than ``_parameters`` and ``_buffers``: a module's own attributes (a tensor
+computed at construction), the plain vLLM objects it holds (an attention layer's ``impl``
+keeps ``sinks``), and closures (vLLM's CPU GEMM dispatch keeps the weight or its oneDNN
+handler in a layer's ``cpu_linear``).  Four steps look there: the tensors a model must not
+leave on the meta device (`slots.attribute_tensors`), the references a replay reties
+(`replay.py`), the attribute tensors a recipe keeps (`recipe_builder.py`) and the oneDNN
+handlers a model holds (`onednn/model.py`).  They all walk with `module_attributes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["RUNTIME_STATE", "Attribute", "closure_contents", "module_attributes"]
+
+RUNTIME_STATE = frozenset({"kv_cache"})  # attributes serving writes (the KV cache): not weights
+_TABLES = frozenset({"_parameters", "_buffers", "_modules"})  # what nn.Module itself keeps
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """One attribute found: ``getattr(owner, name) is value``; ``path`` names it from the
+    module (``"impl.sinks"``), ``depth`` is 0 for the module's own attributes."""
+
+    owner: object
+    name: str
+    value: object
+    path: str
+    depth: int
+
+
+def module_attributes(module, max_depth: int = 1, skip: frozenset = RUNTIME_STATE) -> Iterator[Attribute]:
+    """Every attribute of ``module`` itself (not its parameters, buffers or child modules, not
+    the names in ``skip``, not dunder names), then, up to ``max_depth`` levels down, of the
+    plain vLLM objects it holds (instances of classes from ``vllm.*`` that are neither modules,
+    tensors nor classes).  Parents come before what they hold; a snapshot of each object's
+    attributes is walked, so a caller may ``setattr`` on an owner while walking.
+    """
+    import torch
+    from torch import nn
+
+    def walk(obj, prefix: str, depth: int):
+        for name, value in list(vars(obj).items()):
+            if name in _TABLES or name in skip or name.startswith("__") or isinstance(value, nn.Module):
+                continue
+            yield Attribute(obj, name, value, prefix + name, depth)
+            if (depth < max_depth and hasattr(value, "__dict__") and not isinstance(value, (type, torch.Tensor))
+                    and type(value).__module__.startswith("vllm")):
+                yield from walk(value, f"{prefix}{name}.", depth + 1)
+
+    yield from walk(module, "", 0)
+
+
+def closure_contents(value) -> Iterator[tuple[int, object]]:
+    """``(index, content)`` of each filled cell of a function's closure (nothing for anything
+    else): where vLLM's CPU GEMM dispatch keeps a layer's weight or oneDNN handler."""
+    if not callable(value):
+        return
+    for i, cell in enumerate(getattr(value, "__closure__", None) or ()):
+        try:
+            yield i, cell.cell_contents
+        except ValueError:  # an empty cell
+            continue

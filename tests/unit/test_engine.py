@@ -16,7 +16,7 @@ from vllm_dedup.engine.context import Placement
 from vllm_dedup.engine.recipe import Recipe, RecipeDeclined, choose, match
 from vllm_dedup.engine.recipe_builder import build_recipe
 from vllm_dedup.engine.slots import attribute_tensors, collect_slots, swap
-from vllm_dedup.engine.sources import SourceRecorder, fingerprint
+from vllm_dedup.engine.sources import SourceRecorder, write_witness
 
 
 def default_loader(param, loaded):
@@ -99,11 +99,11 @@ def test_a_parameter_no_weight_loader_filled_and_a_transformed_tensor_are_untrac
     assert "other than the checkpoint tensor just read" in recorder.untraced["decoder"]
 
 
-def test_fingerprints_see_a_copy_over_a_large_tensor():
+def test_write_witnesses_see_a_copy_over_a_large_tensor():
     big = torch.randn(1 << 16)
-    before = fingerprint(big)
+    before = write_witness(big)
     big.copy_(torch.randn(1 << 16))
-    assert fingerprint(big) != before and fingerprint(torch.empty(0)) == b""
+    assert write_witness(big) != before and write_witness(torch.empty(0)) == b""
 
 
 def test_tied_weights_are_one_slot_and_a_swap_keeps_the_parameter_objects():

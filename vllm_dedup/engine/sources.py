@@ -13,7 +13,7 @@ module owning that parameter.  An attribution is only made when the tensor the w
 receives shares storage with the tensor just yielded (the loader passed it on, possibly as a
 view); anything else (a transformed copy, tensors buffered and loaded later) marks the module
 as *untraced* (`recipe.py`: loaded only with everything, mapped only from an unchanged
-checkpoint).  So does a tensor written outside its weight loaders, which a fingerprint taken
+checkpoint).  So does a tensor written outside its weight loaders, which a witness taken
 before the load, after each of its weight loader calls and after the load reveals (BERT's MLM
 head copies the word embeddings; some loaders ``copy_`` checkpoint tensors into parameters by
 hand), and a parameter no weight loader filled.
@@ -31,7 +31,7 @@ import xxhash
 from ..content.keys import source_key
 from ..content.views import dtype_name, tensor_bytes
 
-__all__ = ["SourceRecorder", "fingerprint"]
+__all__ = ["SourceRecorder", "write_witness"]
 
 _MAX_PENDING = 32  # tensors yielded but not hashed yet, at most (bounds the memory they keep alive)
 
@@ -77,12 +77,12 @@ class SourceRecorder:
         self._pending: list[Future] = []
         # (tensor, its module, its name, weight_loader before (None: had none), param?)
         self._wrapped: list[tuple[object, str, str, object, bool]] = []
-        self._seen: dict[int, bytes] = {}  # id(tensor) -> fingerprint when it last legitimately changed
+        self._seen: dict[int, bytes] = {}  # id(tensor) -> write witness when it last legitimately changed
 
     # weight loaders ------------------------------------------------------------------------
     def wrap(self, model, modules: Iterable[str] | None = None) -> None:
         """Wrap the ``weight_loader`` of every parameter and buffer of ``model`` (of the named
-        ``modules`` only, when given), and fingerprint each (`fingerprint`).  A tensor owned by
+        ``modules`` only, when given), and take each one's `write_witness`.  A tensor owned by
         several modules (tied weights) is attributed to the first name `named_modules` gives it."""
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
@@ -101,7 +101,7 @@ class SourceRecorder:
                 except Exception:  # vLLM parameters raise when their loader was deleted
                     original = None
                 self._wrapped.append((t, module_name, name, original, is_param))
-                self._seen[id(t)] = fingerprint(t)
+                self._seen[id(t)] = write_witness(t)
                 t.weight_loader = self._recording(module_name, t, original or default_weight_loader)
 
     def _recording(self, module_name: str, target, original):
@@ -110,7 +110,7 @@ class SourceRecorder:
             self._attribute(module_name, loaded)
             out = original(*args, **kwargs)
             self.loaded.add(id(target))
-            self._seen[id(target)] = fingerprint(target)
+            self._seen[id(target)] = write_witness(target)
             return out
 
         return weight_loader
@@ -157,7 +157,7 @@ class SourceRecorder:
                 del t.weight_loader
             else:
                 t.weight_loader = original
-            if fingerprint(t) != self._seen[id(t)]:
+            if write_witness(t) != self._seen[id(t)]:
                 self.untraced.setdefault(module_name, f"{name} was written outside a weight loader (copied from "
                                                       "another tensor, or from the checkpoint by hand)")
             elif is_param and id(t) not in self.loaded:
@@ -176,12 +176,12 @@ class SourceRecorder:
         return keys
 
 
-def fingerprint(t, samples: int = 256) -> bytes:
-    """A cheap fingerprint of a tensor's current values, to see whether something wrote into
-    it: XXH3-64 of all its bytes up to 64 KiB, else of ``samples`` elements spread evenly over
+def write_witness(t, samples: int = 256) -> bytes:
+    """A cheap digest of a tensor's current values, to see whether something wrote into it
+    (not a content key: `content.fingerprint` names bytes on a GPU): XXH3-64 of all its bytes up to 64 KiB, else of ``samples`` elements spread evenly over
     it (and its size).  A write that changes no sampled element goes unseen; the writes this
     looks for (a tensor copied over another, a parameter filled by hand) change them all.
-    Meta and empty tensors have an empty fingerprint.
+    Meta and empty tensors have an empty witness.
 
     Few samples on purpose (Note [reading a parameter before it is written]).
 

@@ -118,6 +118,56 @@ def test_tied_weights_are_one_slot_and_a_swap_keeps_the_parameter_objects():
     assert param.weight_loader is default_loader
 
 
+def mla_like() -> nn.Module:
+    """As vLLM's MLA attention after post-processing: ``attn.W_UV`` and ``attn.W_UK_T`` are a
+    transpose and a permute of views of ``kv_b_proj.weight`` (``split_kv_b_proj``)."""
+    model = nn.Module()
+    model.kv_b_proj, model.attn = nn.Module(), nn.Module()
+    model.kv_b_proj.weight = nn.Parameter(torch.randn(2 * (3 + 5), 16), requires_grad=False)  # [N*(P+V), L]
+    uk, uv = model.kv_b_proj.weight.T.view(16, 2, 8).split([3, 5], dim=-1)
+    model.attn.W_UV = nn.Parameter(uv.transpose(0, 1), requires_grad=False)
+    model.attn.W_UK_T = nn.Parameter(uk.permute(1, 2, 0), requires_grad=False)
+    return model
+
+
+def test_views_follow_their_storage_into_the_shared_copy_and_the_private_one_is_freed():
+    model = mla_like()
+    before = {n: (p.clone(), p.stride()) for n, p in model.named_parameters()}
+    slots, private_n, _ = collect_slots(model, "cpu", min_bytes=1)
+    (slot,) = slots
+    assert private_n == 0 and {n for _, n, _ in slot.views} == {"W_UV", "W_UK_T"}
+    old = slot.tensor.untyped_storage()
+    shared = torch.empty(1000).narrow(0, 24, slot.tensor.numel()).view_as(slot.tensor)  # at an offset, as in a pack
+    shared.copy_(slot.tensor)
+    swap(slot, shared)
+    storage = shared.untyped_storage().data_ptr()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name][0]) and p.stride() == before[name][1], name
+        assert p.untyped_storage().data_ptr() == storage, name  # nothing holds the private copy
+    assert old.data_ptr() != storage
+    # a recipe names each view by its base and element offset, and reads back as written
+    placement = {id(model.kv_b_proj.weight): Placement("key-kv", "uid-kv")}
+    recipe = build_recipe(model, "sig", {}, types.SimpleNamespace(module_sources={}, untraced={}), placement, 0, {})
+    views = {t.name: t for t in recipe.modules["attn"].tensors}
+    assert {(t.alias, t.view) for t in views.values()} == {("kv_b_proj.weight", 3 * 16), ("kv_b_proj.weight", 0)}  # V after P, in columns of 16
+    assert recipe.modules["attn"].replayable
+    assert Recipe.from_bytes(recipe.checked_bytes()) == recipe
+    # a view of a tensor that is shared already (a replay mapped it) is neither a slot nor private
+    slots, private_n, _ = collect_slots(model, "cpu", min_bytes=1, exclude={id(model.kv_b_proj.weight)})
+    assert slots == [] and private_n == 0
+
+
+def test_mla_on_amx_is_not_replayed():
+    """On AMX, vLLM's MLA packs W_UK/W_UV into its implementation and empties kv_b_proj's weight
+    (``amx_mla.py``): nothing a recipe records; this machine may not have AMX, so the flag is set."""
+    from vllm_dedup.engine.recipe_builder import unreplayable_reason
+
+    module = mla_like().attn
+    assert unreplayable_reason(module) is None
+    module.is_amx_bmm_enabled = True
+    assert "AMX" in unreplayable_reason(module)
+
+
 def recipe_of(model: Tiny, recorder: SourceRecorder) -> Recipe:
     """A recipe as an engine leaves it: every tensor of 64 bytes or more in a segment."""
     placement = {id(p): Placement(f"key-{name}", f"uid-{name}") for name, p in model.named_parameters()

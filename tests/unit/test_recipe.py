@@ -117,7 +117,7 @@ _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**53, 2**53), st.te
 def _tensor(draw, place: str | None = None, placed: bool = True) -> TensorRecipe:
     shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
     stride = tuple(draw(st.lists(st.integers(0, 64), min_size=len(shape), max_size=len(shape))))
-    places = ["key", "inline", "alias"] + ([] if placed else ["none"])
+    places = ["key", "inline", "alias", "view"] + ([] if placed else ["none"])
     place = place or draw(st.sampled_from(places))
     t = TensorRecipe(draw(_NAMES), draw(st.booleans()), draw(_DTYPES), shape, stride)
     if place == "key":
@@ -126,6 +126,8 @@ def _tensor(draw, place: str | None = None, placed: bool = True) -> TensorRecipe
         t.inline = draw(st.binary(max_size=64))
     elif place == "alias":
         t.alias = draw(_NAMES)
+    elif place == "view":  # MLA's W_UV: a view of kv_b_proj's weight
+        t.alias, t.view = draw(_NAMES), draw(st.integers(0, 1 << 40))
     return t
 
 
@@ -174,3 +176,16 @@ def test_a_replayable_module_with_a_tensor_in_no_place_is_refused_by_the_writer(
     module.tensors.append(data.draw(_tensor(place="none", placed=False)))
     with pytest.raises(ValueError, match="must have exactly one of key, inline and alias"):
         Recipe("sig", {}, {"m": module}).checked_bytes()
+
+
+@settings(max_examples=100, deadline=None)
+@given(_tensor(place="view"))
+def test_a_view_names_what_it_views_at_an_offset_of_at_least_zero(view):
+    module = ModuleRecipe([], [view])
+    Recipe("sig", {}, {"m": module}).checked_bytes()  # well formed: accepted
+    for broken in ({"alias": None}, {"view": -1}):
+        for k, v in broken.items():
+            setattr(view, k, v)
+        with pytest.raises(ValueError, match="must have exactly one|a view names the tensor it views"):
+            Recipe("sig", {}, {"m": module}).checked_bytes()
+        view.alias, view.view = "base.weight", 0

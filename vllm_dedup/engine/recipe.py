@@ -10,7 +10,8 @@ A recipe holds, for one load signature (`signature.py`):
   tensors its weight loaders got, and its final parameters and buffers after
   ``process_weights_after_loading``: each one a content key resident in a named segment (the
   segment the recipe's maker published or mapped, by uid), its bytes inline (tensors too small
-  to share), or an alias of a tensor of another module (tied weights);
+  to share), an alias of a tensor of another module (tied weights), or a view into the storage
+  of one (`TensorRecipe.view`);
 - ``attrs``: the model attributes loading set (numbers, strings, booleans);
 - ``final``: every content key it names, with its bytes (what the registry predicts from).
 
@@ -44,8 +45,9 @@ import blake3
 
 __all__ = ["Match", "ModuleRecipe", "Recipe", "RecipeDeclined", "TensorRecipe", "choose", "match"]
 
-VERSION = 4  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights;
-#             4: an unreplayable module's tensors may have no place (private), `checked_bytes`
+VERSION = 5  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights;
+#             4: an unreplayable module's tensors may have no place (private), `checked_bytes`;
+#             5: views (`TensorRecipe.view`)
 
 
 class RecipeDeclined(Exception):
@@ -66,7 +68,12 @@ class TensorRecipe:
         key: the content key of its resident copy, in the segment ``uid``.
         uid: the segment the recipe's maker published the tensor in or mapped it from.
         inline: its bytes, for tensors too small to share.
-        alias: ``"module.name"`` of the tensor it is (tied weights).
+        alias: ``"module.name"`` of the tensor it is (tied weights), or, with ``view``, of the
+            tensor whose storage it views.
+        view: an element offset: the tensor is a view of ``alias``'s storage at that offset
+            from ``alias``'s first element, with its own shape and stride (MLA's ``W_UV`` of
+            ``kv_b_proj.weight``: Note [views into a shared storage] in `slots.py`).  A replay
+            binds it after post-processing, which may make it itself (`replay.py`).
         layout: of an inline oneDNN packed weight, what its content key's dtype would say
             (`packed.packed_dtype`): a replay checks it as it checks a key's.
     """
@@ -81,6 +88,7 @@ class TensorRecipe:
     inline: bytes | None = None
     alias: str | None = None
     layout: str = ""
+    view: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -102,20 +110,27 @@ class TensorRecipe:
             out["alias"] = self.alias
         if self.layout:
             out["layout"] = self.layout
+        if self.view is not None:
+            out["view"] = self.view
         return out
 
     @classmethod
     def from_json(cls, d: dict, placed: bool = True) -> TensorRecipe:
         """Raises:
             ValueError: more than one of key, inline and alias; or none, where ``placed`` (a
-                replayable module's tensor) asks for one."""
+                replayable module's tensor) asks for one; a view without an alias, or at a
+                negative offset."""
         t = cls(str(d["name"]), bool(d["param"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
                 tuple(int(x) for x in d["stride"]), d.get("key"), str(d.get("uid", "")),
-                base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"), str(d.get("layout", "")))
+                base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"), str(d.get("layout", "")),
+                int(d["view"]) if d.get("view") is not None else None)
         places = sum(x is not None for x in (t.key, t.inline, t.alias))
         if places > 1 or (placed and places == 0):
             raise ValueError(f"tensor {t.name!r} must have exactly one of key, inline and alias"
                              + ("" if placed else ", or none"))
+        if t.view is not None and (t.alias is None or t.view < 0 or any(x < 0 for x in t.stride)):
+            raise ValueError(f"tensor {t.name!r}: a view names the tensor it views (alias), at an offset and "
+                             "strides of at least 0")
         return t
 
 

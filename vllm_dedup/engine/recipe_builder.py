@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .attributes import module_attributes
 from .recipe import ModuleRecipe, Recipe, TensorRecipe
+from .slots import storage_id
 
 __all__ = ["build_recipe", "model_attrs", "packed_recipe", "unreplayable_reason"]
 
@@ -24,6 +25,9 @@ def unreplayable_reason(module, packed_in_segment: bool = False) -> str | None:
     quant_method = getattr(module, "quant_method", None)
     if isinstance(quant_method, QuantizeMethodBase) and not quant_method.supports_pre_processed_weights:
         return f"{type(quant_method).__name__} does not support pre-processed weights"
+    if getattr(module, "is_amx_bmm_enabled", False):  # MLAAttention on AMX (v1/attention/backends/mla/amx_mla.py)
+        return ("MLA on AMX packs W_UK and W_UV into its implementation and drops kv_b_proj's weight, where a "
+                "recipe cannot follow")
     if not current_platform.is_cpu():
         return None
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -105,12 +109,10 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
     """
     inherited = inherited or {}
     modules: dict[str, ModuleRecipe] = {}
-    owner: dict[int, str] = {}  # id(tensor) -> "module.name" of its first place
+    owner, bases = _owners_and_bases(model, placement)
     for module_name, module in model.named_modules():
         tensors = [(n, t, True) for n, t in module._parameters.items() if t is not None]
         tensors += [(n, t, False) for n, t in module._buffers.items() if t is not None]
-        for n, t, _ in tensors:
-            owner.setdefault(id(t), _qualified(module_name, n))
         attributes = _attribute_tensors(module)
         if not tensors and not attributes:
             continue
@@ -137,6 +139,8 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
                 entry.alias = owner[id(t)]
             elif id(t) in placement:
                 entry.key, entry.uid = placement[id(t)].key, placement[id(t)].uid
+            elif (viewed := _view_of(t, bases)) is not None:
+                entry.alias, entry.view = viewed
             elif t.is_meta:
                 why = why or f"{n} was never materialized"
             elif t.is_contiguous() and t.numel() * t.element_size() <= inline_max:
@@ -155,6 +159,37 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
                  if callable(getattr(type(model), "process_weights_after_loading", None)) else "")
     return Recipe(signature, dict(sources), modules, attrs, sorted(set(sources) - attributed), not whole_why,
                   whole_why)
+
+
+def _owners_and_bases(model, placement: dict) -> tuple[dict[int, str], dict[tuple, list]]:
+    """``id(tensor)`` -> ``"module.name"`` of its first place; and, per storage
+    (`slots.storage_id`), the (name, tensor) of the tensors a view in it may be recorded
+    against: contiguous, and in a segment or covering their whole storage."""
+    owner: dict[int, str] = {}
+    bases: dict[tuple, list] = {}
+    for module_name, module in model.named_modules():
+        for n, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None or id(t) in owner:
+                continue
+            owner[id(t)] = _qualified(module_name, n)
+            if (not t.is_meta and t.numel() and t.is_contiguous()
+                    and (id(t) in placement or t.untyped_storage().nbytes() == t.numel() * t.element_size())):
+                bases.setdefault(storage_id(t), []).append((owner[id(t)], t))
+    return owner, bases
+
+
+def _view_of(t, bases: dict[tuple, list]) -> tuple[str, int] | None:
+    """(name of the tensor ``t`` is a view of, ``t``'s element offset from its first element),
+    or None: ``t`` lies within one of ``bases`` of its storage, with its dtype (Note [views into
+    a shared storage] in `slots.py`)."""
+    if t.is_meta or not t.numel() or any(s < 0 for s in t.stride()):
+        return None
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    for name, base in bases.get(storage_id(t), ()):
+        offset = t.storage_offset() - base.storage_offset()
+        if base is not t and base.dtype == t.dtype and 0 <= offset and offset + span <= base.numel():
+            return name, offset
+    return None
 
 
 def _attribute_tensors(module) -> list[tuple[str, object]]:

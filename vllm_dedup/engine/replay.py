@@ -126,6 +126,7 @@ class Replay:
                 if self.match.unmatched:
                     self._load_unmatched(model, modules)
                 self._post_process(model, {m: modules[m] for m in self.match.matched}, resident)
+                self._bind_views(model)
                 self._release_unused()
             _check_no_meta(model)
             return model.eval()
@@ -192,6 +193,9 @@ class Replay:
             for n in [n for n, t in table.items() if t is not None and n not in keep]:
                 del table[n]  # post-processing removed it
         for t in recipe.tensors:
+            if t.view is not None:  # bound after post-processing (`_bind_views`), which may make it
+                (module._parameters if t.param else module._buffers).pop(t.name, None)
+                continue
             if t.alias is not None:
                 continue
             if t.key is not None:
@@ -261,11 +265,39 @@ class Replay:
         for name in self.match.matched:
             module = model.get_submodule(name)
             for t in self.match.recipe.modules[name].tensors:
-                if t.alias is None:
+                if t.alias is None or t.view is not None:
                     continue
                 owner, _, attr = t.alias.rpartition(".")
                 target = getattr(model.get_submodule(owner), attr)
                 (module._parameters if t.param else module._buffers)[t.name] = target
+
+    def _bind_views(self, model: nn.Module) -> None:
+        """After post-processing: each view the recipe names is exactly that view of its base
+        (Note [views into a shared storage] in `slots.py`).  Post-processing may have made it
+        (MLA's ``W_UV`` and ``W_UK_T``, from ``kv_b_proj``'s mapped weight: it writes into an
+        existing one, which is why `_bind` removed it); else it is bound here."""
+        for name in self.match.matched:
+            module = model.get_submodule(name)
+            for t in self.match.recipe.modules[name].tensors:
+                if t.view is None:
+                    continue
+                owner, _, attr = t.alias.rpartition(".")
+                base = getattr(model.get_submodule(owner), attr)
+                if (t.dtype != str(base.dtype).removeprefix("torch.") or base.is_meta
+                        or t.view + t.nbytes // base.element_size() > base.numel()):
+                    raise RecipeDeclined(f"module {name}: {t.name} is not a view of {t.alias} as the recipe says")
+                want = base.detach().as_strided(t.shape, t.stride, base.storage_offset() + t.view)
+                table = module._parameters if t.param else module._buffers
+                made = table.get(t.name)
+                if made is None:
+                    if t.param:
+                        module.register_parameter(t.name, nn.Parameter(want, requires_grad=False))
+                    else:
+                        module.register_buffer(t.name, want)
+                elif (made.data_ptr(), made.dtype, tuple(made.shape), made.stride()) != (
+                        want.data_ptr(), want.dtype, tuple(want.shape), want.stride()):
+                    raise RecipeDeclined(f"module {name}: post-processing made {t.name} other than the recipe's view "
+                                         f"of {t.alias}")
 
     def _restore_attributes(self, modules: dict[str, nn.Module]) -> None:
         """Give every module the small attribute tensors it had since its construction (on the

@@ -6,26 +6,38 @@ parameter of a module, or a buffer.  Tied weights are one slot with several plac
 
 Swapping keeps every ``nn.Parameter`` object (its class, its attributes such as
 ``weight_loader``, and every module that refers to it, so tied weights stay tied): only
-``param.data`` is rebound.  Buffers are replaced in their modules' ``_buffers``.  A tensor that
-is only a view into a larger storage stays private: swapping it would free nothing.
+``param.data`` is rebound.  Buffers are replaced in their modules' ``_buffers``.
+
+Note [views into a shared storage]
+    Post-processing can make a tensor that is a view into another one's storage: vLLM's MLA
+    attention keeps ``W_UV`` and ``W_UK_T`` as a transpose and a permute of ``kv_b_proj``'s
+    weight (``split_kv_b_proj``, ``mla_attention.py``).  Such a view belongs to the slot of the
+    tensor that covers the whole storage (`Slot.views`) and is rebound into the shared copy at
+    the same element offset, shape and stride when that slot is swapped: the private storage is
+    then freed with its last reference, and the view reads the shared bytes.  A view of a
+    storage no candidate covers stays private (swapping it alone would free nothing); a view of
+    a tensor already shared (mapped by a replay) is shared already, and left alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .attributes import closure_contents, module_attributes
 
-__all__ = ["Slot", "attribute_tensors", "collect_slots", "swap"]
+__all__ = ["Slot", "attribute_tensors", "collect_slots", "storage_id", "swap"]
 
 
 @dataclass
 class Slot:
     """One storage of the model and every place (module, attribute name, is a parameter) that
-    refers to it.  ``tensor`` is the tensor currently bound there."""
+    refers to it.  ``tensor`` is the tensor currently bound there; ``views``, the places that
+    hold a view into its storage with another offset, shape or stride (Note [views into a
+    shared storage])."""
 
     tensor: object
     refs: list[tuple[object, str, bool]]
+    views: list[tuple[object, str, bool]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -47,15 +59,18 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
         another device, on the meta device, non-contiguous, or views of a larger storage.
     """
     slots: dict[tuple, Slot] = {}
+    shared_storages = set()  # storages of the excluded tensors (a replay's mapped ones)
     for module in model.modules():
         for table, is_param in ((module._parameters, True), (module._buffers, False)):
             for name, t in table.items():
+                if t is not None and id(t) in exclude and not t.is_meta:
+                    shared_storages.add(storage_id(t))
                 if t is None or id(t) in exclude:
                     continue
                 ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else (id(t),)
                 slot = slots.setdefault(ident, Slot(t, []))
                 slot.refs.append((module, name, is_param))
-    candidates, private_n, private_b = [], 0, 0
+    candidates, others, covering = [], [], {}  # covering: storage -> the candidate covering it
     for slot in slots.values():
         t = slot.tensor
         ok = (
@@ -67,16 +82,38 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
         )
         if ok:
             candidates.append(slot)
+            covering[storage_id(t)] = slot
         else:
+            others.append(slot)
+    private_n, private_b = 0, 0
+    for slot in others:  # Note [views into a shared storage]
+        t = slot.tensor
+        storage = storage_id(t) if t.numel() and not t.is_meta else None
+        base = covering.get(storage)
+        if base is not None and t.dtype == base.tensor.dtype:
+            base.views += slot.refs
+        elif storage is None or storage not in shared_storages:
             private_n += 1
             private_b += slot.nbytes
     return candidates, private_n, private_b
 
 
+def storage_id(t) -> tuple:
+    """A tensor's storage: (device, address of its first byte)."""
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
 def swap(slot: Slot, new) -> None:
     """Bind every place of ``slot`` to the tensor ``new`` (same dtype, shape and stride) and make
     it the slot's tensor; the slot no longer references the old one."""
-    done = set()
+    old, done = slot.tensor, set()
+    # each view at its element offset into the new storage (Note [views into a shared storage]),
+    # computed before anything is rebound
+    views = []
+    for module, name, is_param in slot.views:
+        view = module._parameters[name] if is_param else module._buffers[name]
+        offset = new.storage_offset() + view.storage_offset() - old.storage_offset()
+        views.append((module, name, is_param, view, new.as_strided(view.shape, view.stride(), offset)))
     for module, name, is_param in slot.refs:
         if is_param:
             param = module._parameters[name]
@@ -85,6 +122,13 @@ def swap(slot: Slot, new) -> None:
                 done.add(id(param))
         else:
             module._buffers[name] = new
+    for module, name, is_param, view, rebound in views:
+        if is_param:
+            if id(view) not in done:
+                view.data = rebound
+                done.add(id(view))
+        else:
+            module._buffers[name] = rebound
     slot.tensor = new
 
 

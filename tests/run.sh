@@ -2,10 +2,19 @@
 # Run the test suite: sets up .venv/ first if needed (see scripts/ensure-venv.sh), lints every
 # Python file with ruff (pyproject.toml: pyflakes rules and syntax errors), then runs pytest.
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -k scan -x`.
+#
+# `bash tests/run.sh --fast`: the fast suite (about 2 minutes on 2 cores): every test that is
+# neither `slow` nor `heavy` (pyproject.toml's markers), plus one real engine
+# (tests/e2e/test_smoke.py).  CI (.ci/run) runs everything.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+select=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  select=(-m "(not slow and not heavy) or smoke")
+fi
 bash "$root/scripts/ensure-venv.sh"
 cd "$root"
 export RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 "$root/.venv/bin/ruff" check "$root"
-exec "$root/.venv/bin/python" -m pytest -ra --durations=25 "$@"
+exec "$root/.venv/bin/python" -m pytest -ra --durations=25 ${select[@]+"${select[@]}"} "$@"

@@ -253,6 +253,7 @@ def start_engine(engines, registry_server, name: str, accounting: str, tensors: 
                "published": loaded["published"], "kv": kv, "free": ask(p, "memory", ordinal=0)["free"]}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("accounting", ["kv_cache", "external"])
 def test_the_engine_that_created_the_segments_restarts_while_another_maps_them(registry_server, engines, accounting):
     """Blue/green restart of the creator (issue 18): A publishes the weights, B maps them, A
@@ -281,6 +282,7 @@ def test_the_engine_that_created_the_segments_restarts_while_another_maps_them(r
     assert again["requested"] == budget - weights and again["kv"] == first["kv"]
 
 
+@pytest.mark.heavy
 def test_an_engine_that_maps_less_than_predicted_fails_with_vllms_message_not_out_of_memory(registry_server, engines):
     """``external`` mode: the registry predicts the base model's 32 MiB for a fine-tune that
     maps 16 MiB.  vLLM approves ``budget - 32 MiB`` against the free memory; once loaded the

@@ -97,6 +97,7 @@ def test_the_model_enforces_the_documented_preconditions(model_lib):
     }
 
 
+@pytest.mark.heavy
 def test_two_and_three_processes_map_one_allocation_which_outlives_its_creator(registry_server, model):
     a = model.peer(registry_server.path, "A")
     ask(a, "hello", ordinal=0)
@@ -127,6 +128,7 @@ def test_two_and_three_processes_map_one_allocation_which_outlives_its_creator(r
     assert wait_for(lambda: model.holders() == [])  # the last holder let go: the memory is freed
 
 
+@pytest.mark.heavy
 def test_a_write_through_a_read_only_mapping_kills_the_writer(registry_server, model):
     """Under the model a write faults with SIGSEGV (mprotect); on a GPU the kernel faults instead."""
     a = model.peer(registry_server.path, "A")

@@ -8,6 +8,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from harness.procs import PeerProcess, memfd_holders, processes_matching
 from helpers import PEERS, run_cli, wait_for
 from vllm_dedup.errors import RegistryUnavailable
@@ -127,6 +129,7 @@ def test_engines_re_register_with_a_ray_registry_actor_brought_back_by_the_next_
                 peer.end()
 
 
+@pytest.mark.heavy
 def test_a_lock_held_when_the_registry_dies_is_reclaimed_and_the_newcomer_maps(tmp_path, monkeypatch):
     """Two engines starting across a registry kill: A holds the publish lock and has published
     half its tensors, B waits for the lock; the registry is SIGKILLed, B starts it again first.

@@ -61,6 +61,7 @@ def test_sigkill_drops_the_lease_and_the_survivor_keeps_its_bytes(registry_serve
     assert wait_for(lambda: stats(registry_server).groups == [])  # nobody holds it: freed
 
 
+@pytest.mark.heavy
 def test_keep_warm_holds_an_unmapped_segment_then_frees_it(tmp_path):
     server = RegistryServer(Registry(keep_warm_s=4.0), tmp_path / "run" / "w.sock").start()
     try:

@@ -34,6 +34,7 @@ class SharePeer(PeerProcess):
         return self.read_json()["digests"]
 
 
+@pytest.mark.heavy
 def test_packed_segments_are_published_mapped_and_outlive_their_creator(registry_server):
     plan = plan_packs(list(SIZES.values()), GRANULARITY, max_pack_bytes=GRANULARITY)
     assert len(plan.packs) < len(SIZES)  # the layout does pack several tensors together
@@ -66,6 +67,7 @@ def test_packed_segments_are_published_mapped_and_outlive_their_creator(registry
     assert registry_stats(registry_server.path).groups == []
 
 
+@pytest.mark.heavy
 def test_a_pack_stays_held_for_the_tensors_taken_when_others_in_it_collide(registry_server):
     """Every key collides (digests zeroed): tensors of one shape share a key.  The base engine
     publishes one tensor per shape, all in one pack; the retuned engine finds every key in that

@@ -101,6 +101,7 @@ def test_a_dtype_onednn_cannot_pack_here_declines_with_its_reason():
         assert not support.supported and support.reason
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2", reason="this is the child")
 def test_the_avx2_branch_in_a_child():
     """This module again, with oneDNN and torch held to AVX2 (the branch an AVX2-only CPU takes,

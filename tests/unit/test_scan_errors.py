@@ -60,6 +60,7 @@ def bad_inputs(minilm, gguf_path, tmp_path):
     }
 
 
+@pytest.mark.heavy
 def test_each_bad_input_gives_one_clear_line_and_exit_2(bad_inputs, tmp_path):
     cache = tmp_path / "cache"
     for name, (path, words) in bad_inputs.items():
@@ -76,6 +77,7 @@ def test_each_bad_input_gives_one_clear_line_and_exit_2(bad_inputs, tmp_path):
     assert not cache.exists() or all(p.suffix == ".json" for p in cache.rglob("*") if p.is_file())
 
 
+@pytest.mark.heavy
 def test_keep_going_reports_the_readable_models(bad_inputs, minilm, tmp_path):
     bad = [str(p) for p, _ in bad_inputs.values()]
     proc = cli("scan", "--json", "--keep-going", str(minilm), *bad, str(minilm), cache=tmp_path / "c")

@@ -6,12 +6,14 @@ import json
 import shutil
 
 import gguf
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from helpers import scan_json
 
 
+@pytest.mark.heavy
 def test_gguf_counts_raw_quantized_blocks_and_two_copies_share_everything(gguf_path, smollm2, tmp_path):
     """One scan (parsing a GGUF's 49k-token vocabulary takes the gguf library about 3 s)."""
     reader = gguf.GGUFReader(str(gguf_path))

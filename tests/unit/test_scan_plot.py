@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 
 from helpers import cli, picture_size, run_cli
 from vllm_dedup.scan.files import scan_model
@@ -35,6 +36,7 @@ def hardlinked_copies(model: Path, root: Path, n: int) -> list[Path]:
     return copies
 
 
+@pytest.mark.heavy
 def test_plot_of_smollm2_and_its_variants_leaves_the_report_unchanged(smollm2, variants, tmp_path):
     models = [str(smollm2), *map(str, variants.values())]
     plain = run_cli("scan", *models, cache=tmp_path / "cache", check=True)

@@ -185,6 +185,7 @@ def test_a_large_packed_weight_is_moved_chunk_by_chunk():
     assert peak < packed.nbytes // 2, (peak, packed.nbytes)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("fail", ["install", "seal"])
 def test_a_move_that_fails_leaves_the_handler_its_bytes(monkeypatch, fail):
     big = _Big()

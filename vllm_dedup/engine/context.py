@@ -68,7 +68,7 @@ class LoadContext:
         return str(getattr(self.model_config, "model", "model"))
 
     @property
-    def fail(self) -> bool:
+    def failures_stop_the_engine(self) -> bool:
         """Whether a failure inside vllm-dedup stops the engine (``on_registry_error="fail"``)."""
         return self.config.on_registry_error == "fail"
 

@@ -101,7 +101,7 @@ class PackedSlot:
 def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int, list[str]]:
     """The packed weights of ``model``'s oneDNN handlers that can be shared.
 
-    A handler whose packed weight cannot be found or checked (`onednn.PackedWeightError`: a
+    A handler whose packed weight cannot be found or checked (`errors.PackedWeightError`: a
     layout not understood) keeps its private packed copy (vLLM's own speed and numerics); one
     log line says how many and why.
 

@@ -20,7 +20,7 @@ The steps of `Replay.build`, in order:
    ``weight`` of its full shape over zero pages (Note [packed weights replayed]);
 4. materialize the unmatched modules' parameters (vLLM's ``materialize_meta_tensor``) and load
    them through the model's own ``load_weights``, fed only the checkpoint tensors they need,
-   read by `sources.read_tensors` (no other tensor's bytes are touched); every parameter of
+   read by `checkpoint.loading.read_tensors` (no other tensor's bytes are touched); every parameter of
    theirs must have been filled by a weight loader;
 5. post-process: vLLM's ``process_weights_after_loading``, in its pre-processed mode
    (``weights_already_processed``, the mechanism vLLM's ``ipc_cache`` loader uses) for the

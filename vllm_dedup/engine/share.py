@@ -163,7 +163,7 @@ class SharingPass:
                 self.acquire_and_adopt()
                 self.plan_and_publish()
         except (RegistryUnavailable, TimeoutError) as e:
-            if self.ctx.fail:
+            if self.ctx.failures_stop_the_engine:
                 raise RegistryUnavailable(str(e)) from None
             self.report.errors.append(str(e))
             logger.warning("registry failed mid-load (%s); the remaining tensors stay private", e)
@@ -183,7 +183,7 @@ class SharingPass:
 
     def segment_failed(self, groups: list[list[Slot]], error: BaseException) -> None:
         """A segment for ``groups`` could not be created, mapped or read: they stay private."""
-        if self.ctx.fail:
+        if self.ctx.failures_stop_the_engine:
             raise error if isinstance(error, SegmentError) else SegmentError(str(error))
         for group in groups:
             self.keep_private(group)

@@ -327,7 +327,8 @@ def _engine_row(engine, arch: Arch, role: str, reference: dict | None, outputs_t
     load = dict(stats.load)
     row = {"role": role, "expected_path": EXPECTED_PATH[role], "path": load.get("load_path", "?"),
            "checkpoint_bytes_read": load.get("checkpoint_bytes_read"), "shared_bytes": load.get("shared_bytes"),
-           "published_bytes": load.get("published_bytes"), "signature": stats.signature}
+           "published_bytes": load.get("published_bytes"), "load_seconds": load.get("load_seconds"),
+           "signature": stats.signature}
     (tensors,) = engine.final_tensors()
     row["meta_tensors"] = sorted(n for n, d in tensors.items() if d.endswith("|meta"))
     row["differences"] = differences(tensors, reference) if reference is not None else []

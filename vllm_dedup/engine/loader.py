@@ -54,12 +54,23 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from ..config import DedupConfig
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
 from ..log import init_logger
+from ..segments import segment_class
+from . import onednn
+from .compile_cache import allow_cpu_aot_loads, key_compile_cache
 from .context import LoadContext, LoadReport
 from .fallback import fail_or_fall_back
+from .fast_path import RecordedLoad, decide, fast_path_files, leave_recipe
 from .handlers import recorded_handlers
+from .heap import reused_heap
 from .meter import LoadMeter
+from .post_processing import post_processing_hooks
+from .recipe import RecipeDeclined
+from .recipe_builder import model_attrs
+from .replay import Replay
 from .session import EngineSession
+from .share import colliding, share_model
 from .signature import load_signature
+from .staging import Staging
 from .vllm_facts import private_reason
 
 __all__ = ["DedupModelLoader"]
@@ -118,11 +129,10 @@ class DedupModelLoader(BaseModelLoader):
         if self._cpu_linear is None:
             mode = self.config.cpu_linear
             if mode == "packed":
-                from .onednn import probe, vllm_packs
 
                 dtype = str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")
-                support = probe(dtype)
-                if not support.supported and not vllm_packs(dtype):
+                support = onednn.probe(dtype)  # through the package: tests replace it there
+                if not support.supported and not onednn.vllm_packs(dtype):
                     # vLLM itself runs F.linear here (its oneDNN matmul cannot be made for this
                     # dtype, e.g. bfloat16 on AVX2): so does this engine, on shared weights.
                     logger.info("vLLM runs F.linear for %s linears on this CPU (%s); so does this engine, on "
@@ -145,7 +155,6 @@ class DedupModelLoader(BaseModelLoader):
         model = self.inner.create_model(vllm_config, model_config, prefix)
         if not _is_cpu():
             return model
-        from .compile_cache import allow_cpu_aot_loads, key_compile_cache
 
         allow_cpu_aot_loads()
         plain = self.cpu_linear(model_config) == "plain"
@@ -177,7 +186,6 @@ class DedupModelLoader(BaseModelLoader):
         with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen(), recorded_handlers(ctx.handlers):
             model, mapped, replay, recorded, decision = self._load(ctx, report, staging)
             self._share(model, ctx, report, mapped, staging)
-            from .fast_path import leave_recipe
 
             leave_recipe(ctx, model, report, recorded, replay, decision)
         report.load_seconds = meter.seconds
@@ -200,8 +208,6 @@ class DedupModelLoader(BaseModelLoader):
         the host's, or packed weights not shared."""
         if not ctx.share_packed or ctx.device_type != "cpu":
             return None
-        from .share import colliding
-        from .staging import Staging
 
         return Staging(ctx.config.min_tensor_bytes, ctx.device_key, colliding)
 
@@ -209,9 +215,6 @@ class DedupModelLoader(BaseModelLoader):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
         `replay.Replay` or None, the `fast_path.RecordedLoad` or None, the `fast_path.Decision`
         or None).  A usual load stages its packed weights into ``staging`` as it goes."""
-        from .fast_path import RecordedLoad, decide, fast_path_files
-        from .recipe import RecipeDeclined
-        from .replay import Replay
 
         files, why = fast_path_files(ctx, self.inner)
         decision = None
@@ -274,7 +277,6 @@ class DedupModelLoader(BaseModelLoader):
         return self.inner.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
     def _share(self, model, ctx: LoadContext, report: LoadReport, mapped: dict, staging=None) -> None:
-        from .share import share_model
 
         # The sharing pass raises only under on_registry_error="fail"; the message says what to do.
         try:
@@ -289,7 +291,6 @@ class DedupModelLoader(BaseModelLoader):
     def _context(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> LoadContext | None:
         """This load's `LoadContext`, or None when it cannot share (no segment backend or
         driver for the device, or no registry: the load is private then, with a warning)."""
-        from ..segments import segment_class
 
         device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
 
@@ -341,8 +342,6 @@ class _UsualLoad(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         self._load_weights(model, model_config)
         if self.staging is not None:  # vLLM's template post-processes next: stage as it goes
-            from .heap import reused_heap
-            from .post_processing import post_processing_hooks
 
             modules = {n: m for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None}
             self._hooks.enter_context(reused_heap())  # each layer's freed buffers serve the next
@@ -352,7 +351,6 @@ class _UsualLoad(BaseModelLoader):
         inner, recorded = self.outer.inner, self.recorded
         if recorded is None:
             return inner.load_weights(model, model_config)
-        from .recipe_builder import model_attrs
 
         recorded.attrs_before = model_attrs(model)
         recorder = recorded.recorder

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["contiguous_stride", "dtype_name", "int_view", "tensor_bytes", "typed_view"]
+__all__ = ["contiguous_stride", "dtype_name", "element_span", "int_view", "tensor_bytes", "typed_view"]
 
 
 def dtype_name(dtype) -> str:
@@ -24,6 +24,12 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(int(dim), 1)
     return tuple(reversed(stride))
+
+
+def element_span(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """How many elements a strided tensor reaches from its first one, the last included: 0 when
+    it has none (strides of at least 0)."""
+    return 1 + sum((int(n) - 1) * int(s) for n, s in zip(shape, stride)) if all(shape) else 0
 
 
 def tensor_bytes(tensor) -> memoryview:
@@ -89,7 +95,7 @@ def typed_view(raw, offset: int, dtype, shape, stride):
     if offset % itemsize:
         raise ValueError(f"offset {offset} is not a multiple of the {dtype} item size {itemsize}")
     shape, stride = tuple(shape), tuple(stride)
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    span = element_span(shape, stride)
     if offset + span * itemsize > raw.numel():
         raise ValueError(f"a {span * itemsize}-byte tensor at offset {offset} reaches past the segment's "
                          f"{raw.numel()} bytes")

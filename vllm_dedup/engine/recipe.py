@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from ..content.views import element_span
+
 __all__ = ["Match", "ModuleRecipe", "Recipe", "RecipeDeclined", "TensorRecipe", "choose", "match"]
 
 VERSION = 5  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights;
@@ -94,10 +96,7 @@ class TensorRecipe:
     def nbytes(self) -> int:
         import torch
 
-        if not all(self.shape):
-            return 0
-        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
-        return span * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return element_span(self.shape, self.stride) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     def to_json(self) -> dict:
         out = {"name": self.name, "param": self.param, "dtype": self.dtype, "shape": list(self.shape),

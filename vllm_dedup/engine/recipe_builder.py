@@ -8,9 +8,10 @@ backend with ``cpu_linear="packed"``, names its oneDNN handler's packed weight
 
 from __future__ import annotations
 
+from ..content.views import element_span
 from .attributes import module_attributes
 from .recipe import ModuleRecipe, Recipe, TensorRecipe
-from .slots import storage_id
+from .slots import covers_storage, storage_id
 
 __all__ = ["build_recipe", "model_attrs", "packed_recipe", "unreplayable_reason"]
 
@@ -173,7 +174,7 @@ def _owners_and_bases(model, placement: dict) -> tuple[dict[int, str], dict[tupl
                 continue
             owner[id(t)] = _qualified(module_name, n)
             if (not t.is_meta and t.numel() and t.is_contiguous()
-                    and (id(t) in placement or t.untyped_storage().nbytes() == t.numel() * t.element_size())):
+                    and (id(t) in placement or covers_storage(t))):
                 bases.setdefault(storage_id(t), []).append((owner[id(t)], t))
     return owner, bases
 
@@ -184,7 +185,7 @@ def _view_of(t, bases: dict[tuple, list]) -> tuple[str, int] | None:
     a shared storage] in `slots.py`)."""
     if t.is_meta or not t.numel() or any(s < 0 for s in t.stride()):
         return None
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    span = element_span(t.shape, t.stride())
     for name, base in bases.get(storage_id(t), ()):
         offset = t.storage_offset() - base.storage_offset()
         if base is not t and base.dtype == t.dtype and 0 <= offset and offset + span <= base.numel():

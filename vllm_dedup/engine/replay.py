@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.loading import read_tensors
+from ..content.views import dtype_name, element_span
 from ..log import init_logger
 from ..segments import segment_class
 from .attributes import module_attributes
@@ -267,9 +268,7 @@ class Replay:
             for t in self.match.recipe.modules[name].tensors:
                 if t.alias is None or t.view is not None:
                     continue
-                owner, _, attr = t.alias.rpartition(".")
-                target = getattr(model.get_submodule(owner), attr)
-                (module._parameters if t.param else module._buffers)[t.name] = target
+                (module._parameters if t.param else module._buffers)[t.name] = _named_tensor(model, t.alias)
 
     def _bind_views(self, model: nn.Module) -> None:
         """After post-processing: each view the recipe names is exactly that view of its base
@@ -281,10 +280,9 @@ class Replay:
             for t in self.match.recipe.modules[name].tensors:
                 if t.view is None:
                     continue
-                owner, _, attr = t.alias.rpartition(".")
-                base = getattr(model.get_submodule(owner), attr)
-                if (t.dtype != str(base.dtype).removeprefix("torch.") or base.is_meta
-                        or t.view + t.nbytes // base.element_size() > base.numel()):
+                base = _named_tensor(model, t.alias)
+                if (t.dtype != dtype_name(base.dtype) or base.is_meta
+                        or t.view + element_span(t.shape, t.stride) > base.numel()):
                     raise RecipeDeclined(f"module {name}: {t.name} is not a view of {t.alias} as the recipe says")
                 want = base.detach().as_strided(t.shape, t.stride, base.storage_offset() + t.view)
                 table = module._parameters if t.param else module._buffers
@@ -356,6 +354,12 @@ class Replay:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)
+
+
+def _named_tensor(model: nn.Module, qualified: str) -> torch.Tensor:
+    """The tensor at ``"module.name"`` of ``model`` (a recipe's ``alias``)."""
+    owner, _, attr = qualified.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
 
 
 def _like(meta, tensor: torch.Tensor) -> torch.Tensor:

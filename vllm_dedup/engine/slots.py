@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .attributes import closure_contents, module_attributes
 
-__all__ = ["Slot", "attribute_tensors", "collect_slots", "storage_id", "swap"]
+__all__ = ["Slot", "attribute_tensors", "collect_slots", "covers_storage", "storage_id", "swap"]
 
 
 @dataclass
@@ -78,7 +78,7 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
             and not t.is_meta
             and t.is_contiguous()
             and slot.nbytes >= max(min_bytes, 1)
-            and t.untyped_storage().nbytes() == slot.nbytes  # covers its whole storage
+            and covers_storage(t)
         )
         if ok:
             candidates.append(slot)
@@ -101,6 +101,11 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
 def storage_id(t) -> tuple:
     """A tensor's storage: (device, address of its first byte)."""
     return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def covers_storage(t) -> bool:
+    """Whether a tensor's elements are its whole storage (nothing else can view more of it)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def swap(slot: Slot, new) -> None:

@@ -251,3 +251,24 @@ def test_a_hung_registry_costs_one_timeout_and_the_connection_is_not_reused(tmp_
     assert registry_stats(sock).registry_pid == pid  # it answers again
     shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+
+
+def test_a_daemon_slower_to_start_than_asked_is_a_registry_unavailable_not_a_crash(tmp_path):
+    """On a busy machine the daemon's launcher can take longer than the caller waits: that is
+    `RegistryUnavailable` (an engine's lease retries on it), never ``subprocess.TimeoutExpired``
+    (which ended a lease's watcher thread during the chaos soak, after a registry kill)."""
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    with pytest.raises(RegistryUnavailable, match="did not start"):
+        start_daemon(sock, idle_exit_s=2.0, timeout_s=0.001)
+    # The launcher goes on, and its daemon answers, then goes: nothing is left behind.
+    assert wait_for(lambda: _answers(sock), 30)
+    shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 30)
+
+
+def _answers(sock: Path) -> bool:
+    try:
+        RegistryClient(sock, timeout_s=1).close()
+        return True
+    except RegistryUnavailable:
+        return False

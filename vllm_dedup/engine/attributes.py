@@ -12,7 +12,10 @@ handlers a model holds (`onednn/model.py`).  They all walk with `module_attribut
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
 
 __all__ = ["RUNTIME_STATE", "Attribute", "closure_contents", "module_attributes"]
 
@@ -20,16 +23,15 @@ RUNTIME_STATE = frozenset({"kv_cache"})  # attributes serving writes (the KV cac
 _TABLES = frozenset({"_parameters", "_buffers", "_modules"})  # what nn.Module itself keeps
 
 
-@dataclass(frozen=True)
-class Attribute:
+class Attribute(NamedTuple):
     """One attribute found: ``getattr(owner, name) is value``; ``path`` names it from the
-    module (``"impl.sinks"``), ``depth`` is 0 for the module's own attributes."""
+    module (``"impl.sinks"``).  A tuple, not a dataclass: a model's walk makes tens of
+    thousands of them, and a frozen dataclass costs several times more to make."""
 
     owner: object
     name: str
     value: object
     path: str
-    depth: int
 
 
 def module_attributes(module, max_depth: int = 1, skip: frozenset = RUNTIME_STATE) -> Iterator[Attribute]:
@@ -39,14 +41,12 @@ def module_attributes(module, max_depth: int = 1, skip: frozenset = RUNTIME_STAT
     tensors nor classes).  Parents come before what they hold; a snapshot of each object's
     attributes is walked, so a caller may ``setattr`` on an owner while walking.
     """
-    import torch
-    from torch import nn
 
     def walk(obj, prefix: str, depth: int):
         for name, value in list(vars(obj).items()):
             if name in _TABLES or name in skip or name.startswith("__") or isinstance(value, nn.Module):
                 continue
-            yield Attribute(obj, name, value, prefix + name, depth)
+            yield Attribute(obj, name, value, prefix + name)
             if (depth < max_depth and hasattr(value, "__dict__") and not isinstance(value, (type, torch.Tensor))
                     and type(value).__module__.startswith("vllm")):
                 yield from walk(value, f"{prefix}{name}.", depth + 1)

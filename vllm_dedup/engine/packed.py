@@ -42,7 +42,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -53,7 +53,7 @@ from ..errors import PackedWeightError
 from ..log import init_logger
 from . import onednn
 
-__all__ = ["PackedSlot", "ZeroPages", "collect_packed", "install_replayed", "installed_handlers", "keeps_weight",
+__all__ = ["PackedCensus", "PackedSlot", "ZeroPages", "collect_packed", "install_replayed", "keeps_weight",
            "packed_dtype", "packed_key", "packed_keys"]
 
 logger = init_logger(__name__)
@@ -98,51 +98,57 @@ class PackedSlot:
         onednn.install(self.packed, shared, compare=False)
 
 
-def collect_packed(model, min_bytes: int) -> tuple[list[PackedSlot], int, int, list[str]]:
-    """The packed weights of ``model``'s oneDNN handlers that can be shared.
+@dataclass
+class PackedCensus:
+    """What the sharing pass finds in a model's oneDNN handlers (`collect_packed`).
+
+    Attributes:
+        slots: packed weights of at least ``min_bytes`` that can be shared, not shared yet.
+        installed: packed weights a recipe's replay installed from segments already.
+        private_n: handlers that keep their private packed copy (too small, or a layout not
+            understood).
+        private_bytes: those copies' bytes, where known.
+        declined: ``"<module>: <why>"`` of each handler kept private for a reason other than
+            its size.
+    """
+
+    slots: list[PackedSlot]
+    installed: list[onednn.PackedWeight]
+    private_n: int = 0
+    private_bytes: int = 0
+    declined: list[str] = field(default_factory=list)
+
+
+def collect_packed(handlers: onednn.ModelHandlers, min_bytes: int, placement: dict) -> PackedCensus:
+    """The packed weights of a model's oneDNN handlers (``handlers``), each read once.
 
     A handler whose packed weight cannot be found or checked (`errors.PackedWeightError`: a
     layout not understood) keeps its private packed copy (vLLM's own speed and numerics); one
-    log line says how many and why.
-
-    Returns:
-        (slots, private handlers, their bytes when known, "<module>: <why>" of each handler
-        kept private for a reason other than its size): slots of at least ``min_bytes``, not
-        shared yet.
+    log line says how many and why.  A handler that ``placement`` (``id`` -> `Placement`)
+    names was installed from a segment by a recipe's replay: counted, left alone.
     """
-    slots, private_n, private_b, declined = [], 0, 0, []
-    for name, handler in onednn.handlers_in(model):
+    census = PackedCensus([], [])
+    for name, handler in handlers.named():
         try:
             packed = onednn.find_packed(handler)
         except PackedWeightError as e:
-            private_n += 1
-            declined.append(f"{name}: {e}")
+            census.private_n += 1
+            census.declined.append(f"{name}: {e}")
             continue
-        if packed.shared:
-            continue
-        if packed.nbytes < min_bytes:
-            private_n += 1
-            private_b += packed.nbytes
-            continue
-        raw = (ctypes.c_uint8 * packed.nbytes).from_address(packed.address)
-        slots.append(PackedSlot(name, packed, torch.frombuffer(raw, dtype=torch.uint8)))
-    if declined:
-        logger.warning("%d oneDNN packed weight(s) stay private: their layout is not understood (first: %s)",
-                       len(declined), declined[0])
-    return slots, private_n, private_b, declined
-
-
-def installed_handlers(model, placement: dict) -> list[onednn.PackedWeight]:
-    """The packed weights of ``model``'s handlers that ``placement`` (``id`` -> `Placement`)
-    names: those a recipe's replay installed from segments."""
-    out = []
-    for _, handler in onednn.handlers_in(model):
         if id(handler) in placement:
-            try:
-                out.append(onednn.find_packed(handler))
-            except PackedWeightError:  # it was read moments ago; count what can be counted
-                continue
-    return out
+            census.installed.append(packed)
+        elif packed.shared:
+            continue
+        elif packed.nbytes < min_bytes:
+            census.private_n += 1
+            census.private_bytes += packed.nbytes
+        else:
+            raw = (ctypes.c_uint8 * packed.nbytes).from_address(packed.address)
+            census.slots.append(PackedSlot(name, packed, torch.frombuffer(raw, dtype=torch.uint8)))
+    if census.declined:
+        logger.warning("%d oneDNN packed weight(s) stay private: their layout is not understood (first: %s)",
+                       len(census.declined), census.declined[0])
+    return census
 
 
 def packed_key(packed: onednn.PackedWeight, data) -> ContentKey:

@@ -24,9 +24,10 @@ __all__ = ["post_processing_hooks"]
 
 @contextlib.contextmanager
 def post_processing_hooks(modules: dict[str, nn.Module], after: Callable[[str, nn.Module], None] | None = None,
-                          pre_processed: bool = False):
+                          pre_processed: bool = False, before: Callable[[str, nn.Module], None] | None = None):
     """Within the block, ``after(name, module)`` runs right after each of ``modules`` (qualified
-    name -> module) was post-processed by vLLM's ``process_weights_after_loading``.
+    name -> module) was post-processed by vLLM's ``process_weights_after_loading``, and
+    ``before(name, module)`` right before.
 
     Args:
         modules: the modules to hook; every other module is post-processed untouched.
@@ -52,6 +53,8 @@ def post_processing_hooks(modules: dict[str, nn.Module], after: Callable[[str, n
             name = name_of.get(id(layer_of(args)))
             if name is None:
                 return bound(*args, **kwargs)
+            if before is not None:
+                before(name, modules[name])
             if not pre_processed:
                 result = bound(*args, **kwargs)
             else:

@@ -47,7 +47,7 @@ from ..log import init_logger
 from ..segments import segment_class
 from .attributes import module_attributes
 from .context import LoadContext, Placement
-from .heap import reused_heap
+from .heap import reused_heap, trim
 from .packed import ZeroPages, install_replayed, keeps_weight
 from .post_processing import post_processing_hooks
 from .recipe import Match, RecipeDeclined, TensorRecipe
@@ -344,13 +344,21 @@ class Replay:
 
         packed = {name for name in mapped if self.match.recipe.modules[name].packed is not None}
 
+        def before(name: str, module: nn.Module) -> None:
+            # An embedding's packing is larger than any block the heap holds, so glibc maps it
+            # on its own (Note [glibc's thresholds]): the heap's free pages, the linear layers'
+            # freed packings, go back to the kernel first rather than sit beside it.
+            if name in packed and keeps_weight(self.match.recipe.modules[name]):
+                trim()
+
         def after(name: str, module: nn.Module) -> None:
             if name in packed:
                 self._install_packed(name, module, resident)
 
-        # Each layer's zero-page packing is freed once the segment is installed: the next
-        # layer's reuses it (`heap.reused_heap`).
-        with reused_heap(), post_processing_hooks(mapped, after, pre_processed=True), contextlib.ExitStack() as stack:
+        # Each linear layer's zero-page packing is freed once the segment is installed: the next
+        # layer's reuses its pages (`heap.reused_heap`).
+        with reused_heap(), post_processing_hooks(mapped, after, pre_processed=True, before=before), \
+                contextlib.ExitStack() as stack:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)

@@ -50,8 +50,8 @@ from ..segments import segment_class
 from ..segments.packing import plan_packs
 from .context import LoadContext, LoadReport, Placement
 from .heap import trim
-from .onednn import pinned_tensors
-from .packed import PackedSlot, collect_packed, installed_handlers, packed_keys
+from .onednn import ModelHandlers
+from .packed import PackedSlot, collect_packed, packed_keys
 from .resident import map_resident
 from .slots import Slot, collect_slots, swap
 
@@ -114,7 +114,9 @@ class SharingPass:
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
         self.seg_cls = segment_class(ctx.device_type)
         # 1. collect (what a recipe mapped is already shared)
-        pinned = _pinned(model, ctx) if ctx.device_type == "cpu" else []  # read by oneDNN through raw pointers
+        on_host = ctx.device_type == "cpu"
+        handlers = ModelHandlers(model) if on_host or ctx.share_packed else None  # Note [one walk per pass]
+        pinned = _pinned(model, handlers, ctx) if on_host else []  # read by oneDNN through raw pointers
         slots, private_n, private_b = collect_slots(model, ctx.device_type, ctx.config.min_tensor_bytes,
                                                     exclude=set(mapped) | {id(t) for t in pinned})
         report.private_tensors += len(pinned)
@@ -128,18 +130,17 @@ class SharingPass:
         report.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
         keys = [str(k) for k in colliding(self.seg_cls.content_keys([s.tensor for s in slots]))]
         if ctx.share_packed:
-            packed, private_n, private_b, declined = collect_packed(model, ctx.config.min_tensor_bytes)
-            if declined:
-                report.private_linears = f"{len(declined)} private packed copies ({declined[0][:200]})"
-            for handler in installed_handlers(model, mapped):  # by a recipe
-                report.shared_tensors += 1
-                report.shared_bytes += handler.nbytes
-                report.packed_tensors += 1
-            report.private_tensors += private_n
-            report.private_bytes += private_b
+            census = collect_packed(handlers, ctx.config.min_tensor_bytes, mapped)
+            if census.declined:
+                report.private_linears = f"{len(census.declined)} private packed copies ({census.declined[0][:200]})"
+            report.shared_tensors += len(census.installed)  # by a recipe
+            report.shared_bytes += sum(p.nbytes for p in census.installed)
+            report.packed_tensors += len(census.installed)
+            report.private_tensors += census.private_n
+            report.private_bytes += census.private_bytes
             staged = staging.slots() if staging is not None else []  # keyed already; each segment's owner first
-            slots += [slot for slot, _ in staged] + packed
-            keys += [key for _, key in staged] + [str(k) for k in colliding(packed_keys(packed))]
+            slots += [slot for slot, _ in staged] + census.slots
+            keys += [key for _, key in staged] + [str(k) for k in colliding(packed_keys(census.slots))]
         # 2. key: content key -> the slots with that key (tied or equal tensors of this model)
         self.pending: dict[str, list[Slot | PackedSlot]] = defaultdict(list)
         for slot, key in zip(slots, keys):
@@ -310,12 +311,12 @@ class SharingPass:
             self.lease.release([seg_id])
 
 
-def _pinned(model, ctx: LoadContext) -> list:
+def _pinned(model, handlers: ModelHandlers, ctx: LoadContext) -> list:
     """The tensors oneDNN handlers read through raw pointers, which must stay where they are:
     those recorded where the handlers were made (`handlers.recorded_handlers`, exact), and those
-    of every module the search finds holding such a handler (`onednn.pinned_tensors`, for a
-    model made outside a recorded load)."""
-    out = {id(t): t for t in pinned_tensors(model)}
+    of every module the search finds holding such a handler (``handlers``, the model's
+    `onednn.ModelHandlers`, for a model made outside a recorded load)."""
+    out = {id(t): t for t in handlers.pinned_tensors()}
     storages = ctx.handlers.pinned()
     if storages:
         for module in model.modules():

@@ -27,9 +27,9 @@ only the attribute walker (`engine/attributes.py`).
 
 from .handler import PackedWeight, find_packed, install
 from .layout import PackedLayout, check_packing, packed_offsets
-from .model import handlers_in, holds_handler, module_handlers, pinned_tensors
+from .model import ModelHandlers, handlers_in, holds_handler, module_handlers, pinned_tensors
 from .probe import Support, probe, vllm_packs
 
-__all__ = ["PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in",
+__all__ = ["ModelHandlers", "PackedLayout", "PackedWeight", "Support", "check_packing", "find_packed", "handlers_in",
            "holds_handler", "install", "module_handlers", "packed_offsets", "pinned_tensors", "probe",
            "vllm_packs"]

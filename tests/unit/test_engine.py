@@ -301,3 +301,26 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert load_signature(vllm_config(tmp_path)) != base  # folded into some models' modules
     drafter = vllm_config(tmp_path, vocab_size=7).model_config
     assert load_signature(vllm_config(tmp_path), drafter) == load_signature(vllm_config(tmp_path, vocab_size=7))
+
+
+def test_post_processing_hooks_run_before_and_after_each_hooked_module_only():
+    """`post_processing_hooks` calls ``before`` and ``after`` around a hooked module's own
+    post-processing (the replay gives the heap back before an embedding's packing, and installs
+    the segment after), in that order, and leaves every other module's untouched."""
+    from vllm_dedup.engine.post_processing import post_processing_hooks
+
+    calls = []
+
+    class Method:
+        def process_weights_after_loading(self, layer):
+            calls.append(("process", layer.tag))
+
+    hooked, other = nn.Module(), nn.Module()
+    hooked.tag, other.tag = "hooked", "other"
+    hooked.quant_method, other.quant_method = Method(), Method()
+    with post_processing_hooks({"h": hooked}, after=lambda name, m: calls.append(("after", name)),
+                               before=lambda name, m: calls.append(("before", name))):
+        for module in (hooked, other):
+            module.quant_method.process_weights_after_loading(module)
+    assert calls == [("before", "h"), ("process", "hooked"), ("after", "h"), ("process", "other")]
+    assert "process_weights_after_loading" not in vars(hooked.quant_method)  # unwrapped after the block

@@ -291,6 +291,11 @@ def test_handlers_in_a_model():
     model.c.cpu_linear = torch.nn.functional.linear
     found = onednn.handlers_in(model)
     assert [(name, h) for name, h in found] == [("a", h1), ("c", h2)]
+    model.c.second = kernel  # the same handler twice in one module: once
+    assert onednn.module_handlers(model.c) == [h2]
+    walked = onednn.ModelHandlers(model)  # the sharing pass's one walk answers as the functions do
+    assert walked.named() == onednn.handlers_in(model)
+    assert walked.pinned_tensors() == onednn.pinned_tensors(model) == []  # no W8A8 layer: nothing pinned
 
 
 def test_a_library_without_symbols_declines(tmp_path):

@@ -29,11 +29,12 @@ mid-way leaves the remaining tensors private; a segment that cannot be created, 
 comparing) leaves the tensors it would have held private.  Either is said in one warning, with
 the first error.
 
-Freed private copies go back to the operating system (``malloc_trim``): glibc otherwise keeps
-large freed blocks in its heap and the process's memory would not shrink.  On a GPU they go back
-to the driver (``torch.cuda.empty_cache``) every gigabyte or so while publishing: torch's
-caching allocator would otherwise hold every private copy until the end, and the load would
-briefly need twice the model's memory.
+Freed private copies go back to the operating system (``malloc_trim``) every 256 MiB or so
+while publishing: glibc keeps freed blocks below its mmap threshold (up to 32 MiB: most linear
+weights) in its heap, and a load whose weights are copied into segments (nothing packed: AVX2,
+``cpu_linear="plain"``) would briefly need its private copies and its segments at once.  On a
+GPU they go back to the driver (``torch.cuda.empty_cache``) every gigabyte or so: torch's
+caching allocator would otherwise hold every private copy until the end.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ FORCE_COLLISIONS_ENV = "VLLM_DEDUP_TEST_FORCE_COLLISIONS"
 
 PUBLISH_LOCK_TIMEOUT_S = 600.0  # another engine of the device and share group is sharing
 _RETURN_EVERY = 1 << 30  # bytes of dropped private copies between two empty_cache calls
+_TRIM_EVERY = 256 << 20  # ... between two malloc_trim calls (a few milliseconds each)
 
 
 def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
@@ -152,6 +154,7 @@ class SharingPass:
             except SegmentError as e:  # the backend cannot make segments on this device at all
                 self.no_segments = e
         self.freed = 0  # private bytes dropped since the allocator's cache was last emptied
+        self.untrimmed = 0  # ... since glibc's heap was last trimmed
 
     def run(self) -> None:
         if self.no_segments is not None:
@@ -250,6 +253,7 @@ class SharingPass:
                 bound = module._parameters[name] if is_param else module._buffers[name]
                 self.report.placement[id(bound)] = where
             self.freed += slot.nbytes
+            self.untrimmed += slot.nbytes
             taken += 1
             if source:
                 self.report.published_tensors += 1
@@ -257,6 +261,9 @@ class SharingPass:
             else:
                 self.report.shared_tensors += 1
                 self.report.shared_bytes += slot.nbytes
+        if self.untrimmed >= _TRIM_EVERY:
+            trim()
+            self.untrimmed = 0
         if self.freed >= _RETURN_EVERY:
             self.seg_cls.return_cached()
             self.freed = 0

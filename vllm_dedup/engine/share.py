@@ -29,7 +29,7 @@ mid-way leaves the remaining tensors private; a segment that cannot be created, 
 comparing) leaves the tensors it would have held private.  Either is said in one warning, with
 the first error.
 
-Freed private copies go back to the operating system (``malloc_trim``) every 256 MiB or so
+Freed private copies go back to the operating system (``malloc_trim``) every 32 MiB or so
 while publishing: glibc keeps freed blocks below its mmap threshold (up to 32 MiB: most linear
 weights) in its heap, and a load whose weights are copied into segments (nothing packed: AVX2,
 ``cpu_linear="plain"``) would briefly need its private copies and its segments at once.  On a
@@ -66,7 +66,7 @@ FORCE_COLLISIONS_ENV = "VLLM_DEDUP_TEST_FORCE_COLLISIONS"
 
 PUBLISH_LOCK_TIMEOUT_S = 600.0  # another engine of the device and share group is sharing
 _RETURN_EVERY = 1 << 30  # bytes of dropped private copies between two empty_cache calls
-_TRIM_EVERY = 256 << 20  # ... between two malloc_trim calls (a few milliseconds each)
+_TRIM_EVERY = 32 << 20  # ... between two malloc_trim calls (about 2 ms each)
 
 
 def share_model(model, ctx: LoadContext, report: LoadReport | None = None,

@@ -47,7 +47,10 @@ class ModelHandlers:
         """The tensors whose storage must stay where it is (Note [lifetimes]): every parameter
         and buffer of a module holding a oneDNN handler that is not an unquantized matmul's (a
         W8A8 handler keeps a raw pointer to the layer's ``weight_scale``).  Small tensors: the
-        scales, zero points and biases of such layers."""
+        scales, zero points and biases of such layers.  Imports nothing where no module holds
+        a handler (a plain ``nn.Module`` shared without vLLM)."""
+        if not self._per_module:
+            return []
         try:
             from vllm.model_executor.layers.linear import UnquantizedLinearMethod
             from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod

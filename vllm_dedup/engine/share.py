@@ -116,9 +116,9 @@ class SharingPass:
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
         self.seg_cls = segment_class(ctx.device_type)
         # 1. collect (what a recipe mapped is already shared)
-        on_host = ctx.device_type == "cpu"
-        handlers = ModelHandlers(model) if on_host or ctx.share_packed else None  # Note [one walk per pass]
-        pinned = _pinned(model, handlers, ctx) if on_host else []  # read by oneDNN through raw pointers
+        self.on_host = ctx.device_type == "cpu"
+        handlers = ModelHandlers(model) if self.on_host or ctx.share_packed else None  # Note [one walk per pass]
+        pinned = _pinned(model, handlers, ctx) if self.on_host else []  # read by oneDNN through raw pointers
         slots, private_n, private_b = collect_slots(model, ctx.device_type, ctx.config.min_tensor_bytes,
                                                     exclude=set(mapped) | {id(t) for t in pinned})
         report.private_tensors += len(pinned)
@@ -261,7 +261,7 @@ class SharingPass:
             else:
                 self.report.shared_tensors += 1
                 self.report.shared_bytes += slot.nbytes
-        if self.untrimmed >= _TRIM_EVERY:
+        if self.on_host and self.untrimmed >= _TRIM_EVERY:  # a GPU's private copies are not in glibc's heap
             trim()
             self.untrimmed = 0
         if self.freed >= _RETURN_EVERY:

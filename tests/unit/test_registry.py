@@ -150,3 +150,15 @@ def test_a_daemon_given_a_bad_reclaim_period_says_what_to_fix_and_takes_no_lock(
     assert exited.value.code == 2
     assert "$VLLM_DEDUP_RECLAIM_GRACE_S='ten' is not a number of seconds" in capsys.readouterr().err
     assert list(run.iterdir()) == []
+
+
+def test_a_socket_path_longer_than_linux_allows_says_how_to_shorten_it(tmp_path):
+    from vllm_dedup.errors import RegistryUnavailable
+    from vllm_dedup.registry.client import RegistryClient
+    from vllm_dedup.registry.server import RegistryServer
+
+    deep = tmp_path / ("d" * (120 - len(str(tmp_path))))
+    for start in (lambda: RegistryServer(Registry(), deep / "r.sock").start(), lambda: RegistryClient(deep / "r.sock")):
+        with pytest.raises(RegistryUnavailable, match="VLLM_DEDUP_RUNTIME_DIR.*shorter"):
+            start()
+    assert not deep.exists() or not any(deep.iterdir())  # nothing bound

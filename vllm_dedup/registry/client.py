@@ -60,6 +60,7 @@ class RegistryClient:
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.timed_out = False
+        self._address = wire.socket_address(self.path)
         wire.ensure_private_dir(self.path.parent)
         try:
             info = os.lstat(self.path)
@@ -82,7 +83,7 @@ class RegistryClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self._sock.connect(str(self.path))
+                self._sock.connect(self._address)
                 return
             except BlockingIOError:  # the listen backlog is full: the registry is busy accepting others
                 if time.monotonic() > deadline:

@@ -113,13 +113,15 @@ class RegistryServer:
         """Bind the socket and start serving.
 
         Raises:
-            RegistryUnavailable: the directory is unsafe, or another registry serves this path.
+            RegistryUnavailable: the directory is unsafe, the path too long for a socket, or another
+                registry serves this path.
         """
+        address = wire.socket_address(self.path)
         wire.ensure_private_dir(self.path.parent)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         replaces_dead = False
         try:
-            probe.connect(str(self.path))
+            probe.connect(address)
             raise RegistryUnavailable(f"a registry already serves {self.path}")
         except FileNotFoundError:
             pass
@@ -134,7 +136,7 @@ class RegistryServer:
             logger.info("registry: replacing a registry that died at %s; new locks wait %.0f s for engines to "
                         "reclaim theirs", self.path, self.reclaim_grace_s)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._listener.bind(str(self.path))
+        self._listener.bind(address)
         os.chmod(self.path, 0o600)
         self._listener.listen(socket.SOMAXCONN)  # engines starting together must not find it full
         self._listener.setblocking(False)

@@ -31,7 +31,7 @@ from ..errors import ProtocolError, RegistryUnavailable, SegmentError
 from ..segments.host import MESSAGE_MEMFD_NAME, check_sealed_memfd, sealed_memfd
 
 __all__ = ["DEFAULT_NAMESPACE", "INLINE_MAX", "MAX_FDS", "MAX_MESSAGE", "MAX_REPLY", "brief", "ensure_private_dir",
-           "frame", "peer_uid", "recv", "runtime_dir", "send", "socket_path"]
+           "frame", "peer_uid", "recv", "runtime_dir", "send", "socket_address", "socket_path"]
 
 MAX_MESSAGE = 1 << 20  # bytes of one message's JSON
 MAX_REPLY = 16 << 20  # bytes of one reply's JSON: stats grow with the engines connected
@@ -60,6 +60,20 @@ def socket_path(namespace: str = DEFAULT_NAMESPACE) -> Path:
     if not namespace.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ValueError(f"registry namespace {namespace!r} may hold only letters, digits, '-', '_' and '.'")
     return runtime_dir() / f"{namespace}.sock"
+
+
+def socket_address(path: Path) -> str:
+    """``path`` as a Unix socket address.
+
+    Raises:
+        RegistryUnavailable: the path is longer than Linux allows a socket's (107 bytes:
+            ``sun_path`` is 108 with its terminating NUL, unix(7)).
+    """
+    n = len(os.fsencode(path))
+    if n > 107:
+        raise RegistryUnavailable(f"the registry socket path {path} is {n} bytes, and Linux allows a Unix socket at "
+                                  "most 107: set VLLM_DEDUP_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a shorter directory")
+    return str(path)
 
 
 def ensure_private_dir(path: Path) -> None:

@@ -189,3 +189,43 @@ def test_a_view_names_what_it_views_at_an_offset_of_at_least_zero(view):
         with pytest.raises(ValueError, match="must have exactly one|a view names the tensor it views"):
             Recipe("sig", {}, {"m": module}).checked_bytes()
         view.alias, view.view = "base.weight", 0
+
+
+# --- a causal-conv weight vLLM's CPU path packed: recorded as the weight it was before ------------
+def _placed(*tensors):
+    from vllm_dedup.engine.context import Placement
+
+    out = {}
+    for i, t in enumerate(tensors):
+        out.setdefault((t.dtype, t.numel()), []).append((t, Placement(f"key{i}", f"uid{i}")))
+    return out
+
+
+def test_a_packed_conv_weight_is_recorded_before_packing_from_a_segment_holding_its_bytes():
+    import torch
+
+    unpacked = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
+    other = unpacked.clone()
+    other[5, 3] += 1  # same size, one element differs: never taken for it
+    from vllm_dedup.engine.recipe_builder import conv_weight_recipe
+
+    entry, why = conv_weight_recipe(unpacked, _placed(other, unpacked.clone()), inline_max=0)
+    assert why == ""
+    assert (entry.name, entry.param, entry.dtype, entry.shape, entry.stride) == ("weight", True, "bfloat16",
+                                                                               (6, 1, 4), (4, 4, 1))
+    assert (entry.key, entry.uid, entry.inline) == ("key1", "uid1", None)  # the equal one, not key0
+    assert entry.nbytes == unpacked.numel() * 2
+
+
+def test_a_packed_conv_weight_in_no_segment_is_inline_or_refused_with_its_size():
+    import torch
+
+    from vllm_dedup.engine.recipe_builder import conv_weight_recipe
+
+    unpacked = torch.randn(6, 4).to(torch.bfloat16)
+    entry, why = conv_weight_recipe(unpacked, {}, inline_max=48)
+    assert why == "" and entry.key is None
+    restored = torch.frombuffer(bytearray(entry.inline), dtype=torch.bfloat16).as_strided(entry.shape, entry.stride)
+    assert torch.equal(restored.view(6, 4), unpacked)
+    entry, why = conv_weight_recipe(unpacked, {}, inline_max=47)
+    assert entry is None and "48 bytes" in why and "segment" in why

@@ -4,6 +4,8 @@ data it fills in, and how a later engine matches it, are in `recipe.py`).
 A module's entry says whether it is replayable (`unreplayable_reason`), and, on vLLM's CPU
 backend with ``cpu_linear="packed"``, names its oneDNN handler's packed weight
 (`packed_recipe`), so a replay can put the segment back in place of a placeholder's packing.
+A causal-conv weight that vLLM's CPU path packed for its kernel is recorded as the weight it
+was before (`conv_weight_recipe`): a replay binds that, and vLLM packs it again.
 """
 
 from __future__ import annotations
@@ -13,7 +15,20 @@ from .attributes import module_attributes
 from .recipe import ModuleRecipe, Recipe, TensorRecipe
 from .slots import covers_storage, storage_id
 
-__all__ = ["build_recipe", "model_attrs", "packed_recipe", "unreplayable_reason"]
+__all__ = ["build_recipe", "conv_weight_recipe", "model_attrs", "packed_recipe", "unpacked_conv_weight",
+           "unreplayable_reason"]
+
+
+def unpacked_conv_weight(module):
+    """The (dim, 4) copy vLLM's CPU path kept of ``module``'s causal-conv weight before it packed
+    it (`vllm_facts.CPU_UNPACKED_CONV_WEIGHT`), or None where it packed none."""
+    import torch
+
+    from .vllm_facts import CPU_UNPACKED_CONV_WEIGHT
+
+    t = vars(module).get(CPU_UNPACKED_CONV_WEIGHT)
+    return t if isinstance(t, torch.Tensor) and t.ndim == 2 and not t.is_meta else None
+
 
 def unreplayable_reason(module, packed_in_segment: bool = False) -> str | None:
     """Why this module's post-processing cannot be replayed from its final tensors, or None.
@@ -35,8 +50,8 @@ def unreplayable_reason(module, packed_in_segment: bool = False) -> str | None:
 
     from .onednn import holds_handler
 
-    if packed_in_segment:
-        return None
+    if packed_in_segment or unpacked_conv_weight(module) is not None:
+        return None  # a replay installs the packed segment, or binds the conv weight vLLM packs again
     if ((isinstance(module, LinearBase) and not getattr(module, "_cpu_skip_gemm_dispatch", False))
             or (holds_handler(module) and not isinstance(module, VocabParallelEmbedding))):
         # An embedding keeps its weight and packs it again when replayed (its post-processing
@@ -86,6 +101,36 @@ def packed_recipe(module, placement: dict, inline_max: int = 0) -> tuple[TensorR
     return None, "its packed weight is not in a segment"
 
 
+def conv_weight_recipe(unpacked, placed: dict[tuple, list], inline_max: int) -> tuple[TensorRecipe | None, str]:
+    """The recipe entry of a causal-conv layer's ``weight`` as it was before vLLM's CPU path
+    packed it: shape (dim, 1, width), contiguous, bf16, with the bytes of ``unpacked`` (its
+    (dim, width) copy, `unpacked_conv_weight`).  A replay binds it and vLLM's post-processing
+    packs it again, exactly as the first load did (the packing is deterministic, and the packed
+    tensor is a few KiB per layer).
+
+    The bytes come from a tensor in a segment that holds them (``placed``: (dtype, numel) ->
+    [(tensor, its placement)]; Mamba2's mixer keeps its ``conv_weights`` buffer over the weight's
+    storage from before the packing), compared exactly; its content key then names a (dim,
+    width) layout of the same bytes, which the replay reads as (dim, 1, width).  Else they are
+    kept inline, up to ``inline_max`` bytes.  Returns (entry or None, why not)."""
+    import torch
+
+    dim, width = unpacked.shape
+    entry = TensorRecipe("weight", True, str(unpacked.dtype).removeprefix("torch."), (dim, 1, width),
+                         (width, width, 1))
+    flat = unpacked.reshape(-1)
+    for t, where in placed.get((unpacked.dtype, unpacked.numel()), ()):
+        if torch.equal(t.reshape(-1), flat):
+            entry.key, entry.uid = where.key, where.uid
+            return entry, ""
+    nbytes = unpacked.numel() * unpacked.element_size()
+    if nbytes <= inline_max:
+        entry.inline = bytes(_host_bytes(unpacked))
+        return entry, ""
+    return None, (f"its causal-conv weight before vLLM packed it ({nbytes} bytes) is neither in a segment nor small "
+                  "enough to keep in the recipe")
+
+
 def model_attrs(model) -> dict:
     """The model's own public attributes whose values are numbers, strings, booleans or None."""
     return {k: v for k, v in vars(model).items()
@@ -108,9 +153,12 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         attrs_before: `model_attrs` before ``load_weights`` (what loading set is the difference).
         inherited: modules mapped from an earlier recipe, taken over as they are.
     """
+    from .vllm_facts import CPU_UNPACKED_CONV_WEIGHT
+
     inherited = inherited or {}
     modules: dict[str, ModuleRecipe] = {}
     owner, bases = _owners_and_bases(model, placement)
+    placed = None  # (dtype, numel) -> placed contiguous tensors: made for the first packed conv
     for module_name, module in model.named_modules():
         tensors = [(n, t, True) for n, t in module._parameters.items() if t is not None]
         tensors += [(n, t, False) for n, t in module._buffers.items() if t is not None]
@@ -124,6 +172,13 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         why = unreplayable_reason(module, packed_in_segment=packed is not None)
         if why and why_packed:
             why = f"{why} ({why_packed})"
+        conv = unpacked_conv_weight(module)
+        if conv is not None:
+            attributes = [(n, t) for n, t in attributes if n != CPU_UNPACKED_CONV_WEIGHT]  # post-processing remakes it
+            if placed is None:
+                placed = _placed_by_size(model, placement)
+            conv_entry, why_conv = conv_weight_recipe(conv, placed, inline_max)
+            why = why or why_conv
         untraced = recording.untraced.get(module_name, "")
         recipe = ModuleRecipe(sorted(recording.module_sources.get(module_name, ())), [], packed=packed)
         for n, t in attributes:
@@ -134,6 +189,9 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
                 recipe.attributes.append(TensorRecipe(n, False, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                                       tuple(t.stride()), inline=bytes(_host_bytes(t))))
         for n, t, is_param in tensors:
+            if conv is not None and conv_entry is not None and is_param and n == "weight":
+                recipe.tensors.append(conv_entry)
+                continue
             qualified = _qualified(module_name, n)
             entry = TensorRecipe(n, is_param, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
             if owner[id(t)] != qualified:
@@ -162,33 +220,61 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
                   whole_why)
 
 
+def _placed_by_size(model, placement: dict) -> dict[tuple, list]:
+    """(dtype, numel) -> [(tensor, its `context.Placement`)] of the model's contiguous parameters
+    and buffers in a segment."""
+    placed: dict[tuple, list] = {}
+    for module in model.modules():
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None and id(t) in placement and t.is_contiguous():
+                placed.setdefault((t.dtype, t.numel()), []).append((t, placement[id(t)]))
+    return placed
+
+
 def _owners_and_bases(model, placement: dict) -> tuple[dict[int, str], dict[tuple, list]]:
     """``id(tensor)`` -> ``"module.name"`` of its first place; and, per storage
     (`slots.storage_id`), the (name, tensor) of the tensors a view in it may be recorded
-    against: contiguous, and in a segment or covering their whole storage."""
+    against: contiguous, and in a segment or covering their whole storage; parameters before
+    buffers (Note [which of two tensors over one storage is the view])."""
     owner: dict[int, str] = {}
-    bases: dict[tuple, list] = {}
+    param_bases: dict[tuple, list] = {}
+    buffer_bases: dict[tuple, list] = {}
     for module_name, module in model.named_modules():
-        for n, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is None or id(t) in owner:
-                continue
-            owner[id(t)] = _qualified(module_name, n)
-            if (not t.is_meta and t.numel() and t.is_contiguous()
-                    and (id(t) in placement or covers_storage(t))):
-                bases.setdefault(storage_id(t), []).append((owner[id(t)], t))
-    return owner, bases
+        for table, bases in ((module._parameters, param_bases), (module._buffers, buffer_bases)):
+            for n, t in table.items():
+                if t is None or id(t) in owner:
+                    continue
+                owner[id(t)] = _qualified(module_name, n)
+                if (not t.is_meta and t.numel() and t.is_contiguous()
+                        and (id(t) in placement or covers_storage(t))):
+                    bases.setdefault(storage_id(t), []).append((owner[id(t)], t))
+    for storage, buffers in buffer_bases.items():
+        param_bases.setdefault(storage, []).extend(buffers)
+    return owner, param_bases
+
+
+# Note [which of two tensors over one storage is the view]
+# Two tensors may each cover one whole storage (Mamba2's mixer registers its ``conv_weights``
+# buffer as a (dim, width) view of its conv layer's (dim, 1, width) weight).  Only one may be
+# recorded as the other's view, else each names the other and neither is ever bound.  A view is
+# bound after post-processing (`replay.Replay._bind_views`), which reads a layer's parameters:
+# so a parameter is the base, a buffer the view; among parameters, or among buffers, the first
+# in the model's order is the base.
 
 
 def _view_of(t, bases: dict[tuple, list]) -> tuple[str, int] | None:
     """(name of the tensor ``t`` is a view of, ``t``'s element offset from its first element),
-    or None: ``t`` lies within one of ``bases`` of its storage, with its dtype (Note [views into
-    a shared storage] in `slots.py`)."""
+    or None: ``t`` lies within one of ``bases`` of its storage that comes before it, with its
+    dtype (Note [views into a shared storage] in `slots.py`, Note [which of two tensors over one
+    storage is the view])."""
     if t.is_meta or not t.numel() or any(s < 0 for s in t.stride()):
         return None
     span = element_span(t.shape, t.stride())
     for name, base in bases.get(storage_id(t), ()):
+        if base is t:
+            return None  # a base itself: only those before it may be its base
         offset = t.storage_offset() - base.storage_offset()
-        if base is not t and base.dtype == t.dtype and 0 <= offset and offset + span <= base.numel():
+        if base.dtype == t.dtype and 0 <= offset and offset + span <= base.numel():
             return name, offset
     return None
 

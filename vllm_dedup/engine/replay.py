@@ -83,6 +83,7 @@ class Replay:
         self._unused: dict[str, int] = {}  # uid -> segment id of embeddings' packed copies not installed
         self.recorder = SourceRecorder(hash_keys=False)
         self.held: list[int] = []
+        self._mapped: list[tuple[torch.Tensor, int, int]] = []  # (bound tensor, its data_ptr, bytes)
 
     @property
     def bytes_read(self) -> int:
@@ -127,6 +128,7 @@ class Replay:
                 if self.match.unmatched:
                     self._load_unmatched(model, modules)
                 self._post_process(model, {m: modules[m] for m in self.match.matched}, resident)
+                self._forget_replaced()
                 self._bind_views(model)
                 self._release_unused()
             _check_no_meta(model)
@@ -201,6 +203,10 @@ class Replay:
                 continue
             if t.key is not None:
                 tensor, uid = resident[(t.key, t.uid if strict else "")]
+                if (tuple(tensor.shape), tensor.stride()) != (t.shape, t.stride):
+                    # One key, two layouts of its bytes: a conv weight before packing, read from
+                    # the (dim, width) buffer that holds it (`recipe_builder.conv_weight_recipe`).
+                    tensor = tensor.as_strided(t.shape, t.stride)
                 self.mapped_bytes += t.nbytes
             else:
                 tensor = _restore_inline(t, self.ctx.device)
@@ -216,6 +222,7 @@ class Replay:
                 replaced[id(old)] = (old, new)
             if t.key is not None:
                 self.placement[id(new)] = Placement(t.key, uid)
+                self._mapped.append((new, new.data_ptr(), t.nbytes))
 
     def _placeholder(self, module: nn.Module, name: str, replaced: dict) -> None:
         """A linear layer whose packed weight the recipe names: its ``weight`` (packed and
@@ -261,6 +268,15 @@ class Replay:
             self.held = [s for s in self.held if s not in unused]
             with contextlib.suppress(Exception):
                 self.ctx.lease.release(unused)
+
+    def _forget_replaced(self) -> None:
+        """Drop the placement of each mapped parameter whose data post-processing replaced (a
+        causal-conv weight vLLM packed again): it is private now, and the sharing pass keys it."""
+        for tensor, ptr, nbytes in self._mapped:
+            if tensor.data_ptr() != ptr:
+                del self.placement[id(tensor)]
+                self.mapped_bytes -= nbytes
+        self._mapped = []
 
     def _alias(self, model: nn.Module) -> None:
         for name in self.match.matched:

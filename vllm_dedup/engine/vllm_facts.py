@@ -9,7 +9,8 @@ it comes from.  `worker_hooks.py` wraps what is listed here; the loader and `ses
 
 from __future__ import annotations
 
-__all__ = ["CHECKED_VLLM_VERSIONS", "GUARDED", "GUARD_MARKER", "PATCHED_BY", "private_reason"]
+__all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARD_MARKER", "PATCHED_BY",
+           "private_reason"]
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 
@@ -31,6 +32,12 @@ GUARDED = (
 PATCHED_BY = {("Worker", "load_model"): "external_weight_correction_bytes",
               ("Worker", "compile_or_warm_up_model"): "on_startup_done"}
 GUARD_MARKER = "_check_weights_writable("
+
+# On an AVX-512-BF16 (or Arm bf16) CPU, vLLM's CPU linear dispatch packs a bf16 causal-conv weight
+# of shape (dim, 1, 4) for its conv kernel: the layer's ``weight`` becomes the packed tensor and
+# this attribute keeps a (dim, 4) contiguous copy of the weight it had before
+# (vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm).
+CPU_UNPACKED_CONV_WEIGHT = "_cpu_unpacked_conv_weight"
 
 
 def private_reason(vllm_config) -> str | None:

@@ -27,7 +27,7 @@ import pytest
 
 import xxhash
 
-from harness.procs import ROOT, mark_session, processes_matching
+from harness.procs import ROOT, SESSION_ENV, mark_session, processes_matching
 from harness.sample_models import MODELS_ENV, minilm_dir, smollm2_gguf, smollm2_hf
 from harness.variants import VARIANT_KINDS, cached_variant
 from vllm_dedup.registry.client import registry_stats, shutdown_registry
@@ -36,8 +36,12 @@ from vllm_dedup.registry.state import Registry, RegistryStats
 
 E2E = Path(__file__).parent / "e2e"
 
-# Every process a test starts inherits this; leak checks count only those (harness.procs).
-mark_session("pytest")
+# Every process a test starts inherits this; leak checks count only those (harness.procs).  Under
+# pytest-xdist each worker is a session of its own (the mark the controller set is replaced), so
+# one worker's leak checks never count another's engines.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop(SESSION_ENV, None)
+mark_session(f"pytest-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
 
 
 def pytest_collection_modifyitems(items):
@@ -114,7 +118,8 @@ class RegistryEnv:
 
 @pytest.fixture
 def registry(tmp_path, monkeypatch) -> RegistryEnv:
-    run = tmp_path / "run"
+    # Short: a socket's path has at most 107 bytes, and a node's registry nests two levels below.
+    run = Path(tempfile.mkdtemp(prefix="vd-run-", dir="/tmp"))
     monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "no-ray"))  # no local cluster to find
@@ -124,6 +129,7 @@ def registry(tmp_path, monkeypatch) -> RegistryEnv:
     deadline = time.monotonic() + 15
     while env.daemon_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
+    shutil.rmtree(run, ignore_errors=True)
     assert not env.daemon_pids(), "the registry daemon did not exit"
 
 

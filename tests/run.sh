@@ -6,12 +6,18 @@
 # `bash tests/run.sh --fast`: the fast suite (about 2 minutes on 2 cores): every test that is
 # neither `slow` nor `heavy` (pyproject.toml's markers), plus one real engine
 # (tests/e2e/test_smoke.py).  CI (.ci/run) runs everything.
+#
+# Tests run in two pytest-xdist workers (`VLLM_DEDUP_TEST_WORKERS`, 0 for one process): most of
+# an engine's start-up is single-threaded Python, so one worker leaves a 2-core machine half idle.
+# Each worker is a test session of its own (tests/conftest.py): its own Ray cluster, registry
+# daemons and leak checks; a test that reads machine-wide state (the page cache) uses files of
+# its own.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-select=()
+select=(-n "${VLLM_DEDUP_TEST_WORKERS:-2}" --dist worksteal)
 if [[ "${1:-}" == "--fast" ]]; then
   shift
-  select=(-m "(not slow and not heavy) or smoke")
+  select+=(-m "(not slow and not heavy) or smoke")
 fi
 bash "$root/scripts/ensure-venv.sh"
 cd "$root"

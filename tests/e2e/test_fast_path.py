@@ -56,14 +56,17 @@ def tensor_bytes_total(model_dir) -> int:
 
 def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_byte(
         smollm2, registry, plain_smollm2, plain_serve_texts, tmp_path, same_tensors):
-    ckpt = smollm2 / "model.safetensors"
-    first = EngineProcess(smollm2, core=0).wait_ready()
+    # A copy of its own: the page cache is machine-wide, and tests in another worker read SmolLM2.
+    model = tmp_path / "smollm2"
+    shutil.copytree(smollm2, model)
+    ckpt = model / "model.safetensors"
+    first = EngineProcess(model, core=0).wait_ready()
     try:
         l1 = registry.engine_loads()[first.pid]
         assert l1["load_path"] == "none" and l1["checkpoint_bytes_read"] == tensor_bytes_total(smollm2)
         same_tensors(first, smollm2)
         evict_from_page_cache(ckpt)
-        with EngineProcess(smollm2, core=1) as second:  # LLM()
+        with EngineProcess(model, core=1) as second:  # LLM()
             second.wait_ready()
             l2 = registry.engine_loads()[second.pid]
             assert tensor_bytes_resident(ckpt) == 0
@@ -78,7 +81,7 @@ def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_
             same_tensors(second, smollm2)
             assert second.generate() == plain_smollm2
         evict_from_page_cache(ckpt)
-        served = ServeProcess(smollm2, "dedup", tmp_path / "serve.log", core=1).wait_ready()  # vllm serve
+        served = ServeProcess(model, "dedup", tmp_path / "serve.log", core=1).wait_ready()  # vllm serve
         try:
             (l3,) = [e.load for e in registry.stats().engines if e.pid in served.pids()]
             assert (l3["load_path"], l3["checkpoint_bytes_read"]) == ("full", 0)
@@ -93,8 +96,10 @@ def test_the_second_engine_of_a_model_maps_every_module_and_reads_no_checkpoint_
 
 
 def test_a_fine_tune_reads_only_its_changed_layers(smollm2, variants, registry, plain_tokens, cache_root,
-                                                   same_tensors):
-    last = variants["last-layers"]
+                                                   same_tensors, tmp_path):
+    # A copy of its own: the page cache is machine-wide, and tests in another worker read the variant.
+    last = tmp_path / "last-layers"
+    shutil.copytree(variants["last-layers"], last)
     scan_json(last, cache=cache_root)  # its keys in the manifest cache, as after `vllm-dedup scan`
     base = EngineProcess(smollm2, core=0).wait_ready()
     try:
@@ -107,8 +112,8 @@ def test_a_fine_tune_reads_only_its_changed_layers(smollm2, variants, registry, 
             # The pages holding them, and nothing else (each tensor's ends round out to a page).
             assert tensor_bytes_resident(last / "model.safetensors") <= layer_bytes(last) + 18 * 2 * 4096
             assert "a recipe maps 202 of 214 modules" in tuned.log()
-            same_tensors(tuned, last)
-            assert tuned.generate() == plain_tokens(last)
+            same_tensors(tuned, variants["last-layers"])
+            assert tuned.generate() == plain_tokens(variants["last-layers"])
     finally:
         base.stop()
 

@@ -148,13 +148,23 @@ class _Big(nn.Module):
 
 
 def _held() -> int:
-    """This process's private memory plus the machine's shared memory, in bytes: a memfd's pages
-    count from when they are written, mapped or not."""
-    def field(path, name):
-        with open(path) as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(name))
+    """This process's private memory plus the pages written into the segment memfds it holds
+    open, in bytes (per process: what other processes on the machine hold never counts)."""
+    import os
 
-    return field("/proc/self/status", "RssAnon:") + field("/proc/meminfo", "Shmem:")
+    from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME
+
+    with open("/proc/self/status") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    blocks = {}  # inode -> its blocks: a memfd and its dup are one file
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{SEGMENT_MEMFD_NAME}"):
+                st = os.fstat(int(fd))
+                blocks[(st.st_dev, st.st_ino)] = st.st_blocks
+        except OSError:  # closed meanwhile
+            pass
+    return total + sum(blocks.values()) * 512
 
 
 def test_a_large_packed_weight_is_moved_chunk_by_chunk():

@@ -324,3 +324,42 @@ def test_post_processing_hooks_run_before_and_after_each_hooked_module_only():
             module.quant_method.process_weights_after_loading(module)
     assert calls == [("before", "h"), ("process", "hooked"), ("after", "h"), ("process", "other")]
     assert "process_weights_after_loading" not in vars(hooked.quant_method)  # unwrapped after the block
+
+
+class Mixer(nn.Module):
+    """As vLLM's Mamba2 mixer: a ``conv_weights`` buffer registered over its conv layer's
+    (dim, 1, width) weight, viewed as (dim, width); only the conv layer has a weight loader."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(6, 1, 4), requires_grad=False)
+        self.conv1d.weight.weight_loader = default_loader
+        self.register_buffer("conv_weights", self.conv1d.weight.view(6, 4), persistent=False)
+        self.D = nn.Parameter(torch.empty(6), requires_grad=False)
+        self.D.weight_loader = default_loader
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            param = {"conv": self.conv1d.weight, "D": self.D}[name]
+            param.weight_loader(param, t)
+
+
+def test_a_buffer_over_another_modules_parameter_takes_its_source_and_is_its_view():
+    model = Mixer()
+    recorder = SourceRecorder(hash_keys=True, threads=1)
+    recorder.wrap(model)
+    tensors = {"conv": torch.randn(6, 1, 4), "D": torch.randn(6)}
+    model.load_weights(recorder.iterate(tensors.items()))
+    keys = recorder.finish()
+    # Written through the conv layer's loader: traced, and the conv tensor goes into both modules
+    # (so a change to it loads both, and the mixer is never mapped over a stale view).
+    assert recorder.untraced == {}
+    assert dict(recorder.module_sources) == {"": {"conv", "D"}, "conv1d": {"conv"}}
+    # The parameter is the base and the buffer its view, never each the other's (a replay binds
+    # views after post-processing, which reads the conv layer's weight).
+    recipe = build_recipe(model, "sig", keys, recorder, {}, 1 << 10, {})
+    buffer = next(t for t in recipe.modules[""].tensors if t.name == "conv_weights")
+    weight = next(t for t in recipe.modules["conv1d"].tensors if t.name == "weight")
+    assert (buffer.alias, buffer.view) == ("conv1d.weight", 0)
+    assert weight.alias is None and weight.inline is not None

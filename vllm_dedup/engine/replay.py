@@ -325,18 +325,30 @@ class Replay:
 
     # 4. the unmatched modules --------------------------------------------------------------
     def _materialize(self, modules: dict[str, nn.Module], replaced: dict) -> None:
+        """Give the unmatched modules' meta parameters memory (vLLM's ``materialize_meta_tensor``),
+        and their meta buffers that view a parameter (Mamba2's mixer views its conv layer's
+        weight as ``conv_weights``) the same view of that parameter's replacement, mapped or
+        materialized.  Any other buffer made at construction cannot be made here."""
         from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
 
         with self.ctx.device:
             for name in self.match.unmatched:
-                module = modules[name]
-                if any(b is not None and b.is_meta for b in module._buffers.values()):
+                for n, p in list(modules[name]._parameters.items()):
+                    if p is not None and p.is_meta and id(p) not in replaced:
+                        modules[name]._parameters[n] = materialize_meta_tensor(p)
+                        replaced[id(p)] = (p, modules[name]._parameters[n])
+        for name in self.match.unmatched:
+            for n, b in list(modules[name]._buffers.items()):
+                if b is None or not b.is_meta:
+                    continue
+                base = b._base
+                new = replaced.get(id(base), (None, None))[1] if base is not None else None
+                if new is None or new.is_meta or replaced[id(base)][0] is not base:
                     raise RecipeDeclined(f"module {name} has buffers made at construction, which a model built on "
                                          "the meta device does not have")
-                for n, p in list(module._parameters.items()):
-                    if p is not None and p.is_meta and id(p) not in replaced:
-                        module._parameters[n] = materialize_meta_tensor(p)
-                        replaced[id(p)] = (p, module._parameters[n])
+                offset = b.storage_offset() - base.storage_offset()
+                modules[name]._buffers[n] = new.detach().as_strided(b.shape, b.stride(), new.storage_offset() + offset)
+                replaced[id(b)] = (b, modules[name]._buffers[n])
 
     def _load_unmatched(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         names = self.match.read()

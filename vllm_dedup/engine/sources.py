@@ -78,6 +78,7 @@ class SourceRecorder:
         # (tensor, its module, its name, weight_loader before (None: had none), param?)
         self._wrapped: list[tuple[object, str, str, object, bool]] = []
         self._seen: dict[int, bytes] = {}  # id(tensor) -> write witness when it last legitimately changed
+        self._sharers: dict[int, list[tuple[object, str]]] = {}  # storage address -> (tensor, module) wrapped over it
 
     # weight loaders ------------------------------------------------------------------------
     def wrap(self, model, modules: Iterable[str] | None = None) -> None:
@@ -102,27 +103,49 @@ class SourceRecorder:
                     original = None
                 self._wrapped.append((t, module_name, name, original, is_param))
                 self._seen[id(t)] = write_witness(t)
+                if not t.is_meta and t.numel():
+                    self._sharers.setdefault(_storage_address(t), []).append((t, module_name))
                 t.weight_loader = self._recording(module_name, t, original or default_weight_loader)
 
     def _recording(self, module_name: str, target, original):
         def weight_loader(*args, **kwargs):
             loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-            self._attribute(module_name, loaded)
+            source = self._attribute(module_name, loaded)
             out = original(*args, **kwargs)
             self.loaded.add(id(target))
             self._seen[id(target)] = write_witness(target)
+            self._wrote_sharers(target, source)
             return out
 
         return weight_loader
 
-    def _attribute(self, module_name: str, loaded) -> None:
+    def _attribute(self, module_name: str, loaded) -> str | None:
+        """Attribute the tensor just read to ``module_name`` (returns its name), or mark the
+        module untraced (returns None)."""
         current = self._current
         if current is not None and _storage_address(loaded) == current[1]:
             self.module_sources[module_name].add(current[0])
             self.attributed.add(current[0])
-        else:
-            self.untraced.setdefault(module_name, "a weight loader got a tensor other than the checkpoint tensor "
-                                                  "just read (transformed, or read earlier)")
+            return current[0]
+        self.untraced.setdefault(module_name, "a weight loader got a tensor other than the checkpoint tensor "
+                                              "just read (transformed, or read earlier)")
+        return None
+
+    def _wrote_sharers(self, target, source: str | None) -> None:
+        """A weight loader wrote ``target``: every other wrapped tensor over its storage (Mamba2's
+        mixer views its conv layer's weight as a ``conv_weights`` buffer) was written with it,
+        from the same checkpoint tensor, which goes into the sharer's module too."""
+        if target.is_meta or not target.numel():
+            return
+        for sharer, module_name in self._sharers.get(_storage_address(target), ()):
+            if sharer is target:
+                continue
+            self._seen[id(sharer)] = write_witness(sharer)
+            if source is None:
+                self.untraced.setdefault(module_name, "a tensor over the storage of another module's parameter "
+                                                      "was filled from a transformed checkpoint tensor")
+            else:
+                self.module_sources[module_name].add(source)
 
     # the weight iterator -------------------------------------------------------------------
     def iterate(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
@@ -164,6 +187,7 @@ class SourceRecorder:
                 self.untraced.setdefault(module_name, f"{name} is not filled from the checkpoint")
         self._wrapped.clear()
         self._seen.clear()
+        self._sharers.clear()
 
     def finish(self) -> dict[str, str]:
         """`unwrap` (if not done yet); return the source keys (name -> key string): those hashed

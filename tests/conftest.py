@@ -44,12 +44,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 mark_session(f"pytest-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
 
 
+# The files of the longest tests (1.5 to 5 minutes each on 2 cores), longest first.
+LONGEST_FIRST = ("test_serve.py", "test_compiled.py", "test_chaos.py", "test_tp.py", "test_engines_per_host.py",
+                 "test_trust.py", "test_multinode.py", "test_zoo.py")
+
+
 def pytest_collection_modifyitems(items):
     """Every end-to-end test (real vLLM engines, Ray) and every test that starts a Ray cluster
-    is ``slow``."""
+    is ``slow``.  Tests run longest first, a file's tests together: the xdist workers
+    (tests/run.sh, ``--dist load``) take the next test as they finish one, so the long ones
+    start early and the short ones fill in, and both workers end at about the same time."""
     for item in items:
         if E2E in Path(item.fspath).parents or "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+    def rank(item) -> tuple[int, int]:
+        name = Path(item.fspath).name
+        return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST),
+                0 if item.get_closest_marker("slow") else 1)
+
+    items.sort(key=rank)
 
 
 # Converted models and variants outlive a test run (converting takes ~20 s), under .venv/ with the
@@ -129,7 +143,8 @@ def registry(tmp_path, monkeypatch) -> RegistryEnv:
     deadline = time.monotonic() + 15
     while env.daemon_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
-    shutil.rmtree(run, ignore_errors=True)
+    for made in (run, *run.parent.glob(f"{run.name}-node-*")):  # and other nodes' directories beside it
+        shutil.rmtree(made, ignore_errors=True)
     assert not env.daemon_pids(), "the registry daemon did not exit"
 
 

@@ -82,7 +82,7 @@ def nodes(two_nodes_address, registry) -> dict:
     import ray
 
     head, worker = two_nodes_address["head"], two_nodes_address["worker"]
-    sockets = {head: registry.socket, worker: registry.run_dir.with_name(f"run-node-{worker[:16]}") / "vllm-dedup.sock"}
+    sockets = {head: registry.socket, worker: registry.run_dir.with_name(f"{registry.run_dir.name}-node-{worker[:16]}") / "vllm-dedup.sock"}
     ray.init(address=two_nodes_address["address"], logging_level="WARNING", log_to_driver=False)
     try:
         yield {**two_nodes_address, "sockets": sockets}

@@ -84,6 +84,27 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load_table(results: list[dict]) -> str:
+    """Markdown: per architecture, what the second engine (the unchanged checkpoint, the first
+    engine up) took: its path, the checkpoint bytes it read, the bytes it mapped, and the
+    dedup loader's load time (``load_seconds``: vLLM's ``load_weights`` and post-processing,
+    or the replay, plus the sharing pass) next to the first engine's, which reads everything
+    as a plain load does."""
+    lines = ["| architecture | second: path | read | mapped | load s: first | second | second/first |",
+             "| --- " * 7 + "|"]
+    for r in results:
+        first, second = r["engines"].get("first", {}), r["engines"].get("second", {})
+        if "path" not in second:
+            continue
+        f_s, s_s = first.get("load_seconds"), second.get("load_seconds")
+        ratio = f"{s_s / f_s:.0%}" if f_s and s_s is not None else "-"
+        lines.append(f"| {r['name']} | {second['path']} | {(second.get('checkpoint_bytes_read') or 0) / 1e6:.1f} MB | "
+                     f"{(second.get('shared_bytes') or 0) / 1e6:.1f} MB | "
+                     + (f"{f_s:.2f} | " if f_s is not None else "- | ") + (f"{s_s:.2f} | " if s_s is not None else "- | ")
+                     + f"{ratio} |")
+    return "\n".join(lines)
+
+
 def details(results: list[dict]) -> str:
     """Every difference, meta tensor, crash and declined fast path, by architecture."""
     out = []
@@ -129,7 +150,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.render:
         saved = json.loads(args.render.read_text())
-        print(f"ISA: {' '.join(saved['isa'])}\n\n{table(saved['architectures'])}\n\n{details(saved['architectures'])}\n\n"
+        print(f"ISA: {' '.join(saved['isa'])}\n\n{table(saved['architectures'])}\n\n{load_table(saved['architectures'])}\n\n"
+              f"{details(saved['architectures'])}\n\n"
               f"{len(saved['architectures'])} architectures in {saved['seconds']:.0f} s")
         return 0
     work = Path(tempfile.mkdtemp(prefix="zoo-"))
@@ -152,7 +174,7 @@ def main() -> int:
         (RESULTS / "zoo.partial.json").write_text(json.dumps({"isa": flags, "architectures": results}, indent=1))
     seconds = time.monotonic() - began
     shutil.rmtree(work, ignore_errors=True)
-    md = (f"ISA: {' '.join(flags)}\n\n" + table(results) + "\n\n" + details(results) + "\n\n"
+    md = (f"ISA: {' '.join(flags)}\n\n" + table(results) + "\n\n" + load_table(results) + "\n\n" + details(results) + "\n\n"
           + f"{len(results)} architectures in {seconds:.0f} s\n")
     print()
     print(md)

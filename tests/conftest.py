@@ -44,26 +44,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 mark_session(f"pytest-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
 
 
-# The files of the longest tests (1.5 to 5 minutes each on 2 cores), longest first.
-LONGEST_FIRST = ("test_serve.py", "test_compiled.py", "test_chaos.py", "test_tp.py", "test_engines_per_host.py",
-                 "test_trust.py", "test_multinode.py", "test_zoo.py")
-
-
 def pytest_collection_modifyitems(items):
     """Every end-to-end test (real vLLM engines, Ray) and every test that starts a Ray cluster
-    is ``slow``.  Tests run longest first, a file's tests together: the xdist workers
-    (tests/run.sh, ``--dist load``) take the next test as they finish one, so the long ones
-    start early and the short ones fill in, and both workers end at about the same time."""
+    is ``slow``."""
     for item in items:
         if E2E in Path(item.fspath).parents or "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-
-    def rank(item) -> tuple[int, int]:
-        name = Path(item.fspath).name
-        return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST),
-                0 if item.get_closest_marker("slow") else 1)
-
-    items.sort(key=rank)
 
 
 # Converted models and variants outlive a test run (converting takes ~20 s), under .venv/ with the

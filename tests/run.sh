@@ -14,7 +14,7 @@
 # its own.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-select=(-n "${VLLM_DEDUP_TEST_WORKERS:-2}" --dist load)
+select=(-n "${VLLM_DEDUP_TEST_WORKERS:-2}" --dist worksteal)
 if [[ "${1:-}" == "--fast" ]]; then
   shift
   select+=(-m "(not slow and not heavy) or smoke")

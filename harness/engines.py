@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from . import oracle as oracle_extension
-from .procs import ROOT, PeerProcess, descendants, free_port, pss_bytes, tree_pss_bytes
+from .procs import ROOT, PeerProcess, descendants, free_port, pss_bytes, pss_parts, tree_pss_bytes
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 
@@ -258,6 +258,17 @@ class EngineProcess(PeerProcess):
             self.send({"trim": True})
             self.read("TRIMMED", 60)
         return pss_bytes(self.pid)
+
+    def own_pss(self, trim: bool = True) -> int:
+        """The engine's heap and shared memory in bytes: ``Pss_Anon + Pss_Shmem``, trimmed as in
+        `pss`.  What sharing segments changes, and nothing else: file-backed pages (torch's and
+        oneDNN's libraries) are left out, because their PSS divides by every process on the
+        machine that maps the same library, so it moves with engines of other tests running
+        beside this one (pytest-xdist) by tens of MB.
+        """
+        self.pss(trim)
+        parts = pss_parts(self.pid)
+        return parts["Pss_Anon"] + parts["Pss_Shmem"]
 
     def stop(self, timeout_s: float = 60) -> None:
         """Ask the engine to exit, SIGKILL it after ``timeout_s``; close its pipes."""

@@ -75,7 +75,7 @@ def test_compiled_dedup_engines_share_weights_and_the_compile_cache_their_graph_
         # embedding's) from itself.
         assert x["published_bytes"] == y["published_bytes"] and x["shared_bytes"] == y["shared_bytes"]
         assert x["shared_bytes"] < 0.25 * x["published_bytes"]
-        apart_pss = sum(e.pss() for e in apart)
+        apart_pss = sum(e.own_pss() for e in apart)
         apart_logs = [e.log() for e in apart]
     finally:
         for e in apart:
@@ -92,7 +92,7 @@ def test_compiled_dedup_engines_share_weights_and_the_compile_cache_their_graph_
         loads = registry.engine_loads()
         la, lb = loads[a.pid], loads[b.pid]
         assert lb["shared_bytes"] == la["published_bytes"] + la["shared_bytes"] > 0.9 * 269e6
-        together_pss = a.pss() + b.pss()
+        together_pss = a.own_pss() + b.own_pss()
         logs = apart_logs + [a.log(), b.log()]
     finally:
         a.stop()
@@ -103,7 +103,7 @@ def test_compiled_dedup_engines_share_weights_and_the_compile_cache_their_graph_
         assert LOAD_FAILURE not in log, log[-3000:]
         assert _artifacts(log) == ([], plain_saved), log[-3000:]
     saved = apart_pss - together_pss  # one copy of the segments instead of two
-    print(f"compiled: PSS apart {apart_pss / 1e6:.0f} MB, together {together_pss / 1e6:.0f} MB, saved "
+    print(f"compiled: heap+shmem PSS apart {apart_pss / 1e6:.0f} MB, together {together_pss / 1e6:.0f} MB, saved "
           f"{saved / 1e6:.0f} MB of {la['published_bytes'] / 1e6:.0f} MB in segments; "
           + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
     assert saved >= 0.9 * la["published_bytes"]

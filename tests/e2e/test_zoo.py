@@ -24,7 +24,7 @@ import time
 import pytest
 
 from harness.procs import processes_matching
-from harness.zoo import CI_SUBSET, SECOND_DECLINES, layer_indices, run_arch
+from harness.zoo import CI_SUBSET, MODULES_DECLINES, SECOND_DECLINES, layer_indices, run_arch
 
 
 def _why(row: dict) -> str:
@@ -58,6 +58,10 @@ def test_every_load_path_leaves_a_plain_loads_final_tensors(name, tmp_path, monk
     # exceptions say why: harness.zoo.SECOND_DECLINES).
     if name not in SECOND_DECLINES:
         assert (rows["second"]["verdict"], rows["second"]["path"]) == ("equal", "full"), _why(rows["second"])
+    # A fine-tune maps its unchanged modules and loads the rest (harness.zoo.MODULES_DECLINES).
+    if name not in MODULES_DECLINES:
+        for role in roles - {"first", "second"}:
+            assert (rows[role]["verdict"], rows[role]["path"]) == ("equal", "modules"), _why(rows[role])
     # Greedy tokens (or pooled outputs) of the dedup engines of one checkpoint are equal, and
     # the fine-tune's equal its reference's.
     assert all(rows[role]["outputs_equal"] for role in roles - {"first"})

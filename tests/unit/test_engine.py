@@ -6,6 +6,7 @@ tests/e2e/test_zoo.py."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -44,14 +45,20 @@ class Tiny(nn.Module):
             p.weight_loader = default_loader
         self.qkv.weight.weight_loader = stacked_loader
 
-    def load_weights(self, weights, copy_decoder: bool = True, transform: str = ""):
+    def load_weights(self, weights, copy_decoder: bool = True, transform: str = "", by: str = ""):
+        """``transform``: the bias's weight loader gets a copy made by torch ("clone") or through
+        Python ("python"); ``by``: this tensor is copied into its parameter by hand."""
         for name, t in weights:
             if name in ("q", "k"):
                 self.qkv.weight.weight_loader(self.qkv.weight, t, ["q", "k"].index(name))
             else:
                 param = {"embed": self.embed.weight, "bias": self.decoder.bias, "norm": self.norm.weight,
                          "dec": self.decoder.weight}[name]
-                param.weight_loader(param, t.clone() if name == transform else t)
+                if name == "bias" and transform == "clone":  # a copy made by torch: its provenance is traced
+                    t = t.clone()
+                elif name == "bias" and transform == "python":  # values through Python: no provenance
+                    t = torch.tensor(t.tolist())
+                param.weight_loader(param, t) if name != by else param.data.copy_(t)  # by hand
         if copy_decoder:  # as BertForMaskedLM ties its decoder by hand
             self.decoder.weight.data.copy_(self.embed.weight)
 
@@ -68,17 +75,19 @@ def checkpoint(seed: int = 0, untied: bool = False, **changed) -> dict[str, torc
     return tensors
 
 
-def recorded_load(model: Tiny, tensors: dict, **kwargs) -> SourceRecorder:
+def recorded_load(model: Tiny, tensors: dict, trace: bool = True, **kwargs) -> SourceRecorder:
+    """Load as an engine does (``trace``: through `SourceRecorder.tracing`, as the loader does)."""
     recorder = SourceRecorder(hash_keys=True, threads=1)
     recorder.wrap(model)
-    model.load_weights(recorder.iterate(tensors.items()), **kwargs)
+    with recorder.tracing() if trace else contextlib.nullcontext():
+        model.load_weights(recorder.iterate(tensors.items()), **kwargs)
     recorder.keys = recorder.finish()
     return recorder
 
 
 def test_sources_are_attributed_to_the_modules_their_weight_loaders_fill():
     model = Tiny()
-    recorder = recorded_load(model, checkpoint())
+    recorder = recorded_load(model, checkpoint(), copy_decoder=False)
     assert dict(recorder.module_sources) == {"embed": {"embed"}, "qkv": {"q", "k"}, "decoder": {"bias"},
                                              "norm": {"norm"}}
     assert set(recorder.keys) == {"embed", "q", "k", "bias", "norm"}
@@ -86,17 +95,33 @@ def test_sources_are_attributed_to_the_modules_their_weight_loaders_fill():
     assert torch.equal(model.qkv.weight[2:], checkpoint()["k"])
 
 
-def test_a_tensor_written_outside_its_weight_loaders_makes_its_module_untraced():
+def test_a_copy_from_another_parameter_after_the_loop_is_traced_and_makes_its_module_eager():
+    """BERT's MLM decoder: copied from the word embedding once the checkpoint is drained.  Its
+    provenance is the embedding's source; ``load_weights`` writes it whatever it is fed."""
     recorder = recorded_load(Tiny(), checkpoint())
+    assert recorder.untraced == {} and recorder.module_sources["decoder"] == {"bias", "embed"}
+    assert set(recorder.eager) == {"decoder"} and "from embed" in recorder.eager["decoder"]
+    # Without the provenance mode, only the write witness sees that copy.
+    recorder = recorded_load(Tiny(), checkpoint(), trace=False)
     assert set(recorder.untraced) == {"decoder"}
     assert "weight was written outside a weight loader" in recorder.untraced["decoder"]
 
 
-def test_a_parameter_no_weight_loader_filled_and_a_transformed_tensor_are_untraced():
+def test_a_copy_by_hand_of_the_tensor_just_read_counts_as_its_loading():
+    """gpt-oss's experts: ``param.copy_`` of the checkpoint tensor just read, no weight loader."""
+    recorder = recorded_load(Tiny(), checkpoint(untied=True), copy_decoder=False, by="norm")
+    assert recorder.untraced == {} and recorder.eager == {} and recorder.module_sources["norm"] == {"norm"}
+
+
+def test_a_parameter_nothing_filled_and_values_through_python_are_untraced():
     recorder = recorded_load(Tiny(), {k: v for k, v in checkpoint().items() if k != "norm"}, copy_decoder=False,
-                             transform="bias")
+                             transform="python")
     assert recorder.untraced["norm"] == "weight is not filled from the checkpoint"
     assert "other than the checkpoint tensor just read" in recorder.untraced["decoder"]
+    assert "tolist took a tensor's values out of torch" in recorder.untraced["decoder"]
+    # A copy made by torch carries its provenance: traced.
+    recorder = recorded_load(Tiny(), checkpoint(untied=True), copy_decoder=False, transform="clone")
+    assert recorder.untraced == {} and recorder.module_sources["decoder"] == {"bias", "dec"}
 
 
 def test_write_witnesses_see_a_copy_over_a_large_tensor():
@@ -147,7 +172,7 @@ def test_views_follow_their_storage_into_the_shared_copy_and_the_private_one_is_
     assert old.data_ptr() != storage
     # a recipe names each view by its base and element offset, and reads back as written
     placement = {id(model.kv_b_proj.weight): Placement("key-kv", "uid-kv")}
-    recipe = build_recipe(model, "sig", {}, types.SimpleNamespace(module_sources={}, untraced={}), placement, 0, {})
+    recipe = build_recipe(model, "sig", {}, types.SimpleNamespace(module_sources={}, untraced={}, eager={}), placement, 0, {})
     views = {t.name: t for t in recipe.modules["attn"].tensors}
     assert {(t.alias, t.view) for t in views.values()} == {("kv_b_proj.weight", 3 * 16), ("kv_b_proj.weight", 0)}  # V after P, in columns of 16
     assert recipe.modules["attn"].replayable
@@ -187,14 +212,18 @@ def test_a_recipe_records_keys_with_their_segments_aliases_and_what_is_traced():
     assert (embed.key, embed.uid) == ("key-embed.weight", "uid-embed.weight")
     assert recipe.modules["head"].tensors[0].alias == "embed.weight"
     assert recipe.modules["norm"].tensors[0].inline is not None  # 16 bytes: kept inline
-    assert not recipe.modules["decoder"].traced and recipe.modules["qkv"].traced
+    assert recipe.modules["decoder"].traced and recipe.modules["decoder"].eager and not recipe.modules["qkv"].eager
     again = Recipe.from_bytes(recipe.to_bytes())
-    assert again.modules["decoder"].why_untraced == recipe.modules["decoder"].why_untraced and again.id == recipe.id
+    assert again.modules["decoder"].eager == recipe.modules["decoder"].eager and again.id == recipe.id
+    untraced = recipe_of(Tiny(), recorded_load(Tiny(), checkpoint(), transform="python"))
+    assert not untraced.modules["decoder"].traced
+    assert Recipe.from_bytes(untraced.to_bytes()).modules["decoder"].why_untraced == untraced.modules["decoder"].why_untraced
 
 
 def test_the_same_checkpoint_maps_every_module_even_untraced_ones():
     model = Tiny()
-    recipe = recipe_of(model, recorded_load(model, checkpoint()))
+    recipe = recipe_of(model, recorded_load(model, checkpoint(), transform="python"))
+    assert not recipe.modules["decoder"].traced
     found, why = choose([recipe], source_keys(checkpoint()))
     assert why == "" and found.unmatched == {} and "decoder" in found.matched
 
@@ -212,9 +241,19 @@ def test_a_changed_tensor_loads_its_module_and_every_module_sharing_its_inputs()
     assert set(found.unmatched) == {"qkv", "norm"} and "shares a checkpoint tensor" in found.unmatched["norm"]
 
 
-def test_a_change_an_untraced_module_may_depend_on_declines_the_recipe():
+def test_an_eager_module_is_loaded_whenever_anything_is():
     model = Tiny()
     recipe = recipe_of(model, recorded_load(model, checkpoint()))
+    found = match(recipe, source_keys(checkpoint(k=torch.zeros(2, 4))))
+    # qkv changed; the decoder is eager, and takes the embedding (its source) along.
+    assert set(found.unmatched) == {"qkv", "decoder", "embed"} and "partial load writes it" in found.unmatched["decoder"]
+    assert found.read() == {"q", "k", "bias", "embed"} and found.matched == {"head", "norm"}
+    assert match(recipe, source_keys(checkpoint())).unmatched == {}  # nothing loaded: nothing written
+
+
+def test_a_change_an_untraced_module_may_depend_on_declines_the_recipe():
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, checkpoint(), transform="python"))
     with pytest.raises(RecipeDeclined, match="decoder .* cannot be loaded on its own"):
         match(recipe, source_keys(checkpoint(embed=torch.zeros(8, 4))))
     found, why = choose([recipe], source_keys(checkpoint(embed=torch.zeros(8, 4))))

@@ -150,7 +150,7 @@ def _module(draw) -> ModuleRecipe:
         draw(st.lists(_tensor(placed=replayable), max_size=4)), replayable,
         "" if replayable else draw(st.text(max_size=20)), traced := draw(st.booleans()),
         "" if traced else draw(st.text(max_size=20)), draw(st.lists(_tensor(place="inline"), max_size=2)),
-        draw(st.one_of(st.none(), _packed())))
+        draw(st.one_of(st.none(), _packed())), draw(st.text(max_size=20)) if traced else "")
 
 
 _RECIPES = st.builds(

@@ -358,7 +358,8 @@ class _UsualLoad(BaseModelLoader):
         weights = inner.get_all_weights
         inner.get_all_weights = lambda mc, m: recorder.iterate(weights(mc, m))
         try:
-            return inner.load_weights(model, model_config)
+            with recorder.tracing():
+                return inner.load_weights(model, model_config)
         finally:
             del inner.get_all_weights  # back to the class's method
             recorder.unwrap()  # before post-processing frees what it replaces

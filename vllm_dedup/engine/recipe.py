@@ -25,11 +25,13 @@ outputs.  Two properties of a module decide what a recipe may do with it:
   (``packed``), and a replay lets vLLM pack a placeholder of zero pages, then installs the
   segment in its place (`replay.py`).  A module that is not replayable is never mapped;
 - **traced**: the checkpoint tensors that went into it are exactly its recorded sources: every
-  parameter it owns was filled by a weight loader that received the checkpoint tensor just
-  read, and nothing else wrote into it afterwards (`sources.SourceRecorder`).  Only a traced
-  module can be loaded on its own (from its sources), or mapped while some of the checkpoint
-  changed.  An untraced, replayable module is mapped only when the whole checkpoint is
-  unchanged, where every input is equal whatever it was.
+  parameter it owns was filled from checkpoint tensors the load traced, by storage identity or
+  through the torch calls of ``load_weights`` (`sources.SourceRecorder`, `provenance.py`), and
+  nothing else wrote into it.  Only a traced module can be loaded on its own (from its
+  sources), or mapped while some of the checkpoint changed.  An untraced, replayable module is
+  mapped only when the whole checkpoint is unchanged, where every input is equal whatever it
+  was.  A traced module is *eager* when ``load_weights`` writes it whatever it is fed (a copy
+  from another parameter after the loop): it is loaded whenever anything is.
 
 `choose` picks the recipe that maps the most, or says why none applies; anything a recipe
 cannot do exactly is declined (`RecipeDeclined`), and the engine loads as usual.
@@ -47,9 +49,9 @@ from ..content.views import element_span
 
 __all__ = ["Match", "ModuleRecipe", "Recipe", "RecipeDeclined", "TensorRecipe", "choose", "match"]
 
-VERSION = 5  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights;
+VERSION = 6  # 2: segments named by uid, traced modules, BLAKE3 source keys; 3: oneDNN packed weights;
 #             4: an unreplayable module's tensors may have no place (private), `checked_bytes`;
-#             5: views (`TensorRecipe.view`)
+#             5: views (`TensorRecipe.view`); 6: eager modules (`ModuleRecipe.eager`)
 
 
 class RecipeDeclined(Exception):
@@ -150,11 +152,13 @@ class ModuleRecipe:
     why_untraced: str = ""
     attributes: list[TensorRecipe] = field(default_factory=list)
     packed: TensorRecipe | None = None
+    eager: str = ""  # why ``load_weights`` writes it whatever it is fed ("": only when fed its sources)
 
     def to_json(self) -> dict:
         out = {"sources": sorted(self.sources), "tensors": [t.to_json() for t in self.tensors],
                "replayable": self.replayable, "why": self.why, "traced": self.traced,
-               "why_untraced": self.why_untraced, "attributes": [t.to_json() for t in self.attributes]}
+               "why_untraced": self.why_untraced, "attributes": [t.to_json() for t in self.attributes],
+               "eager": self.eager}
         if self.packed is not None:
             out["packed"] = self.packed.to_json()
         return out
@@ -171,7 +175,7 @@ class ModuleRecipe:
         replayable = bool(d["replayable"])
         return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t, placed=replayable) for t in d["tensors"]],
                    replayable, str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")),
-                   attributes, packed)
+                   attributes, packed, str(d.get("eager", "")))
 
     def keyed(self) -> list[TensorRecipe]:
         """Its tensors that live in segments, the packed weight included."""
@@ -250,9 +254,11 @@ class Recipe:
 class Match:
     """What a recipe gives a checkpoint: the modules to map and those to load.
 
-    Invariant (`settle`): every module loaded is traced, and no module mapped shares a
-    checkpoint tensor with a module loaded (feeding that tensor to the model's ``load_weights``
-    would write into the mapped, read-only one, or leave it stale).
+    Invariant (`settle`): every module loaded is traced, no module mapped shares a checkpoint
+    tensor with a module loaded (feeding that tensor to the model's ``load_weights`` would write
+    into the mapped, read-only one, or leave it stale), and when any module is loaded, so is
+    every eager one (``load_weights`` writes it whatever it is fed: BERT's MLM decoder, copied
+    from the word embedding after the loop).
 
     Attributes:
         recipe: the recipe chosen.
@@ -292,11 +298,15 @@ class Match:
         while True:
             read = self.read()
             taken = {m for m in self.matched if read & set(modules[m].sources)}
-            if not taken:
+            eager = {m for m in self.matched if modules[m].eager} if self.unmatched else set()
+            if not taken and not eager:
                 break
             for m in taken:
                 self.matched.discard(m)
                 self.unmatched[m] = "it shares a checkpoint tensor with a module loaded from the checkpoint"
+            for m in eager - taken:
+                self.matched.discard(m)
+                self.unmatched[m] = f"a partial load writes it ({modules[m].eager})"
         for name, why in sorted(self.unmatched.items()):
             if not modules[name].traced:
                 raise RecipeDeclined(f"module {name} must be loaded ({why}) but cannot be loaded on its own: "

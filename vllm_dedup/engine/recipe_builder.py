@@ -210,6 +210,7 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
             recipe.tensors.append(entry)
         recipe.replayable, recipe.why = not why, why or ""
         recipe.traced, recipe.why_untraced = not untraced, untraced
+        recipe.eager = recording.eager.get(module_name, "")
         modules[module_name] = recipe
     attributed = set().union(*recording.module_sources.values(), *(m.sources for m in inherited.values()))
     after = model_attrs(model)

@@ -354,7 +354,8 @@ class Replay:
         names = self.match.read()
         self.recorder.wrap(model, self.match.unmatched)
         try:
-            model.load_weights(self.recorder.iterate(read_tensors(sorted(names), self.where)))
+            with self.recorder.tracing(protect=self._bound(modules)):
+                model.load_weights(self.recorder.iterate(read_tensors(sorted(names), self.where)))
         finally:
             self.recorder.finish()
         for name in sorted(self.match.unmatched):
@@ -364,6 +365,20 @@ class Replay:
                         if p is not None and id(p) not in self.recorder.loaded]
             if unfilled:
                 raise RecipeDeclined(f"module {name}: {unfilled[0]} got none of its checkpoint tensors")
+
+    def _bound(self, modules: dict[str, nn.Module]) -> list[tuple[torch.Tensor, str]]:
+        """The matched modules' tensors bound from the recipe (mapped, inline or placeholders;
+        not aliases, which may be a loaded module's), each with its name: ``load_weights`` must
+        not write them (most are mapped read-only, where a write would fault)."""
+        bound = []
+        for name in sorted(self.match.matched):
+            module = modules[name]
+            for t in self.match.recipe.modules[name].tensors:
+                if t.alias is None and t.view is None:
+                    tensor = (module._parameters if t.param else module._buffers).get(t.name)
+                    if tensor is not None:
+                        bound.append((tensor, f"{name}.{t.name}, which the recipe maps"))
+        return bound
 
     # 5. post-processing --------------------------------------------------------------------
     def _post_process(self, model: nn.Module, mapped: dict[str, nn.Module], resident: dict) -> None:

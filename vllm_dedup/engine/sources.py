@@ -9,18 +9,28 @@ any engine or scan has seen the file (docs/architecture.md, "Loading only what i
 `SourceRecorder` runs during a load.  It wraps the inner loader's weight iterator: every tensor
 it yields is hashed zero-copy in a thread pool, overlapped with the load.  And it wraps every
 parameter's (and buffer's) ``weight_loader``: a call attributes the tensor just yielded to the
-module owning that parameter.  An attribution is only made when the tensor the weight loader
-receives shares storage with the tensor just yielded (the loader passed it on, possibly as a
-view); anything else (a transformed copy, tensors buffered and loaded later) marks the module
-as *untraced* (`recipe.py`: loaded only with everything, mapped only from an unchanged
-checkpoint).  So does a tensor written outside its weight loaders, which a witness taken
-before the load, after each of its weight loader calls and after the load reveals (BERT's MLM
-head copies the word embeddings; some loaders ``copy_`` checkpoint tensors into parameters by
-hand), and a parameter no weight loader filled.
+module owning that parameter: the tensor just yielded, when the tensor the weight loader
+receives shares its storage (the loader passed it on, possibly as a view); else the checkpoint
+tensors its values came from, as `provenance.Provenance` traced them through the torch calls of
+``load_weights`` (a ``torch.cat`` of views of the tensor just read, tensors drained into a list
+and loaded later).  A write outside any weight loader that the provenance mode saw (a
+``param.copy_`` by hand, a decoder copied from the word embedding) attributes its provenance
+too; one made while a checkpoint tensor was current and only from it counts as that tensor's
+loading, any other (after the iterator was drained, from other tensors) makes its module
+*eager*: loaded whenever a load is partial, since ``load_weights`` writes it whatever it is fed
+(`recipe.Match.settle`).  Whatever provenance cannot say (unknown, or from no checkpoint
+tensor) marks the module *untraced* (`recipe.py`: loaded only with everything, mapped only from
+an unchanged checkpoint), and so does a write no torch call explains, which a witness taken
+before the load, after each of its weight loader calls and tracked writes, and after the load
+reveals, and a parameter nothing filled.
+
+Use `SourceRecorder.tracing` around ``load_weights``: without it, only storage identity
+attributes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -30,6 +40,7 @@ import xxhash
 
 from ..content.keys import source_key
 from ..content.views import dtype_name, tensor_bytes
+from .provenance import Provenance
 
 __all__ = ["SourceRecorder", "write_witness"]
 
@@ -55,7 +66,10 @@ class SourceRecorder:
             loader got a tensor other than the one just read, a parameter or buffer was written
             outside a weight loader (e.g. copied from another module's tensor, or from a
             checkpoint tensor by hand), or a parameter was never filled from the checkpoint.
-        loaded: ``id`` of every wrapped tensor some recorded weight loader call went to.
+        loaded: ``id`` of every wrapped tensor some recorded weight loader call (or traced write)
+            went to.
+        eager: module name -> why ``load_weights`` writes it whatever it is fed (module docstring).
+        provenance: the `provenance.Provenance` mode of this load (`tracing`).
         consumed: names of every tensor the iterator yielded, in order.
         bytes_read: bytes of those tensors.
     """
@@ -65,6 +79,7 @@ class SourceRecorder:
         self.known = dict(known or {})  # name -> source key already known (the manifest cache): not hashed
         self.module_sources: dict[str, set[str]] = defaultdict(set)
         self.untraced: dict[str, str] = {}
+        self.eager: dict[str, str] = {}
         self.loaded: set[int] = set()
         self.consumed: list[str] = []
         self.attributed: set[str] = set()  # names some weight loader got
@@ -79,6 +94,18 @@ class SourceRecorder:
         self._wrapped: list[tuple[object, str, str, object, bool]] = []
         self._seen: dict[int, bytes] = {}  # id(tensor) -> write witness when it last legitimately changed
         self._sharers: dict[int, list[tuple[object, str]]] = {}  # storage address -> (tensor, module) wrapped over it
+        self._in_loader = 0  # depth of recorded weight loader calls
+        self.provenance = Provenance(on_write=self._traced_write)
+
+    @contextlib.contextmanager
+    def tracing(self, protect: Iterable[tuple[object, str]] = ()) -> Iterator[None]:
+        """Trace provenance through the torch calls of the block (``load_weights``), in this
+        thread; refuse (`provenance.ProtectedWrite`) a write into any of the ``protect`` tensors
+        (tensor, what it is)."""
+        for t, what in protect:
+            self.provenance.protect(t, what)
+        with self.provenance:
+            yield
 
     # weight loaders ------------------------------------------------------------------------
     def wrap(self, model, modules: Iterable[str] | None = None) -> None:
@@ -105,33 +132,67 @@ class SourceRecorder:
                 self._seen[id(t)] = write_witness(t)
                 if not t.is_meta and t.numel():
                     self._sharers.setdefault(_storage_address(t), []).append((t, module_name))
+                    self.provenance.reset(t)
                 t.weight_loader = self._recording(module_name, t, original or default_weight_loader)
 
     def _recording(self, module_name: str, target, original):
         def weight_loader(*args, **kwargs):
             loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-            source = self._attribute(module_name, loaded)
-            out = original(*args, **kwargs)
-            self.loaded.add(id(target))
-            self._seen[id(target)] = write_witness(target)
-            self._wrote_sharers(target, source)
+            with self.provenance.quiet():
+                sources = self._attribute(module_name, loaded)
+            self._in_loader += 1
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self._in_loader -= 1
+            with self.provenance.quiet():
+                self.loaded.add(id(target))
+                self._seen[id(target)] = write_witness(target)
+                self._wrote_sharers(target, sources)
             return out
 
         return weight_loader
 
-    def _attribute(self, module_name: str, loaded) -> str | None:
-        """Attribute the tensor just read to ``module_name`` (returns its name), or mark the
-        module untraced (returns None)."""
+    def _attribute(self, module_name: str, loaded) -> frozenset[str] | None:
+        """Attribute to ``module_name`` the tensor just read, if ``loaded`` shares its storage,
+        else the checkpoint tensors ``loaded``'s values came from (returns their names); or mark
+        the module untraced (returns None)."""
+        import torch
+
         current = self._current
         if current is not None and _storage_address(loaded) == current[1]:
-            self.module_sources[module_name].add(current[0])
-            self.attributed.add(current[0])
-            return current[0]
-        self.untraced.setdefault(module_name, "a weight loader got a tensor other than the checkpoint tensor "
-                                              "just read (transformed, or read earlier)")
+            sources = frozenset((current[0],))
+        else:
+            sources = self.provenance.of(loaded) if isinstance(loaded, torch.Tensor) else None
+        if sources:
+            self.module_sources[module_name] |= sources
+            self.attributed |= sources
+            return sources
+        why = self.provenance.lost or "its values came from no checkpoint tensor it could trace"
+        self.untraced.setdefault(module_name, f"a weight loader got a tensor other than the checkpoint tensor "
+                                              f"just read ({why})")
         return None
 
-    def _wrote_sharers(self, target, source: str | None) -> None:
+    def _traced_write(self, written, sources: frozenset[str] | None) -> None:
+        """`provenance.Provenance`'s report of a torch call that wrote into ``written``: outside a
+        weight loader, into a wrapped tensor's storage, with known checkpoint sources, it counts
+        as that tensor's loading (module docstring); else the witness at `unwrap` judges it."""
+        if self._in_loader or not sources:
+            return
+        with self.provenance.quiet():
+            sharers = self._sharers.get(_storage_address(written), ())
+            current = self._current
+            conditional = current is not None and sources <= {current[0]}
+            for t, module_name in sharers:
+                self.module_sources[module_name] |= sources
+                self.attributed |= sources
+                self.loaded.add(id(t))
+                self._seen[id(t)] = write_witness(t)
+                if not conditional:
+                    self.eager.setdefault(module_name, "load_weights writes it outside a weight loader from "
+                                                       f"{', '.join(sorted(sources)[:2])}")
+
+    def _wrote_sharers(self, target, sources: frozenset[str] | None) -> None:
         """A weight loader wrote ``target``: every other wrapped tensor over its storage (Mamba2's
         mixer views its conv layer's weight as a ``conv_weights`` buffer) was written with it,
         from the same checkpoint tensor, which goes into the sharer's module too."""
@@ -141,22 +202,24 @@ class SourceRecorder:
             if sharer is target:
                 continue
             self._seen[id(sharer)] = write_witness(sharer)
-            if source is None:
+            if sources is None:
                 self.untraced.setdefault(module_name, "a tensor over the storage of another module's parameter "
                                                       "was filled from a transformed checkpoint tensor")
             else:
-                self.module_sources[module_name].add(source)
+                self.module_sources[module_name] |= sources
 
     # the weight iterator -------------------------------------------------------------------
     def iterate(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         """Yield ``weights`` unchanged, hashing each tensor (in threads) and noting it as the
         one weight loaders may receive until the next."""
         for name, tensor in weights:
-            self.consumed.append(name)
-            self.bytes_read += tensor.numel() * tensor.element_size()
-            self._current = (name, _storage_address(tensor))
-            if self._pool is not None:
-                self._submit(name, tensor)
+            with self.provenance.quiet():
+                self.consumed.append(name)
+                self.bytes_read += tensor.numel() * tensor.element_size()
+                self._current = (name, _storage_address(tensor))
+                self.provenance.mark(tensor, (name,))
+                if self._pool is not None:
+                    self._submit(name, tensor)
             yield name, tensor
         self._current = None
 

@@ -363,6 +363,9 @@ class _UsualLoad(BaseModelLoader):
         finally:
             del inner.get_all_weights  # back to the class's method
             recorder.unwrap()  # before post-processing frees what it replaces
+            logger.debug("provenance: %d torch calls traced in %.3f s%s", recorder.provenance.calls,
+                         recorder.provenance.overhead_s,
+                         f"; unknown after {recorder.provenance.lost}" if recorder.provenance.lost else "")
 
 
 @contextlib.contextmanager

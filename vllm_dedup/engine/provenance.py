@@ -36,6 +36,7 @@ Note [values that leave torch]
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -84,6 +85,8 @@ class Provenance(TorchFunctionMode):
 
     Attributes:
         lost: why provenance became unknown for the rest of the load ("" while it is known).
+        calls: torch calls traced.
+        overhead_s: seconds spent tracing them (the calls themselves not counted).
     """
 
     def __init__(self, on_write: Callable[[torch.Tensor, Names], None] | None = None):
@@ -93,6 +96,8 @@ class Provenance(TorchFunctionMode):
         self._storages: dict[int, tuple[weakref.ref, Names]] = {}  # id(storage) -> (it, provenance)
         self._protected: dict[int, tuple[weakref.ref, str]] = {}  # id(storage) -> (it, what it is)
         self._quiet = 0
+        self.calls = 0
+        self.overhead_s = 0.0
 
     # what callers say and ask ----------------------------------------------------------------
     def mark(self, t: torch.Tensor, names: Iterable[str]) -> None:
@@ -137,12 +142,16 @@ class Provenance(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._quiet:
             return func(*args, **kwargs)
+        began = time.perf_counter()
+        self.calls += 1
         name = _name(func)
         inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         written = _written(func, name, args, kwargs)
         for t in written:
             self._refuse_protected(t, name)
+        called = time.perf_counter()
         result = func(*args, **kwargs)
+        returned = time.perf_counter()
         self._quiet += 1
         try:
             leaves = tree_leaves(result)
@@ -173,6 +182,7 @@ class Provenance(TorchFunctionMode):
         if written and self.on_write is not None:
             for t in written:
                 self.on_write(t, sources)
+        self.overhead_s += (called - began) + (time.perf_counter() - returned)
         return result
 
     # storages --------------------------------------------------------------------------------

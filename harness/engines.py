@@ -254,9 +254,7 @@ class EngineProcess(PeerProcess):
         heap memory already freed but kept by the allocator does not count: it varies from run
         to run by tens of MB and would drown the differences measured.
         """
-        if trim and self.proc.poll() is None:
-            self.send({"trim": True})
-            self.read("TRIMMED", 60)
+        self._trim(trim)
         return pss_bytes(self.pid)
 
     def own_pss(self, trim: bool = True) -> int:
@@ -266,9 +264,15 @@ class EngineProcess(PeerProcess):
         machine that maps the same library, so it moves with engines of other tests running
         beside this one (pytest-xdist) by tens of MB.
         """
-        self.pss(trim)
+        self._trim(trim)
         parts = pss_parts(self.pid)
         return parts["Pss_Anon"] + parts["Pss_Shmem"]
+
+    def _trim(self, trim: bool) -> None:
+        """With ``trim``, have the (running) engine run ``gc.collect()`` and ``malloc_trim(0)``."""
+        if trim and self.proc.poll() is None:
+            self.send({"trim": True})
+            self.read("TRIMMED", 60)
 
     def stop(self, timeout_s: float = 60) -> None:
         """Ask the engine to exit, SIGKILL it after ``timeout_s``; close its pipes."""

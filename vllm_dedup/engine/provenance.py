@@ -105,7 +105,9 @@ class Provenance(TorchFunctionMode):
         checkpoint tensors: a storage of unknown provenance (made by a call the mode does not
         see, such as ``torch.frombuffer`` over a file's mapping) gets these names."""
         with self.quiet():
-            self._add(t, frozenset(names), fresh_known=True)
+            storage = _storage(t)
+            if storage is not None:
+                self._add(storage, frozenset(names), fresh_known=True)
 
     def reset(self, t: torch.Tensor) -> None:
         """``t``'s storage holds values from no checkpoint tensor (a parameter before loading)."""
@@ -160,23 +162,26 @@ class Provenance(TorchFunctionMode):
                 self.lost = f"{name} took a tensor's values out of torch"
                 logger.debug("provenance is unknown from here on: %s, at\n%s", self.lost,
                              "".join(traceback.format_stack(limit=12)[:-1]))
-            names = self._union(inputs)
-            input_storages = {id(s) for s in map(_storage, inputs) if s is not None}
+            # Storages after the call: ``param.data = t`` gives ``param`` another one.
+            in_storages = [_storage(x) for x in inputs]
+            names = self._union(in_storages)
+            input_ids = {id(s) for s in in_storages if s is not None}
             for out in (x for x in leaves if isinstance(x, torch.Tensor)):
                 storage = _storage(out)
                 if storage is None:
                     continue
-                if id(storage) in input_storages:
-                    self._add(out, names)
+                if id(storage) in input_ids:
+                    self._add(storage, names)
                 else:
                     self._storages[id(storage)] = (weakref.ref(storage), names)
-            for t in written:
-                self._add(t, names)
+            written_storages = [s for s in map(_storage, written) if s is not None]
+            for storage in written_storages:
+                self._add(storage, names)
             if written and self.on_write is not None:
                 # What was written in: the call's other inputs (a write keeps the rest of the
                 # destination, whose provenance its storage has already).
-                into = {id(s) for s in map(_storage, written) if s is not None}
-                sources = self._union([x for x in inputs if id(_storage(x)) not in into])
+                into = {id(s) for s in written_storages}
+                sources = self._union([s for s in in_storages if s is None or id(s) not in into])
         finally:
             self._quiet -= 1
         if written and self.on_write is not None:
@@ -194,13 +199,10 @@ class Provenance(TorchFunctionMode):
             return None
         return entry[1]
 
-    def _add(self, t: torch.Tensor, names: Names, fresh_known: bool = False) -> None:
-        """Add ``names`` to the provenance of ``t``'s storage.  A storage of unknown provenance
-        stays unknown (its other bytes), unless ``fresh_known`` (`mark`: it holds checkpoint
-        tensors only)."""
-        storage = _storage(t)
-        if storage is None:
-            return
+    def _add(self, storage, names: Names, fresh_known: bool = False) -> None:
+        """Add ``names`` to the provenance of ``storage``.  A storage of unknown provenance stays
+        unknown (its other bytes), unless ``fresh_known`` (`mark`: it holds checkpoint tensors
+        only)."""
         before = self._get(storage)
         if before is None:
             merged = names if fresh_known else None
@@ -208,12 +210,13 @@ class Provenance(TorchFunctionMode):
             merged = None if names is None else before | names
         self._storages[id(storage)] = (weakref.ref(storage), merged)
 
-    def _union(self, tensors: list[torch.Tensor]) -> Names:
+    def _union(self, storages: list) -> Names:
+        """The union of these storages' provenance (None: any is unknown, or a storage is None)."""
         if self.lost:
             return None
         out: set[str] = set()
-        for t in tensors:
-            names = self._get(_storage(t))
+        for storage in storages:
+            names = self._get(storage)
             if names is None:
                 return None
             out |= names

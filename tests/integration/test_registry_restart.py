@@ -229,6 +229,9 @@ def test_a_hung_registry_costs_one_timeout_and_the_connection_is_not_reused(tmp_
     pid = registry_stats(sock).registry_pid
     os.kill(pid, signal.SIGSTOP)
     try:
+        # SIGSTOP is a group stop each thread enters on its own way back to user space: on a
+        # busy machine a thread may not be stopped yet when the signal call returns.
+        assert wait_for(lambda: _all_threads_stopped(pid), 10), f"registry {pid} did not stop"
         client = RegistryClient(sock, timeout_s=1.0)  # connecting works: the kernel accepts for it
         begin = time.monotonic()
         try:
@@ -246,10 +249,13 @@ def test_a_hung_registry_costs_one_timeout_and_the_connection_is_not_reused(tmp_
                 pass
         assert time.monotonic() - begin < 0.5 and not client.hung_up()
         client.close()
-    finally:
         os.kill(pid, signal.SIGCONT)
-    assert registry_stats(sock).registry_pid == pid  # it answers again
-    shutdown_registry(sock)
+        assert registry_stats(sock).registry_pid == pid  # it answers again
+    finally:
+        # Whatever failed above, this daemon must not outlive the test: later tests in this
+        # worker check that no process but theirs holds a segment.
+        os.kill(pid, signal.SIGCONT)
+        shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
 
 
@@ -264,6 +270,17 @@ def test_a_daemon_slower_to_start_than_asked_is_a_registry_unavailable_not_a_cra
     assert wait_for(lambda: _answers(sock), 30)
     shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 30)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in state T (stopped), from /proc/PID/task/*/stat."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return bool(states) and all(s == "T" for s in states)
 
 
 def _answers(sock: Path) -> bool:

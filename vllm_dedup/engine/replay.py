@@ -45,14 +45,13 @@ from ..checkpoint.loading import read_tensors
 from ..content.views import dtype_name, element_span
 from ..log import init_logger
 from ..segments import segment_class
-from .attributes import module_attributes
 from .context import LoadContext, Placement
 from .heap import reused_heap, trim
+from .meta_model import check_no_meta, forget_layers, like_meta, retie, rope_cache
 from .packed import ZeroPages, install_replayed, keeps_weight
 from .post_processing import post_processing_hooks
 from .recipe import Match, RecipeDeclined, TensorRecipe
 from .resident import map_resident
-from .slots import attribute_tensors
 from .sources import SourceRecorder
 
 __all__ = ["Replay"]
@@ -99,8 +98,8 @@ class Replay:
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         model = None
-        rope_cache = _rope_cache()
-        rope_before = dict(rope_cache)
+        ropes = rope_cache()
+        ropes_before = dict(ropes)
         try:
             with set_default_torch_dtype(self.ctx.model_config.dtype):
                 with torch.device("meta"):
@@ -114,13 +113,13 @@ class Replay:
                     raise RecipeDeclined("nothing the recipe names is resident any more")
                 # id(meta tensor) -> (it, its replacement).  The meta tensor is kept alive with
                 # its replacement: a freed object's id is reused by the next one made, and a
-                # stale id would rebind some unrelated tensor (see `_retie`).
+                # stale id would rebind some unrelated tensor (see `meta_model.retie`).
                 replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
                 for name in sorted(self.match.matched):
                     self._bind(modules[name], name, resident, replaced)
                     self._placeholder(modules[name], name, replaced)
                 self._materialize(modules, replaced)
-                _retie(model, replaced)
+                retie(model, replaced)
                 self._alias(model)
                 self._restore_attributes(modules)
                 for key, value in self.match.recipe.attrs.items():
@@ -131,15 +130,15 @@ class Replay:
                 self._forget_replaced()
                 self._bind_views(model)
                 self._release_unused()
-            _check_no_meta(model)
+            check_no_meta(model)
             return model.eval()
         except Exception as e:  # a fast path never stops an engine: the usual load follows
             logger.debug("building the model from a recipe failed", exc_info=True)
             self.release()
             if model is not None:
-                _forget_layers(self.ctx.vllm_config, model)
-            rope_cache.clear()  # rotary modules made on the meta device must not be reused
-            rope_cache.update(rope_before)
+                forget_layers(self.ctx.vllm_config, model)
+            ropes.clear()  # rotary modules made on the meta device must not be reused
+            ropes.update(ropes_before)
             if isinstance(e, RecipeDeclined):
                 raise
             raise RecipeDeclined(f"{type(e).__name__}: {e}") from e
@@ -211,7 +210,7 @@ class Replay:
             else:
                 tensor = _restore_inline(t, self.ctx.device)
             old = module._parameters.get(t.name) if t.param else module._buffers.get(t.name)
-            new = _like(old, tensor) if t.param else tensor
+            new = like_meta(old, tensor) if t.param else tensor
             if t.param:
                 module._parameters[t.name] = new
             elif t.name in module._buffers:
@@ -236,7 +235,7 @@ class Replay:
         if meta is None or not meta.is_meta or meta.ndim != 2:
             raise RecipeDeclined(f"module {name}: no 2-D {recipe.packed.name} to pack (found {meta!r})")
         placeholder = self._zeros.tensor(meta.dtype, meta.shape)
-        module._parameters[recipe.packed.name] = _like(meta, placeholder)
+        module._parameters[recipe.packed.name] = like_meta(meta, placeholder)
         replaced[id(meta)] = (meta, module._parameters[recipe.packed.name])
 
     def _install_packed(self, name: str, module: nn.Module, resident: dict) -> None:
@@ -413,70 +412,9 @@ def _named_tensor(model: nn.Module, qualified: str) -> torch.Tensor:
     return getattr(model.get_submodule(owner), attr)
 
 
-def _like(meta, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a parameter of ``meta``'s class with its attributes (a new parameter when
-    there is no meta one)."""
-    if meta is None:
-        return nn.Parameter(tensor, requires_grad=False)
-    new = tensor.detach()
-    new.__class__ = meta.__class__
-    new.__dict__ = meta.__dict__.copy()
-    return new
-
-
 def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:
     raw = (torch.frombuffer(bytearray(t.inline), dtype=torch.uint8) if t.inline
            else torch.empty(0, dtype=torch.uint8))
     dtype = getattr(torch, t.dtype)
     flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
     return flat.as_strided(t.shape, t.stride).to(device)
-
-
-def _rope_cache() -> dict:
-    """vLLM's process-wide cache of rotary embedding modules (``get_rope`` hands the same module
-    to every model built with the same parameters, whatever the device it was built on)."""
-    try:
-        from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
-    except ImportError:
-        return {}
-    return _ROPE_DICT
-
-
-def _forget_layers(vllm_config, model: nn.Module) -> None:
-    """Unregister the layers a model given up registered in vLLM's static forward context
-    (attention layers register by name at construction; the usual load builds them again)."""
-    ours = {id(m) for m in model.modules()}
-    context = vllm_config.compilation_config.static_forward_context
-    for name in [n for n, layer in context.items() if id(layer) in ours]:
-        del context[name]
-
-
-
-
-def _retie(model: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Point every remaining reference to a replaced meta tensor at its replacement: parameters
-    and buffers of other modules (ties made at construction), module attributes, and attributes
-    of the plain objects modules hold (an attention implementation keeps ``sinks``).
-    ``replaced`` keeps each meta tensor alive, so an ``id`` here names that tensor and no other."""
-    def fresh(value):
-        return (isinstance(value, torch.Tensor) and id(value) in replaced and replaced[id(value)][0] is value)
-
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for n, t in list(table.items()):
-                if fresh(t):
-                    table[n] = replaced[id(t)][1]
-        for a in module_attributes(module):
-            if fresh(a.value):
-                setattr(a.owner, a.name, replaced[id(a.value)][1])
-
-
-def _check_no_meta(model: nn.Module) -> None:
-    """Raises `RecipeDeclined` naming the first meta tensor a kernel could read."""
-    for name, module in model.named_modules():
-        for n, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None and t.is_meta:
-                raise RecipeDeclined(f"{name}.{n} is still on the meta device after post-processing")
-    for where, t in attribute_tensors(model):
-        if t.is_meta:
-            raise RecipeDeclined(f"{where} is still on the meta device after post-processing")

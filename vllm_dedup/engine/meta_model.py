@@ -1,0 +1,78 @@
+"""A model built on the meta device, given real tensors afterwards (the replay's model).
+
+Nothing is allocated when a model is built under ``torch.device("meta")``; the replay then puts a
+real tensor in each place.  These helpers keep the rest of the model pointing at the real one:
+a replacement keeps the class and attributes of the meta parameter it replaces (vLLM's
+``materialize_meta_tensor`` does the same), every other reference to a replaced meta tensor is
+repointed, and a model given up leaves nothing behind in vLLM's process-wide tables.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attributes import module_attributes
+from .recipe import RecipeDeclined
+from .slots import attribute_tensors
+
+__all__ = ["check_no_meta", "forget_layers", "like_meta", "retie", "rope_cache"]
+
+
+def like_meta(meta, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a parameter of ``meta``'s class with its attributes (a new parameter when
+    there is no meta one)."""
+    if meta is None:
+        return nn.Parameter(tensor, requires_grad=False)
+    new = tensor.detach()
+    new.__class__ = meta.__class__
+    new.__dict__ = meta.__dict__.copy()
+    return new
+
+
+def retie(model: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Point every remaining reference to a replaced meta tensor at its replacement: parameters
+    and buffers of other modules (ties made at construction), module attributes, and attributes
+    of the plain objects modules hold (an attention implementation keeps ``sinks``).
+    ``replaced`` keeps each meta tensor alive, so an ``id`` here names that tensor and no other."""
+    def fresh(value):
+        return (isinstance(value, torch.Tensor) and id(value) in replaced and replaced[id(value)][0] is value)
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for n, t in list(table.items()):
+                if fresh(t):
+                    table[n] = replaced[id(t)][1]
+        for a in module_attributes(module):
+            if fresh(a.value):
+                setattr(a.owner, a.name, replaced[id(a.value)][1])
+
+
+def check_no_meta(model: nn.Module) -> None:
+    """Raises `RecipeDeclined` naming the first meta tensor a kernel could read."""
+    for name, module in model.named_modules():
+        for n, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None and t.is_meta:
+                raise RecipeDeclined(f"{name}.{n} is still on the meta device after post-processing")
+    for where, t in attribute_tensors(model):
+        if t.is_meta:
+            raise RecipeDeclined(f"{where} is still on the meta device after post-processing")
+
+
+def forget_layers(vllm_config, model: nn.Module) -> None:
+    """Unregister the layers a model given up registered in vLLM's static forward context
+    (attention layers register by name at construction; the usual load builds them again)."""
+    ours = {id(m) for m in model.modules()}
+    context = vllm_config.compilation_config.static_forward_context
+    for name in [n for n, layer in context.items() if id(layer) in ours]:
+        del context[name]
+
+
+def rope_cache() -> dict:
+    """vLLM's process-wide cache of rotary embedding modules (``get_rope`` hands the same module
+    to every model built with the same parameters, whatever the device it was built on)."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+    except ImportError:
+        return {}
+    return _ROPE_DICT

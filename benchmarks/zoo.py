@@ -89,19 +89,26 @@ def load_table(results: list[dict]) -> str:
     engine up) took: its path, the checkpoint bytes it read, the bytes it mapped, and the
     dedup loader's load time (``load_seconds``: vLLM's ``load_weights`` and post-processing,
     or the replay, plus the sharing pass) next to the first engine's, which reads everything
-    as a plain load does."""
-    lines = ["| architecture | second: path | read | mapped | load s: first | second | second/first |",
-             "| --- " * 7 + "|"]
+    as a plain load does.  ``get_model`` columns: vLLM's ``get_model`` wall time as the harness
+    times it in every engine alike (`harness.engines.EngineProcess.load_stats`), plain ``auto``
+    against the second dedup engine (without ``--no-plain``)."""
+    lines = ["| architecture | second: path | read | mapped | load s: first | second | second/first "
+             "| get_model s: plain | second | second/plain |",
+             "| --- " * 10 + "|"]
+
+    def cell(x, fmt="{:.2f}"):
+        return fmt.format(x) if x is not None else "-"
+
     for r in results:
         first, second = r["engines"].get("first", {}), r["engines"].get("second", {})
         if "path" not in second:
             continue
         f_s, s_s = first.get("load_seconds"), second.get("load_seconds")
-        ratio = f"{s_s / f_s:.0%}" if f_s and s_s is not None else "-"
+        p_g, s_g = r.get("plain", {}).get("get_model_s"), second.get("get_model_s")
         lines.append(f"| {r['name']} | {second['path']} | {(second.get('checkpoint_bytes_read') or 0) / 1e6:.1f} MB | "
-                     f"{(second.get('shared_bytes') or 0) / 1e6:.1f} MB | "
-                     + (f"{f_s:.2f} | " if f_s is not None else "- | ") + (f"{s_s:.2f} | " if s_s is not None else "- | ")
-                     + f"{ratio} |")
+                     f"{(second.get('shared_bytes') or 0) / 1e6:.1f} MB | {cell(f_s)} | {cell(s_s)} | "
+                     f"{cell(s_s / f_s if f_s and s_s is not None else None, '{:.0%}')} | {cell(p_g)} | {cell(s_g)} | "
+                     f"{cell(s_g / p_g if p_g and s_g is not None else None, '{:.0%}')} |")
     return "\n".join(lines)
 
 

@@ -332,7 +332,8 @@ def _engine_row(engine, arch: Arch, role: str, reference: dict | None, outputs_t
     row = {"role": role, "expected_path": EXPECTED_PATH[role], "path": load.get("load_path", "?"),
            "checkpoint_bytes_read": load.get("checkpoint_bytes_read"), "shared_bytes": load.get("shared_bytes"),
            "published_bytes": load.get("published_bytes"), "load_seconds": load.get("load_seconds"),
-           "signature": stats.signature}
+           # vLLM's get_model, timed by the harness as for a plain engine (`EngineProcess.load_stats`)
+           "get_model_s": engine.load_stats()["seconds"], "signature": stats.signature}
     (tensors,) = engine.final_tensors()
     row["meta_tensors"] = sorted(n for n, d in tensors.items() if d.endswith("|meta"))
     row["differences"] = differences(tensors, reference) if reference is not None else []
@@ -421,7 +422,8 @@ def run_arch(name: str, workdir: Path, plain: bool = True, embeddings: bool | No
         if plain:
             try:
                 e = start(base, "auto")
-                result["plain"] = {"serves": True, "outputs": _outputs(e, arch)}
+                result["plain"] = {"serves": True, "outputs": _outputs(e, arch),
+                                   "get_model_s": e.load_stats()["seconds"]}
                 stop(e)
             except Exception as e:  # recorded; the dedup engines are compared with their references anyway
                 result["plain"] = {"serves": False, "error": str(e)[-3000:]}

@@ -1,7 +1,7 @@
 """What loading costs, plain vs dedup, in one run: the N-th engine of a model and a fine-tune.
 
     .venv/bin/python benchmarks/load_time.py [--model DIR | --preset {smollm2,smollm2-fp32,llama-1.2b}]
-                                             [--no-serve] [--profile] [--cpu-linear MODE] [--isa avx2] [--json]
+                                             [--no-serve] [--profile] [--cpu-linear MODE] [--no-in-place] [--isa avx2] [--json]
 
 Engines (real vLLM engines on the CPU backend, one process each, started in turn):
 
@@ -236,6 +236,8 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="profile the second engine's get_model (cProfile)")
     parser.add_argument("--cpu-linear", choices=("packed", "plain", "private"), default=None,
                         help="the dedup engines' cpu_linear (default: the loader's, packed)")
+    parser.add_argument("--no-in-place", action="store_true",
+                        help="the dedup engines load into private memory and copy into segments (in_place: false)")
     parser.add_argument("--isa", choices=tuple(ISA_ENV), default=None,
                         help="hold every engine's oneDNN and torch to this ISA (the branch such a CPU takes)")
     parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
@@ -252,9 +254,13 @@ def main() -> int:
         args.dtype = args.dtype or dtype
         if preset != "smollm2-fp32":
             name = f"load_time-{preset}.json"
-    extra = {"cpu_linear": args.cpu_linear} if args.cpu_linear else None
+    extra = {"cpu_linear": args.cpu_linear} if args.cpu_linear else {}
     if args.cpu_linear:
         name = name.replace(".json", f"-cpu_linear-{args.cpu_linear}.json")
+    if args.no_in_place:
+        extra["in_place"] = False
+        name = name.replace(".json", "-no-in-place.json")
+    extra = extra or None
     if args.isa:
         name = name.replace(".json", f"-{args.isa}.json")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """References: what a dedup engine's answers and final tensors must equal.  Not shipped.
 
 The reference of a dedup engine is a plain load with the same options (`harness.oracle`).  Today
-that is a dedup engine alone in a share group of its own with ``fast_path: false``: it maps
-nothing from anyone, and loads as vLLM does, with the dedup options that change the final
+that is a dedup engine alone in a share group of its own with ``fast_path: false`` and
+``in_place: false``: it maps nothing from anyone, and loads into private memory as vLLM does, with the dedup options that change the final
 tensors (``cpu_linear``: with ``plain`` linear weights stay tensors on the CPU backend, where a
 plain ``auto`` engine holds packed oneDNN weights outside its parameters).  With the default
 ``cpu_linear="packed"`` a dedup engine's tensors and packed weights are an ``auto`` engine's
@@ -32,7 +32,9 @@ from .engines import PROMPTS, EngineProcess, ServeProcess
 __all__ = ["REFERENCE_FORMAT", "REFERENCE_OPTIONS", "reference_options", "engine_reference", "serve_reference"]
 
 REFERENCE_FORMAT = "dedup"
-REFERENCE_OPTIONS = {"fast_path": False}  # plus a share group of its own (`reference_options`)
+# plus a share group of its own (`reference_options`); in_place off, so that the oracle compares
+# tensors loaded into segments (`vllm_dedup.engine.in_place`) with tensors loaded into private memory
+REFERENCE_OPTIONS = {"fast_path": False, "in_place": False}
 
 
 def reference_options(extra: dict | None = None) -> dict:

@@ -55,6 +55,10 @@ class DedupConfig:
         fast_path: map the modules a recipe of an earlier engine matches instead of reading
             the checkpoint (`engine.fast_path`).  Nothing is compared byte for byte on that
             path: the trust is the source keys and the load signature, within a share group.
+        in_place: on the host backend, a load that reads the checkpoint loads its tensors into
+            memfd segments of its own and publishes them where they lie, with no copy
+            (`engine.in_place`); ``false`` loads into private memory and copies into segments
+            after post-processing.
         registry_timeout_s: seconds an engine waits for the registry: for any one reply (a
             hung or stopped registry costs one such wait, then the engine loads privately what
             it has not mapped yet), and for a registry that died mid-load to be back.
@@ -74,6 +78,7 @@ class DedupConfig:
     accounting: str = "kv_cache"
     startup_lock_timeout_s: float = 900.0
     fast_path: bool = True
+    in_place: bool = True
     registry_timeout_s: float = 10.0
 
     @classmethod
@@ -127,6 +132,7 @@ class DedupConfig:
             ("startup_lock_timeout_s", isinstance(c.startup_lock_timeout_s, (int, float))
              and c.startup_lock_timeout_s > 0, "a number > 0 (seconds)"),
             ("fast_path", isinstance(c.fast_path, bool), "true or false"),
+            ("in_place", isinstance(c.in_place, bool), "true or false"),
             ("registry_timeout_s", isinstance(c.registry_timeout_s, (int, float))
              and not isinstance(c.registry_timeout_s, bool) and 0 < c.registry_timeout_s <= 3600,
              "a number of seconds > 0 and <= 3600"),

@@ -62,6 +62,7 @@ from .fallback import fail_or_fall_back
 from .fast_path import RecordedLoad, decide, fast_path_files, leave_recipe
 from .handlers import recorded_handlers
 from .heap import reused_heap
+from .in_place import InPlace
 from .meter import LoadMeter
 from .post_processing import post_processing_hooks
 from .recipe import RecipeDeclined
@@ -179,13 +180,18 @@ class DedupModelLoader(BaseModelLoader):
             return self._load_as_usual(vllm_config, model_config, prefix)
         report = self.report = LoadReport(private_linears=self.packed_declined)
         staging = self._staging(ctx)
+        in_place = self._in_place(ctx, staging)
 
         def held() -> int:  # the segments this load made, as they exist now
-            return report.created_bytes + (staging.created_bytes if staging is not None else 0)
+            return (report.created_bytes + (staging.created_bytes if staging is not None else 0)
+                    + (in_place.held_bytes if in_place is not None else 0))
 
         with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen(), recorded_handlers(ctx.handlers):
-            model, mapped, replay, recorded, decision = self._load(ctx, report, staging)
-            self._share(model, ctx, report, mapped, staging)
+            model, mapped, replay, recorded, decision = self._load(ctx, report, staging, in_place)
+            self._share(model, ctx, report, mapped, staging, in_place)
+            if in_place is not None and in_place.placed_bytes:
+                logger.info("%s: %s%s", ctx.model_name, in_place.summary(),
+                            f" (first of what was copied: {in_place.failures[0]})" if in_place.failures else "")
 
             leave_recipe(ctx, model, report, recorded, replay, decision)
         report.load_seconds = meter.seconds
@@ -211,10 +217,20 @@ class DedupModelLoader(BaseModelLoader):
 
         return Staging(ctx.config.min_tensor_bytes, ctx.device_key, colliding)
 
-    def _load(self, ctx: LoadContext, report: LoadReport, staging=None):
+    @staticmethod
+    def _in_place(ctx: LoadContext, staging) -> InPlace | None:
+        """An `in_place.InPlace` for a usual load of this context (its tensors loaded into
+        segments of its own), or None: ``in_place`` off, or another device than the host's.
+        Where packed weights are staged, linear weights stay out: vLLM packs and drops them."""
+        if not ctx.config.in_place or ctx.device_type != "cpu":
+            return None
+        return InPlace(ctx.config.min_tensor_bytes, skip=_packed_and_dropped if staging is not None else None)
+
+    def _load(self, ctx: LoadContext, report: LoadReport, staging=None, in_place=None):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
         `replay.Replay` or None, the `fast_path.RecordedLoad` or None, the `fast_path.Decision`
-        or None).  A usual load stages its packed weights into ``staging`` as it goes."""
+        or None).  A usual load stages its packed weights into ``staging`` as it goes, and
+        loads its tensors into ``in_place``'s segments."""
 
         files, why = fast_path_files(ctx, self.inner)
         decision = None
@@ -241,7 +257,7 @@ class DedupModelLoader(BaseModelLoader):
                 recorded = RecordedLoad(files)
             except (CheckpointError, OSError) as e:
                 logger.info("%s: this load leaves no recipe (%s)", ctx.model_name, e)
-        model = self._load_as_usual(ctx.vllm_config, ctx.model_config, ctx.prefix, recorded, staging)
+        model = self._load_as_usual(ctx.vllm_config, ctx.model_config, ctx.prefix, recorded, staging, in_place)
         if staging is not None and staging.staged:
             logger.info("%s: %s while post-processing%s", ctx.model_name, staging.summary(),
                         f"; some stay with oneDNN ({staging.failures[0]})" if staging.failures else "")
@@ -267,20 +283,21 @@ class DedupModelLoader(BaseModelLoader):
                         ctx.model_name, replay.mapped_bytes / 1e6)
 
     def _load_as_usual(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
-                       recorded=None, staging=None) -> nn.Module:
+                       recorded=None, staging=None, in_place=None) -> nn.Module:
         """vLLM's own ``BaseModelLoader.load_model`` template with this loader's ``create_model``
         and the inner loader's ``load_weights`` (recorded when ``recorded`` is given; packed
-        weights staged into ``staging`` as they are made), or the inner loader's own pipeline
-        when it has one (the fast paths never record those: `fast_path.fast_path_files`)."""
+        weights staged into ``staging`` as they are made; tensors loaded into ``in_place``'s
+        segments), or the inner loader's own pipeline when it has one (the fast paths never
+        record those: `fast_path.fast_path_files`)."""
         if type(self.inner).load_model is BaseModelLoader.load_model:
-            return _UsualLoad(self, recorded, staging).load_model(vllm_config, model_config, prefix)
+            return _UsualLoad(self, recorded, staging, in_place).load_model(vllm_config, model_config, prefix)
         return self.inner.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
 
-    def _share(self, model, ctx: LoadContext, report: LoadReport, mapped: dict, staging=None) -> None:
+    def _share(self, model, ctx: LoadContext, report: LoadReport, mapped: dict, staging=None, in_place=None) -> None:
 
         # The sharing pass raises only under on_registry_error="fail"; the message says what to do.
         try:
-            share_model(model, ctx, report, mapped, staging=staging)
+            share_model(model, ctx, report, mapped, staging=staging, in_place=in_place)
         except RegistryUnavailable as e:
             raise RegistryUnavailable(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
         except SegmentError as e:
@@ -321,12 +338,13 @@ class _UsualLoad(BaseModelLoader):
     """One usual load through vLLM's ``BaseModelLoader.load_model`` template: the outer loader's
     ``create_model``, the inner loader's ``load_weights``, and, for a `fast_path.RecordedLoad`,
     its recorder around the weight iterator and the model's weight loaders; with a
-    `staging.Staging`, a hook after each module's post-processing (the state of one load lives
-    here, not in the long-lived loader)."""
+    `staging.Staging`, a hook after each module's post-processing; with an `in_place.InPlace`,
+    the model's tensors moved into its segments before the weights are loaded (the state of one
+    load lives here, not in the long-lived loader)."""
 
-    def __init__(self, outer: DedupModelLoader, recorded=None, staging=None):
+    def __init__(self, outer: DedupModelLoader, recorded=None, staging=None, in_place=None):
         super().__init__(outer.load_config)
-        self.outer, self.recorded, self.staging = outer, recorded, staging
+        self.outer, self.recorded, self.staging, self.in_place = outer, recorded, staging, in_place
         self._hooks = contextlib.ExitStack()
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -340,6 +358,8 @@ class _UsualLoad(BaseModelLoader):
         return self.outer.create_model(vllm_config, model_config, prefix)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        if self.in_place is not None:  # the weight loaders then write into the segments
+            self.in_place.place(model)
         self._load_weights(model, model_config)
         if self.staging is not None:  # vLLM's template post-processes next: stage as it goes
 
@@ -390,6 +410,14 @@ def _describe_for_upstream_hooks(model, session: EngineSession) -> None:
     model.shared_weight_bytes = session.segment_bytes
     model.external_weight_correction_bytes = session.correction_bytes
     model.on_startup_done = session.end_startup
+
+
+def _packed_and_dropped(module: nn.Module, name: str) -> bool:
+    """Whether vLLM's CPU post-processing packs this tensor for oneDNN and drops it: a linear
+    layer's weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return name == "weight" and isinstance(module, LinearBase)
 
 
 def _keep_cpu_weights_plain(model: nn.Module) -> int:

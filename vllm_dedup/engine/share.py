@@ -17,8 +17,9 @@ are exactly those the kernels use.  The steps, in order (one method each of `Sha
    tensors are packed into one segment (`segments.packing`), and tensors whose pack would be
    mostly padding stay private;
 5. **publish**: copy each pack into a new segment, publish it, adopt the segment-backed tensors.
-   A packed weight staged while loading (`staging.py`) is in a segment of this engine's
-   already: that segment is published as it is, with no copy.
+   A packed weight staged while loading (`staging.py`), or a tensor loaded in place
+   (`in_place.py`), is in a segment of this engine's already: that segment is sealed and
+   published as it is, with no copy.
 
 Steps 3 to 5 hold the registry's publish lock of the device and share group, so engines that
 finish loading together map each other's tensors instead of each publishing a copy.
@@ -71,7 +72,7 @@ _TRIM_EVERY = 32 << 20  # ... between two malloc_trim calls (about 2 ms each)
 
 def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
                 mapped: dict[int, Placement] | None = None, pack_granularity: int | None = None,
-                staging=None) -> LoadReport:
+                staging=None, in_place=None) -> LoadReport:
     """Share ``model``'s tensors through the registry behind ``ctx.lease`` (module docstring).
 
     Args:
@@ -86,6 +87,9 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
         staging: the packed weights this load already moved into segments of its own
             (`staging.Staging`, host backend): keyed already, published without a copy when no
             other engine holds their bytes; let go of at the end.
+        in_place: the tensors this load loaded into writable segments of its own
+            (`in_place.InPlace`, host backend): sealed and published where they lie when no
+            other engine holds their bytes; the rest let go of at the end.
 
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``on_registry_error`` is ``fail``.
@@ -94,10 +98,12 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
     start = time.perf_counter()
     report = report if report is not None else LoadReport()
     try:
-        SharingPass(model, ctx, report, mapped or {}, pack_granularity, staging).run()
+        SharingPass(model, ctx, report, mapped or {}, pack_granularity, staging, in_place).run()
     finally:
         if staging is not None:
             staging.release()
+        if in_place is not None:
+            in_place.release()
     # The private copies replaced are freed by reference counting as they go (nothing here
     # makes a cycle with them): only the allocator's caches need giving back.
     trim()
@@ -110,8 +116,9 @@ class SharingPass:
     """One model's sharing pass: the steps of the module docstring, one method each."""
 
     def __init__(self, model, ctx: LoadContext, report: LoadReport, mapped: dict[int, Placement],
-                 pack_granularity: int | None, staging=None):
+                 pack_granularity: int | None, staging=None, in_place=None):
         self.ctx, self.lease, self.report = ctx, ctx.lease, report
+        self.in_place = in_place
         self.verify = ctx.config.verify
         self.segment_failures: list[tuple[int, int, str]] = []  # (tensors, bytes, error) left private
         self.seg_cls = segment_class(ctx.device_type)
@@ -290,9 +297,12 @@ class SharingPass:
     def publish(self, keys: list[str], offsets: list[int], nbytes: int) -> None:
         """One new segment holding the first tensor of each key's group at its offset."""
         first = self.pending[keys[0]][0]
+        seg = None
         if len(keys) == 1 and getattr(first, "staged", None) is not None:
             seg = first.staged  # filled while loading (`staging.py`): published as it is, no copy
-        else:
+        elif len(keys) == 1 and self.in_place is not None and isinstance(first, Slot):
+            seg = self.in_place.seal(first)  # loaded in place (`in_place.py`): sealed where it lies
+        if seg is None:
             parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
             try:
                 seg = self.seg_cls.create_packed(parts, nbytes, self.ctx.device_key)

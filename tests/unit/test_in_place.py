@@ -1,0 +1,172 @@
+"""Publish in place (`vllm_dedup.engine.in_place`): tensors loaded into writable memfds of the
+engine's own, sealed and published where they lie.  Real memfds, a real registry daemon, real
+page tables (``/proc/self/pagemap``); the model is a small ``nn.Module`` standing in for vLLM's."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+from torch import nn
+
+from vllm_dedup.config import DedupConfig
+from vllm_dedup.engine import in_place as in_place_module
+from vllm_dedup.engine.context import LoadContext
+from vllm_dedup.engine.in_place import InPlace
+from vllm_dedup.engine.share import share_model
+from vllm_dedup.registry.client import RegistryClient, registry_stats
+from vllm_dedup.registry.lease import Lease
+
+MB = 1 << 20
+
+
+class _Model(nn.Module):
+    """Two linear weights (one tied into a second module), a buffer computed at construction, and
+    a norm too small to move."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(512, 1024, bias=False)
+        self.down = nn.Linear(1024, 512, bias=False)
+        self.head = nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.up.weight  # tied: one storage, two places
+        self.register_buffer("cache", torch.arange(1 << 16, dtype=torch.float32))  # bytes before loading
+        self.norm = nn.Parameter(torch.ones(16))
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def load(self, seed: int) -> dict[str, torch.Tensor]:
+        """Write weights the way vLLM's weight loaders do (``param.data.copy_``); returns them."""
+        g = torch.Generator().manual_seed(seed)
+        weights = {"up": torch.randn(1024, 512, generator=g), "down": torch.randn(512, 1024, generator=g)}
+        self.up.weight.data.copy_(weights["up"])
+        self.down.weight.data.copy_(weights["down"])
+        return weights
+
+
+def _mapping(t: torch.Tensor) -> str:
+    """The ``/proc/self/maps`` line of the mapping ``t``'s first byte lies in."""
+    address = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+    return ""
+
+
+def _memfd(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are in a mapping of one of this process's memfds."""
+    return "/memfd:vllm-dedup" in _mapping(t)
+
+
+def _memfd_descriptors() -> int:
+    """How many of this process's descriptors are segment memfds."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:vllm-dedup")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+    return n
+
+
+def _context(sock, name: str) -> LoadContext:
+    lease = Lease(RegistryClient(sock), name, "cpu", "default", "in-place-test")
+    return LoadContext(DedupConfig(min_tensor_bytes=4096, on_registry_error="fail"), lease, torch.device("cpu"), "cpu")
+
+
+def test_place_moves_what_the_sharing_pass_takes_and_keeps_bytes_set_at_construction():
+    model = _Model()
+    cache = model.cache.clone()
+    placed = InPlace(min_bytes=4096)
+    placed.place(model)
+    assert _memfd(model.up.weight) and _memfd(model.down.weight) and _memfd(model.cache)
+    assert not _memfd(model.norm)  # 64 bytes: private, as the sharing pass leaves it
+    assert model.head.weight is model.up.weight  # the tie holds: one parameter, rebound once
+    assert torch.equal(model.cache, cache)  # written before loading: copied
+    assert placed.placed_bytes == 2 * 1024 * 512 * 4 + (1 << 16) * 4
+    weights = model.load(0)
+    assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+    placed.release()
+
+
+def test_only_written_pages_are_copied_and_the_rest_reads_zeros():
+    t = torch.empty(16 * MB, dtype=torch.uint8)  # fresh pages from glibc's mmap: never written
+    t[5 * 4096 + 7] = 3
+    t[-1] = 9
+    runs = in_place_module._written_runs(t.data_ptr(), t.numel())
+    assert runs is not None and sum(hi - lo for lo, hi in runs) < 16 * 4096  # a few pages, not 16 MiB
+    dst = torch.zeros_like(t)
+    in_place_module._copy_written(t, dst, in_place_module._AnonymousRanges())
+    assert torch.equal(dst, t)  # unwritten pages of t read zeros too
+
+
+def test_a_storage_a_module_keeps_elsewhere_is_not_moved():
+    model = _Model()
+    model.kept = model.down.weight.data  # another tensor object over the same bytes
+    placed = InPlace(min_bytes=4096)
+    placed.place(model)
+    assert _memfd(model.up.weight) and not _memfd(model.down.weight)
+    placed.release()
+
+
+def test_a_replaced_tensor_frees_its_memfd_at_once():
+    model = _Model()
+    placed = InPlace(min_bytes=4096)
+    placed.place(model)
+    fds = _memfd_descriptors()
+    held = placed.held_bytes
+    model.down.weight = nn.Parameter(torch.zeros(512, 1024), requires_grad=False)  # as post-processing replaces one
+    gc.collect()
+    assert _memfd_descriptors() < fds  # its descriptor closed with its mapping: the pages are gone
+    assert placed.held_bytes == held - 1024 * 512 * 4
+    placed.release()
+
+
+def test_the_sharing_pass_seals_in_place_and_a_second_engine_maps_it(registry_server):
+    first, second = _Model(), _Model()
+    a, b = _context(registry_server.path, "first"), _context(registry_server.path, "second")
+    try:
+        placed = InPlace(min_bytes=4096)
+        placed.place(first)
+        first.load(0)
+        report = share_model(first, a, in_place=placed)
+        assert (report.published_tensors, report.created_bytes) == (3, 0), placed.failures  # up (tied), down, cache: no copy
+        assert placed.sealed_bytes == placed.placed_bytes
+        for t in (first.up.weight, first.down.weight, first.cache):
+            perms = _mapping(t).split()[1]
+            assert "/memfd:vllm-dedup" in _mapping(t) and perms[:2] == "r-", _mapping(t)  # a write faults
+        assert first.head.weight is first.up.weight
+        (group,) = registry_stats(registry_server.path).groups
+        assert group.resident_bytes == placed.placed_bytes
+        placed.release()
+
+        # A second model loaded privately with the same bytes maps the first's segments: they
+        # pass the receiver's check that a memfd is sealed read-only (`host.check_sealed_memfd`).
+        want = second.load(0)
+        report = share_model(second, b)
+        assert report.shared_tensors == 3 and report.published_tensors == 0
+        assert torch.equal(second.down.weight, want["down"]) and torch.equal(second.up.weight, want["up"])
+        assert torch.equal(first.down.weight, want["down"]) and torch.equal(first.cache, second.cache)
+    finally:
+        a.lease.close()
+        b.lease.close()
+
+
+def test_a_storage_something_else_still_views_is_published_by_a_copy(registry_server):
+    model = _Model()
+    ctx = _context(registry_server.path, "viewer")
+    try:
+        placed = InPlace(min_bytes=4096)
+        placed.place(model)
+        model.load(1)
+        viewer = model.down.weight.data.view(-1)  # outside the model: the writable mapping stays
+        report = share_model(model, ctx, in_place=placed)
+        assert report.published_tensors == 3 and report.created_bytes == 512 * 1024 * 4  # down: copied
+        assert "cannot be sealed" in placed.failures[0]
+        assert _mapping(model.down.weight).split()[1][:2] == "r-"
+        assert torch.equal(viewer, model.down.weight.view(-1))
+    finally:
+        ctx.lease.close()

@@ -1,0 +1,281 @@
+"""Publish in place: a usual load's parameters live in memfd segments of this engine's own from
+before ``load_weights``, and the sharing pass publishes them where they lie (host backend).
+
+Without it, a usual load reads the checkpoint into private memory and the sharing pass copies
+each tensor into a new memfd afterwards: for a while the load holds both copies, and the copy is
+a pass over the bytes.  With it:
+
+1. right after vLLM builds the model, every storage the sharing pass would take
+   (`slots.collect_slots`: contiguous, covering its storage, at least ``min_tensor_bytes``) is
+   moved into a memfd of its own mapped read-write, and the model's places are rebound to it
+   (`slots.swap`); the bytes it holds already (a rotary cache computed at construction, a
+   norm's ones) are copied (Note [only written pages are copied]);
+2. vLLM's weight loaders write the checkpoint's bytes into those pages, and post-processing
+   runs on them as on any tensor;
+3. the sharing pass keys them as before; one that no other engine holds is published from its
+   own memfd (`InPlace.seal`): its places are rebound to a read-only mapping of the same pages,
+   the writable mapping is closed, and the memfd is sealed read-only (`host.seal`).  No byte is
+   copied.
+
+A storage that post-processing replaces (vLLM packs a linear weight for oneDNN and drops it),
+or that the sharing pass maps from another engine instead, frees its pages with its last
+reference (Note [a descriptor that goes with its mapping]).
+
+Nothing here stops a load: a storage that cannot be moved stays where vLLM put it; one that
+cannot be sealed (something still holds its writable mapping) is published by a copy, as
+before.  A storage that a module also keeps outside its parameters and buffers, as a tensor of
+its own over the same bytes, is not moved: that tensor would go on reading the old storage.
+
+Note [only written pages are copied]
+    vLLM allocates parameters with ``torch.empty``: glibc maps fresh pages nobody has written.
+    Copying those would read zero pages and fill the memfd's before the weight loaders do
+    (about 0.1 s per GiB here).  A page of private anonymous memory that is neither present
+    nor swapped out (``/proc/self/pagemap``, bits 63 and 62) reads as zeros, as a fresh memfd
+    page does, so only the runs of present or swapped pages are copied.  That holds for
+    private anonymous mappings only (``/proc/self/maps``); any other storage is copied whole,
+    as is everything where ``pagemap`` cannot be read.
+
+Note [sealing under a tensor]
+    ``F_SEAL_WRITE`` fails (EBUSY) while any shared mapping of the memfd may become writable,
+    and before Linux 6.7 a read-only shared mapping of a descriptor opened for writing counts
+    as one.  The tensor must read valid pages all the time, so `InPlace.seal` moves it in
+    three steps: to a private read-only mapping of the memfd (the *bridge*: it reads the same
+    pages, and a private mapping does not block the seal), then the writable mapping is
+    closed and the memfd sealed, then the tensor goes to the segment's shared read-only
+    mapping (`HostSegment`) and the bridge goes with its last view.
+
+Note [a descriptor that goes with its mapping]
+    A memfd's pages live while its descriptor or a mapping of it does.  The writable mapping is
+    a Python ``mmap`` that each storage over it holds a reference to (``torch.frombuffer``
+    takes one, and gives back the buffer itself at once: ``mmap.close`` would unmap pages a
+    tensor still reads); a ``weakref.finalize`` on it closes the descriptor when the mapping
+    goes, i.e. with the last storage over it.  `InPlace.seal` detaches the finalizer first
+    (that descriptor is published) and lets the mapping go only when no storage holds it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import SegmentError
+from ..log import init_logger
+from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal
+from .heap import PAGE_BYTES
+from .slots import Slot, attribute_tensors, collect_slots, swap
+
+__all__ = ["InPlace"]
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Placed:
+    """One storage moved into a writable memfd: its descriptor, size (bytes) and mapping."""
+
+    fd: int
+    nbytes: int
+    mapping: weakref.ref  # the writable ``mmap``; dead once no tensor is over it
+    closer: weakref.finalize  # closes ``fd`` when the mapping goes (Note [a descriptor that goes with its mapping])
+    sealed: bool = False
+
+
+class InPlace:
+    """The writable segments of one usual load (host backend): made by `place` before
+    ``load_weights``, sealed and published by the sharing pass (`seal`), the rest let go of by
+    `release`.
+
+    Args:
+        min_bytes: storages smaller than this stay where vLLM put them (``min_tensor_bytes``).
+        skip: ``skip(module, name)`` is true for a parameter or buffer post-processing will
+            replace (a linear weight vLLM packs for oneDNN and drops): those stay in private
+            memory, where the heap hands the pages of one layer's to the next (`heap.reused_heap`).
+
+    Attributes:
+        placed_bytes: bytes moved into writable segments by `place`.
+        sealed_bytes: bytes sealed where they lie by `seal` (published with no copy).
+        failures: why storages stayed where they were or were copied after all (first few).
+    """
+
+    def __init__(self, min_bytes: int, skip=None):
+        self.min_bytes = min_bytes
+        self.skip = skip or (lambda module, name: False)
+        self._placed: dict[int, _Placed] = {}  # address of the mapping's first byte -> its segment
+        self.placed_bytes = 0
+        self.sealed_bytes = 0
+        self.failures: list[str] = []
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of this load's in-place segments that exist now (the load meter's ``live``):
+        the sealed ones and those a tensor still views."""
+        return self.sealed_bytes + sum(p.nbytes for p in list(self._placed.values()) if p.mapping() is not None)
+
+    def place(self, model: torch.nn.Module) -> None:
+        """Move each of ``model``'s storages the sharing pass would take into a writable memfd of
+        its own (module docstring, step 1).  Never raises: a storage that cannot be moved stays."""
+        slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
+        kept_apart = _held_outside(model)
+        anonymous = _AnonymousRanges()
+        for slot in slots:
+            if (slot.tensor.untyped_storage().data_ptr() in kept_apart
+                    or any(self.skip(module, name) for module, name, _ in slot.refs)):
+                continue
+            try:
+                self._move(slot, anonymous)
+            except (OSError, ValueError, RuntimeError) as e:  # out of memory or descriptors: the rest stays
+                self.failures.append(f"{type(e).__name__}: {e}")
+                logger.info("in place: %d storages stay private (%s)", len(slots), e)
+                break
+
+    def _move(self, slot: Slot, anonymous: _AnonymousRanges) -> None:
+        old, nbytes = slot.tensor, slot.nbytes
+        fd = os.memfd_create(SEGMENT_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        closer = weakref.finalize(mapping, os.close, fd)
+        new = _over(mapping, old.dtype, tuple(old.shape), tuple(old.stride()))
+        _copy_written(old, new, anonymous)
+        swap(slot, new)
+        self._placed[new.data_ptr()] = _Placed(fd, nbytes, weakref.ref(mapping), closer)
+        self.placed_bytes += nbytes
+
+    def seal(self, slot: Slot) -> HostSegment | None:
+        """Publish ``slot`` where it lies: rebind its places to a read-only mapping of its
+        memfd, close the writable mapping, seal the memfd (module docstring, step 3).
+
+        Returns:
+            The sealed segment (the caller publishes it and owns its descriptor), or None where
+            the slot is not in an in-place segment of this load or cannot be sealed (the caller
+            copies it then; the slot reads the same bytes either way).
+        """
+        t = slot.tensor
+        placed = self._placed.get(t.untyped_storage().data_ptr())
+        if placed is None or placed.sealed or placed.nbytes != slot.nbytes or t.storage_offset():
+            return None
+        writable = placed.mapping()
+        if writable is None:
+            return None
+        placed.closer.detach()  # from here the descriptor is closed here or handed over
+        del self._placed[t.data_ptr()]
+        dtype, shape, stride = t.dtype, tuple(t.shape), tuple(t.stride())
+        try:  # Note [sealing under a tensor]
+            bridge = mmap.mmap(placed.fd, placed.nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ)
+            swap(slot, _over(bridge, dtype, shape, stride))
+            del t, bridge
+            # Each storage over the mapping holds a reference to it (torch.frombuffer): one
+            # still alive (a view kept outside the model) may be written through.
+            if sys.getrefcount(writable) > 2:  # ours and the call's
+                raise BufferError("a tensor outside the model still views its writable mapping")
+            del writable  # the last reference: unmapped now
+            seal(placed.fd)
+        except (BufferError, OSError, ValueError) as e:  # the slot reads the same bytes wherever it is
+            os.close(placed.fd)
+            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
+            return None
+        try:
+            seg = HostSegment(placed.fd, placed.nbytes)  # read-only and shared: the same pages
+        except SegmentError as e:  # it closed the descriptor; the bridge keeps the pages
+            self.failures.append(str(e))
+            return None
+        swap(slot, seg.tensor(0, dtype, shape, stride))
+        placed.sealed = True
+        self.sealed_bytes += placed.nbytes
+        return seg
+
+    def release(self) -> None:
+        """Let go of the descriptors not published: the pages of a segment no tensor views go
+        now, those of one still in use (a tensor left private) with its last tensor."""
+        for placed in self._placed.values():
+            placed.closer()  # closes the descriptor once (a no-op if it ran already)
+        self._placed.clear()
+
+    def summary(self) -> str:
+        mb = 1e6
+        return (f"{self.placed_bytes / mb:.1f} MB loaded into segments of its own, "
+                f"{self.sealed_bytes / mb:.1f} MB of it published where it lies")
+
+
+def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tensor:
+    """A tensor over ``buffer`` (a mapping, read-only or not) from its first byte."""
+    with warnings.catch_warnings():  # torch warns about read-only buffers: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).as_strided(shape, stride)
+
+
+def _held_outside(model: torch.nn.Module) -> set[int]:
+    """Addresses of storages that a module keeps as a tensor object of its own outside its
+    parameters and buffers (`slots.attribute_tensors`): moving one would leave that tensor on
+    the old bytes."""
+    bound = {id(t) for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None}
+    return {t.untyped_storage().data_ptr() for _, t in attribute_tensors(model)
+            if id(t) not in bound and t.device.type == "cpu" and not t.is_meta}
+
+
+class _AnonymousRanges:
+    """The private anonymous mappings of this process now (``/proc/self/maps``: no file, ``p``
+    permission), to tell whether an address range reads zeros where no page is present."""
+
+    def __init__(self):
+        self.starts, self.ends = [], []
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    if fields[1][3] == "p" and fields[4] == "0" and (not path or path == "[heap]"):
+                        start, end = (int(x, 16) for x in fields[0].split("-"))
+                        if self.ends and self.ends[-1] == start:  # adjacent: one range
+                            self.ends[-1] = end
+                        else:
+                            self.starts.append(start)
+                            self.ends.append(end)
+        except OSError:
+            pass
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        i = bisect.bisect_right(self.starts, address) - 1
+        return i >= 0 and address + nbytes <= self.ends[i]
+
+
+def _copy_written(src: torch.Tensor, dst: torch.Tensor, anonymous: _AnonymousRanges) -> None:
+    """Copy ``src`` into ``dst`` (a fresh memfd's zeros, same dtype and shape, both contiguous),
+    skipping the pages of ``src`` that read as zeros (Note [only written pages are copied])."""
+    address, nbytes = src.data_ptr(), src.numel() * src.element_size()
+    runs = _written_runs(address, nbytes) if anonymous.contains(address, nbytes) else None
+    if runs is None:
+        dst.copy_(src)
+        return
+    src_bytes, dst_bytes = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+    for lo, hi in runs:
+        dst_bytes[lo:hi].copy_(src_bytes[lo:hi])
+
+
+def _written_runs(address: int, nbytes: int) -> list[tuple[int, int]] | None:
+    """Byte ranges (from ``address``) of the pages in ``[address, address + nbytes)`` that are
+    present or swapped out (``/proc/self/pagemap``); None where it cannot be read."""
+    first, last = address // PAGE_BYTES, (address + nbytes - 1) // PAGE_BYTES
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            raw = pagemap.read((last - first + 1) * 8)
+    except OSError:
+        return None
+    if len(raw) != (last - first + 1) * 8:
+        return None
+    written = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(62)) != 0
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], written.astype(np.int8), [0]))))
+    return [(max(address, (first + a) * PAGE_BYTES) - address, min(address + nbytes, (first + b) * PAGE_BYTES) - address)
+            for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist())]

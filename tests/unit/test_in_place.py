@@ -170,3 +170,22 @@ def test_a_storage_something_else_still_views_is_published_by_a_copy(registry_se
         assert torch.equal(viewer, model.down.weight.view(-1))
     finally:
         ctx.lease.close()
+
+
+def test_near_the_descriptor_limit_the_rest_loads_into_private_memory(monkeypatch):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (used + 1024 + 2, hard))  # room for one writable segment
+    try:
+        model = _Model()
+        placed = InPlace(min_bytes=4096)
+        placed.place(model)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert sum(_memfd(t) for t in (model.up.weight, model.down.weight, model.cache)) == 1
+    assert "descriptor limit" in placed.failures[0]
+    weights = model.load(2)
+    assert torch.equal(model.down.weight, weights["down"])
+    placed.release()

@@ -44,6 +44,13 @@ Note [sealing under a tensor]
     closed and the memfd sealed, then the tensor goes to the segment's shared read-only
     mapping (`HostSegment`) and the bridge goes with its last view.
 
+Note [descriptors]
+    A writable segment holds two descriptors while it is writable: its own and the one
+    Python's ``mmap`` keeps (a ``dup``); a published one keeps the mapping's.  A model of
+    thousands of tensors could otherwise take a process to its descriptor limit, and vLLM's own
+    sockets and files would fail: `InPlace.place` moves tensors only while 1024 descriptors
+    stay free under the soft limit, and loads the rest into private memory.
+
 Note [a descriptor that goes with its mapping]
     A memfd's pages live while its descriptor or a mapping of it does.  The writable mapping is
     a Python ``mmap`` that each storage over it holds a reference to (``torch.frombuffer``
@@ -125,10 +132,16 @@ class InPlace:
         slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
         kept_apart = _held_outside(model)
         anonymous = _AnonymousRanges()
+        room = _descriptor_room()
         for slot in slots:
             if (slot.tensor.untyped_storage().data_ptr() in kept_apart
                     or any(self.skip(module, name) for module, name, _ in slot.refs)):
                 continue
+            if room < 2:  # Note [descriptors]
+                self.failures.append("the process's descriptor limit (RLIMIT_NOFILE) is near")
+                logger.info("in place: the descriptor limit is near; the other tensors load into private memory")
+                break
+            room -= 2
             try:
                 self._move(slot, anonymous)
             except (OSError, ValueError, RuntimeError) as e:  # out of memory or descriptors: the rest stays
@@ -206,6 +219,21 @@ class InPlace:
         mb = 1e6
         return (f"{self.placed_bytes / mb:.1f} MB loaded into segments of its own, "
                 f"{self.sealed_bytes / mb:.1f} MB of it published where it lies")
+
+
+def _descriptor_room() -> int:
+    """Descriptors this load may hold for in-place segments (Note [descriptors]): those left
+    under the soft ``RLIMIT_NOFILE`` less a reserve of 1024 for everything else."""
+    import resource
+
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        used = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(soft - used - 1024, 0)
 
 
 def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tensor:

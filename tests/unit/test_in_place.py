@@ -103,12 +103,17 @@ def test_only_written_pages_are_copied_and_the_rest_reads_zeros():
     assert torch.equal(dst, t)  # unwritten pages of t read zeros too
 
 
-def test_a_storage_a_module_keeps_elsewhere_is_not_moved():
+def test_a_storage_held_outside_the_models_places_is_not_moved():
     model = _Model()
-    model.kept = model.down.weight.data  # another tensor object over the same bytes
+    model.kept = model.down.weight.data  # another tensor object over the same bytes, in an attribute
+    elsewhere = {"cache": model.cache.view(-1)}  # ... and in a dict nobody walks
     placed = InPlace(min_bytes=4096)
     placed.place(model)
-    assert _memfd(model.up.weight) and not _memfd(model.down.weight)
+    assert _memfd(model.up.weight) and not _memfd(model.down.weight) and not _memfd(model.cache)
+    assert len(placed.failures) == 2 and "holds its storage" in placed.failures[0]
+    weights = model.load(3)
+    assert torch.equal(model.kept, weights["down"])  # the loader wrote where the other tensor reads
+    assert elsewhere["cache"].data_ptr() == model.cache.data_ptr()
     placed.release()
 
 

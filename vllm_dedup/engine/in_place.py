@@ -23,8 +23,15 @@ reference (Note [a descriptor that goes with its mapping]).
 
 Nothing here stops a load: a storage that cannot be moved stays where vLLM put it; one that
 cannot be sealed (something still holds its writable mapping) is published by a copy, as
-before.  A storage that a module also keeps outside its parameters and buffers, as a tensor of
-its own over the same bytes, is not moved: that tensor would go on reading the old storage.
+before.
+
+Note [a storage held elsewhere]
+    Moving a storage rebinds the model's places (parameters, buffers, views of them).  A tensor
+    of vLLM's own over the same bytes kept anywhere else (a module attribute, a closure, a
+    dict) would go on reading the old storage while the weight loaders write the new one.
+    torch keeps a storage's Python object alive as long as the storage is, so a weak reference
+    taken before the move tells: if the old storage outlives the move, the places are bound
+    back to it and it stays where it is.
 
 Note [only written pages are copied]
     vLLM allocates parameters with ``torch.empty``: glibc maps fresh pages nobody has written.
@@ -77,7 +84,7 @@ from ..errors import SegmentError
 from ..log import init_logger
 from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal
 from .heap import PAGE_BYTES
-from .slots import Slot, attribute_tensors, collect_slots, swap
+from .slots import Slot, collect_slots, swap
 
 __all__ = ["InPlace"]
 
@@ -130,12 +137,10 @@ class InPlace:
         """Move each of ``model``'s storages the sharing pass would take into a writable memfd of
         its own (module docstring, step 1).  Never raises: a storage that cannot be moved stays."""
         slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
-        kept_apart = _held_outside(model)
         anonymous = _AnonymousRanges()
         room = _descriptor_room()
         for slot in slots:
-            if (slot.tensor.untyped_storage().data_ptr() in kept_apart
-                    or any(self.skip(module, name) for module, name, _ in slot.refs)):
+            if any(self.skip(module, name) for module, name, _ in slot.refs):
                 continue
             if room < 2:  # Note [descriptors]
                 self.failures.append("the process's descriptor limit (RLIMIT_NOFILE) is near")
@@ -150,6 +155,8 @@ class InPlace:
                 break
 
     def _move(self, slot: Slot, anonymous: _AnonymousRanges) -> None:
+        """Move one storage; or, where something outside the model's places still holds vLLM's
+        storage (Note [a storage held elsewhere]), leave it where it is."""
         old, nbytes = slot.tensor, slot.nbytes
         fd = os.memfd_create(SEGMENT_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -159,9 +166,17 @@ class InPlace:
             os.close(fd)
             raise
         closer = weakref.finalize(mapping, os.close, fd)
-        new = _over(mapping, old.dtype, tuple(old.shape), tuple(old.stride()))
+        dtype, shape, stride = old.dtype, tuple(old.shape), tuple(old.stride())
+        new = _over(mapping, dtype, shape, stride)
         _copy_written(old, new, anonymous)
+        vllms = weakref.ref(old.untyped_storage())  # torch keeps a storage's Python object while it lives
         swap(slot, new)
+        del old
+        held = vllms()
+        if held is not None:  # Note [a storage held elsewhere]: back where it was
+            swap(slot, torch.empty(0, dtype=dtype).set_(held, 0, shape, stride))
+            self.failures.append("a tensor outside the model's parameters and buffers holds its storage")
+            return
         self._placed[new.data_ptr()] = _Placed(fd, nbytes, weakref.ref(mapping), closer)
         self.placed_bytes += nbytes
 
@@ -241,15 +256,6 @@ def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tens
     with warnings.catch_warnings():  # torch warns about read-only buffers: that is the point
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).as_strided(shape, stride)
-
-
-def _held_outside(model: torch.nn.Module) -> set[int]:
-    """Addresses of storages that a module keeps as a tensor object of its own outside its
-    parameters and buffers (`slots.attribute_tensors`): moving one would leave that tensor on
-    the old bytes."""
-    bound = {id(t) for m in model.modules() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None}
-    return {t.untyped_storage().data_ptr() for _, t in attribute_tensors(model)
-            if id(t) not in bound and t.device.type == "cpu" and not t.is_meta}
 
 
 class _AnonymousRanges:

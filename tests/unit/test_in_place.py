@@ -194,3 +194,12 @@ def test_near_the_descriptor_limit_the_rest_loads_into_private_memory(monkeypatc
     weights = model.load(2)
     assert torch.equal(model.down.weight, weights["down"])
     placed.release()
+
+
+def test_the_option_is_a_boolean_and_on_by_default():
+    import pytest
+
+    assert DedupConfig().in_place is True
+    assert DedupConfig.from_extra_config({"in_place": False}).in_place is False
+    with pytest.raises(ValueError, match="in_place must be true or false"):
+        DedupConfig.from_extra_config({"in_place": "no"})

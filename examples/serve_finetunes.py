@@ -2,6 +2,7 @@
 
     python examples/serve_finetunes.py                 # deploy with dedup and serve until Ctrl-C
     python examples/serve_finetunes.py --smoke --json  # plain vs dedup, measured, torn down
+    python examples/serve_finetunes.py --models 2      # the base model and one fine-tune only
 
 The application is Ray Serve LLM's OpenAI-compatible app (``ray.serve.llm.build_openai_app``):
 one ``LLMServer`` deployment per model, each a vLLM engine (CPU backend here) loading with
@@ -131,12 +132,14 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="with --smoke: print the result as JSON on the last line")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster to join")
     parser.add_argument("--port", type=int, default=None, help="HTTP port of the OpenAI route (default: a free one)")
+    parser.add_argument("--models", type=int, choices=(2, 3), default=3,
+                        help="how many of the family: SmolLM2, its last-layers fine-tune, its vocab-extended variant")
     args = parser.parse_args()
 
     import ray
     from ray import serve
 
-    models = {name: str(path) for name, path in smollm2_family(3).items()}
+    models = {name: str(path) for name, path in smollm2_family(args.models).items()}
     port = args.port or free_port()
     # --smoke: the replicas' logs stay in Ray's log files, so that stdout ends with the result.
     quiet = {"logging_level": "WARNING", "log_to_driver": not args.smoke}

@@ -1,10 +1,21 @@
-"""Plain references for the end-to-end tests, each made once per test session: the greedy
-tokens of a plain (``auto``) engine of SmolLM2 and of its variants, and the completions of a
-plain ``vllm serve``.  Every dedup engine's answers are compared with these."""
+"""Plain references for the end-to-end tests, each made once per test run: the greedy
+tokens of a plain (``auto``) engine of SmolLM2 and of its variants, the completions of a
+plain ``vllm serve``, and the final tensors of a plain load.  Every dedup engine's answers and
+tensors are compared with these.
+
+Under pytest-xdist each worker is a test session of its own; a reference is made by the first
+worker that asks for it and read from a file by the others (`once_per_run`, the pattern
+pytest-xdist documents for session fixtures that must run once), so the two workers of
+``tests/run.sh`` do not each start the same plain engines.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
+from filelock import FileLock
 
 from harness.engines import PROMPTS, EngineProcess, ServeProcess
 from harness.oracle import differences
@@ -12,23 +23,41 @@ from harness.references import engine_reference
 
 
 @pytest.fixture(scope="session")
-def plain_completions(smollm2, variants):
+def once_per_run(tmp_path_factory, worker_id):
+    """``(name, make) -> make()``, a JSON value made once per test run: by the first xdist worker
+    that asks (the others wait on a file lock, then read its file)."""
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # .../pytest-N/popen-gwK: the run's folder is the parent
+        root = root.parent
+    root = root / "references"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str, make):
+        path = root / f"{hashlib.sha256(name.encode()).hexdigest()[:24]}.json"
+        with FileLock(f"{path}.lock"):
+            if path.is_file():
+                return json.loads(path.read_text())
+            value = make()
+            path.write_text(json.dumps(value))
+            return value
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def plain_completions(smollm2, variants, once_per_run):
     """model folder -> a plain engine's greedy completions for `PROMPTS` (``{"ids", "texts"}``,
-    made on first use).  The first plain engine also shows that the guards let in-place writers
+    made on first use).  Each plain engine also shows that the guards let in-place writers
     through when nothing is shared."""
-    made: dict = {}
 
-    def completions(model) -> dict:
-        if model not in made:
-            with EngineProcess(model, "auto") as plain:
-                plain.wait_ready()
-                made[model] = plain.complete()
-                if not made.get("guard-checked"):
-                    assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
-                    made["guard-checked"] = True
-        return made[model]
+    def make(model) -> dict:
+        with EngineProcess(model, "auto") as plain:
+            plain.wait_ready()
+            out = plain.complete()
+            assert plain.rpc("reset_weights") == "ok"  # no guard without shared weights
+        return {"ids": out["ids"], "texts": out["texts"]}
 
-    return completions
+    return lambda model: once_per_run(f"plain-completions:{model}", lambda: make(model))
 
 
 @pytest.fixture(scope="session")
@@ -43,28 +72,30 @@ def plain_smollm2(plain_tokens, smollm2) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def plain_serve_texts(smollm2, tmp_path_factory) -> list[str]:
+def plain_serve_texts(smollm2, tmp_path_factory, once_per_run) -> list[str]:
     """Completions of a plain ``vllm serve`` of SmolLM2 for `PROMPTS`."""
-    plain = ServeProcess(smollm2, "auto", tmp_path_factory.mktemp("plain-serve") / "auto.log", core=0).wait_ready()
-    try:
-        return plain.complete(PROMPTS)
-    finally:
-        plain.stop()
+
+    def make() -> list[str]:
+        plain = ServeProcess(smollm2, "auto", tmp_path_factory.mktemp("plain-serve") / "auto.log", core=0).wait_ready()
+        try:
+            return plain.complete(PROMPTS)
+        finally:
+            plain.stop()
+
+    return once_per_run(f"plain-serve-texts:{smollm2}", make)
 
 
 @pytest.fixture(scope="session")
-def reference_tensors():
+def reference_tensors(once_per_run):
     """``(model folder, dtype="bfloat16") -> digests`` of the final tensors of a plain load of
     that checkpoint with the dedup loader's options (`harness.references`), made on first use."""
-    made: dict = {}
 
-    def reference(model, dtype: str = "bfloat16") -> dict[str, str]:
-        key = (str(model), dtype)
-        if key not in made:
-            (made[key],) = engine_reference(model, dtype=dtype)["tensors"]
-        return made[key]
+    def make(model, dtype: str) -> dict[str, str]:
+        (tensors,) = engine_reference(model, dtype=dtype)["tensors"]
+        return tensors
 
-    return reference
+    return lambda model, dtype="bfloat16": once_per_run(f"reference-tensors:{model}:{dtype}",
+                                                        lambda: make(model, dtype))
 
 
 @pytest.fixture(scope="session")

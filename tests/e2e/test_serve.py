@@ -57,12 +57,15 @@ def result_models(result: dict) -> list[str]:
 def test_serve_example_smoke_shares_memory_and_every_model_answers(smollm2, registry, tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths are long
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled", "HOME": ray_tmp}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_finetunes.py"), "--smoke", "--json"],
-                          capture_output=True, text=True, env=env, timeout=900)
+    # Two of the family (the base and its last-layers fine-tune): each model is two Serve
+    # replicas' start-ups (plain, then dedup), about a minute of CI each; the third, the
+    # vocab-extended variant, shares as the variants test shows (tests/e2e/test_engines.py).
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_finetunes.py"), "--smoke", "--json",
+                           "--models", "2"], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
 
-    assert result["models_answered"] == 3
+    assert result["models_answered"] == 2
     assert result["same_text"]
     # Different engines answered: the first token's logprob differs where the weights that
     # produce it differ (the vocab-extended variant's extra rows barely move it; not checked).
@@ -70,8 +73,8 @@ def test_serve_example_smoke_shares_memory_and_every_model_answers(smollm2, regi
     assert logprob["smollm2"] != logprob["smollm2-last-layers"]
     from harness.variants import smollm2_family
 
-    expected = expected_shared_bytes(list(smollm2_family(3).values()))
-    assert mapped_as_predicted(result["mapped_from_others_bytes"], expected, 3), (result, expected)
+    expected = expected_shared_bytes(list(smollm2_family(2).values()))
+    assert mapped_as_predicted(result["mapped_from_others_bytes"], expected, 2), (result, expected)
     # PSS of the dedup application (registry actor included) is lower by at least 90% of it.
     assert result["pss_plain_bytes"] - result["pss_dedup_bytes"] >= 0.9 * expected, result
     # Torn down: no replica, no segment, no registry left on this machine.

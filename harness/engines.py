@@ -26,9 +26,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 __all__ = ["PROMPTS", "EngineProcess", "ServeProcess", "openai_complete", "start_engines"]
 
 
-def openai_complete(port: int, model: str, prompt: str, max_tokens: int = 16, logprobs: int | None = None) -> dict:
+def openai_complete(port: int, model: str, prompt: str, max_tokens: int = 16, logprobs: int | None = None,
+                    route: str = "") -> dict:
     """One greedy completion through an OpenAI-compatible ``/v1/completions`` route on
-    127.0.0.1:``port``; returns the response JSON.
+    127.0.0.1:``port`` (under ``route``, e.g. a Serve application's ``route_prefix``); returns
+    the response JSON.
 
     Raises:
         urllib.error.URLError: the server cannot be reached or answered an error status.
@@ -36,7 +38,7 @@ def openai_complete(port: int, model: str, prompt: str, max_tokens: int = 16, lo
     request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     if logprobs is not None:
         request["logprobs"] = logprobs
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(request).encode(),
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{route}/v1/completions", json.dumps(request).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read())

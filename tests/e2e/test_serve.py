@@ -2,7 +2,8 @@
 
 The example runs as a user runs it (its own Ray cluster); the lifecycle test drives Serve from
 this process on the tests' Ray cluster: deploy, query, metrics, scale to zero and back, kill a
-replica's process.
+replica's process.  There each model is an application of its own (``serve.run`` of a rebuilt
+application gives every deployment in it a new code version, so Serve would restart them all).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_serve_example_smoke_shares_memory_and_every_model_answers(smollm2, regi
 
 # --- lifecycle on the tests' Ray cluster ----------------------------------------------------------
 def _complete(port: int, model: str) -> dict:
-    reply = openai_complete(port, model, "The capital of France is", max_tokens=8, logprobs=1)
+    reply = openai_complete(port, model, "The capital of France is", max_tokens=8, logprobs=1, route=f"/{model}")
     choice = reply["choices"][0]
     return {"model": reply["model"], "text": choice["text"], "logprobs": choice["logprobs"]["token_logprobs"]}
 
@@ -121,11 +122,15 @@ def test_serve_deploy_query_metrics_scale_to_zero_and_back_kill_a_replica(smollm
     to_zero = {"autoscaling_config": {"min_replicas": 0, "max_replicas": 1, "initial_replicas": 0,
                                       "downscale_delay_s": 0, "downscale_to_zero_delay_s": 0}}
 
-    def deploy(replicas: dict[str, int]) -> None:
-        configs = [dedup_llm_config(m, path, engine_kwargs=ENGINE_KWARGS, replicas_per_device=2,
-                                    deployment_config=to_zero if replicas[m] == 0 else {"num_replicas": replicas[m]})
-                   for m, path in models.items()]
-        serve.run(build_openai_app({"llm_configs": configs}), name="t", route_prefix="/", blocking=False)
+    def deploy(model: str, replicas: int) -> None:
+        """(Re)deploy ``model``'s application ``t-<model>`` at ``/<model>``; the other's stays as it is."""
+        config = dedup_llm_config(model, models[model], engine_kwargs=ENGINE_KWARGS, replicas_per_device=2,
+                                  deployment_config=to_zero if replicas == 0 else {"num_replicas": replicas})
+        serve.run(build_openai_app({"llm_configs": [config]}), name=f"t-{model}", route_prefix=f"/{model}",
+                  blocking=False)
+
+    def replicas(model: str) -> list[int]:
+        return serve_replica_pids(f"t-{model}", f"LLMServer:{model}")
 
     def engines() -> dict[str, dict]:
         """model folder -> the registry's record of its engine."""
@@ -146,7 +151,8 @@ def test_serve_deploy_query_metrics_scale_to_zero_and_back_kill_a_replica(smollm
         registry_path = ensure_registry()
         assert registry_path == registry.socket
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        deploy({"base": 1, "last": 1})
+        for m in models:
+            deploy(m, 1)
 
         # Both answer, each from its own engine; the pair shares what the checkpoints say.
         first = {m: _complete(port, m) for m in models}
@@ -171,27 +177,27 @@ def test_serve_deploy_query_metrics_scale_to_zero_and_back_kill_a_replica(smollm
         status = json.loads(run_cli("status", "--json", check=True).stdout)
         assert status["groups"] == [dataclasses.asdict(group)]
 
-        # Scale "base" to zero.  (serve.run of a rebuilt application gives every deployment a
-        # new code version, so Serve restarts "last" too: both leases go, one engine comes back.)
-        base_pids = [p for pid in serve_replica_pids("t", "LLMServer:base") for p in descendants(pid)]
-        deploy({"base": 0, "last": 1})
+        # Scale "base" to zero: its engine goes, its lease with it; "last" keeps its engine.
+        base_pids = [p for pid in replicas("base") for p in descendants(pid)]
+        survivor = engines()[str(models["last"])].pid
+        deploy("base", 0)
         assert wait_for(lambda: set(engines()) == {str(models["last"])}, 180), engines()
         assert wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in base_pids), 60)
+        assert engines()[str(models["last"])].pid == survivor
         consistent()
         assert _complete(port, "last") == first["last"]
 
-        # And back (both restart and load at once: one publishes, the other maps).
-        deploy({"base": 1, "last": 1})
+        # And back: the new engine maps what the survivor holds.
+        deploy("base", 1)
         assert wait_for(lambda: len(engines()) == 2 and all("shared_bytes" in e.load for e in engines().values()),
                         180), engines()
-        shared = sum(e.load["shared_bytes"] for e in engines().values())
-        assert mapped_as_predicted(shared, expected, 2), (shared, expected)
+        assert mapped_as_predicted(engines()[str(models["base"])].load["shared_bytes"], expected, 1)
         assert _complete(port, "base") == first["base"]
         consistent()
 
         # SIGKILL the replica's process: its vLLM processes go with it, the registry drops the
         # engine, Serve starts a new replica, which maps again and answers the same.
-        (replica,) = serve_replica_pids("t", "LLMServer:base")
+        (replica,) = replicas("base")
         victims = descendants(replica)
         old_engine = engines()[str(models["base"])].pid
         survivor = engines()[str(models["last"])].pid
@@ -208,7 +214,7 @@ def test_serve_deploy_query_metrics_scale_to_zero_and_back_kill_a_replica(smollm
     finally:
         serve.shutdown()
         ray.shutdown()
-    assert wait_for(lambda: not any(serve_replica_pids("t", f"LLMServer:{m}") for m in models), 60)
+    assert wait_for(lambda: not any(replicas(m) for m in models), 60)
     assert wait_for(lambda: registry.stats().engines == [], 60)
     registry.shutdown()
     assert wait_for(lambda: memfd_holders() == [], 30)

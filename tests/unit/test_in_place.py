@@ -93,7 +93,13 @@ def test_place_moves_what_the_sharing_pass_takes_and_keeps_bytes_set_at_construc
 
 
 def test_only_written_pages_are_copied_and_the_rest_reads_zeros():
-    t = torch.empty(16 * MB, dtype=torch.uint8)  # fresh pages from glibc's mmap: never written
+    import mmap
+    import warnings
+
+    pages = mmap.mmap(-1, 16 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # fresh: nothing written
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(pages, dtype=torch.uint8)
     t[5 * 4096 + 7] = 3
     t[-1] = 9
     runs = in_place_module._written_runs(t.data_ptr(), t.numel())

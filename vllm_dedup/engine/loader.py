@@ -64,6 +64,7 @@ from .handlers import recorded_handlers
 from .heap import reused_heap
 from .in_place import InPlace
 from .meter import LoadMeter
+from .packed import packed_and_dropped
 from .post_processing import post_processing_hooks
 from .recipe import RecipeDeclined
 from .recipe_builder import model_attrs
@@ -224,7 +225,7 @@ class DedupModelLoader(BaseModelLoader):
         Where packed weights are staged, linear weights stay out: vLLM packs and drops them."""
         if not ctx.config.in_place or ctx.device_type != "cpu":
             return None
-        return InPlace(ctx.config.min_tensor_bytes, skip=_packed_and_dropped if staging is not None else None)
+        return InPlace(ctx.config.min_tensor_bytes, skip=packed_and_dropped if staging is not None else None)
 
     def _load(self, ctx: LoadContext, report: LoadReport, staging=None, in_place=None):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
@@ -410,14 +411,6 @@ def _describe_for_upstream_hooks(model, session: EngineSession) -> None:
     model.shared_weight_bytes = session.segment_bytes
     model.external_weight_correction_bytes = session.correction_bytes
     model.on_startup_done = session.end_startup
-
-
-def _packed_and_dropped(module: nn.Module, name: str) -> bool:
-    """Whether vLLM's CPU post-processing packs this tensor for oneDNN and drops it: a linear
-    layer's weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``)."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    return name == "weight" and isinstance(module, LinearBase)
 
 
 def _keep_cpu_weights_plain(model: nn.Module) -> int:

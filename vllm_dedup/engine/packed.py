@@ -54,7 +54,7 @@ from ..log import init_logger
 from . import onednn
 
 __all__ = ["PackedCensus", "PackedSlot", "ZeroPages", "collect_packed", "install_replayed", "keeps_weight",
-           "packed_dtype", "packed_key", "packed_keys"]
+           "packed_and_dropped", "packed_dtype", "packed_key", "packed_keys"]
 
 logger = init_logger(__name__)
 
@@ -182,6 +182,14 @@ class ZeroPages:
         with warnings.catch_warnings():  # torch warns that the buffer is not writable: the point
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def packed_and_dropped(module, name: str) -> bool:
+    """Whether vLLM's CPU post-processing packs ``module``'s tensor ``name`` for oneDNN and drops
+    it: a linear layer's weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return name == "weight" and isinstance(module, LinearBase)
 
 
 def keeps_weight(recipe) -> bool:

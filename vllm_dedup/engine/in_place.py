@@ -80,6 +80,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..content.views import typed_view
 from ..errors import SegmentError
 from ..log import init_logger
 from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal
@@ -252,10 +253,11 @@ def _descriptor_room() -> int:
 
 
 def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tensor:
-    """A tensor over ``buffer`` (a mapping, read-only or not) from its first byte."""
+    """A tensor over ``buffer`` (a mapping, read-only or not) from its first byte, made as every
+    segment's tensors are (`content.views.typed_view`, which checks it fits)."""
     with warnings.catch_warnings():  # torch warns about read-only buffers: that is the point
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).as_strided(shape, stride)
+        return typed_view(torch.frombuffer(buffer, dtype=torch.uint8), 0, dtype, shape, stride)
 
 
 class _AnonymousRanges:

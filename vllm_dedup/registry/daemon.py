@@ -55,7 +55,7 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
         )
         deadline = time.monotonic() + timeout_s
         try:
-            launcher.wait(timeout=timeout_s)  # returns as soon as the daemon has forked off
+            launcher.wait(timeout=timeout_s)  # returns once the daemon serves (or has exited)
         except subprocess.TimeoutExpired:
             pass  # a busy machine: the launcher may still start it; the deadline below decides
         while True:
@@ -70,6 +70,14 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
                         f"the registry daemon for {path} did not start: {tail or 'no answer'}"
                     ) from None
                 time.sleep(0.05)
+
+
+# Note [a launcher that returns when ready]
+#     ``--detach`` forks, and the parent (the launcher `start_daemon` waits for) exits only once
+#     the daemon's socket is listening, or the daemon has exited (another one owns the socket):
+#     it reads one byte from a pipe whose write end only the daemon holds, and end of file when
+#     the daemon is gone.  So the engine's first connection right after `launcher.wait` is
+#     answered, instead of polling for a daemon still starting.
 
 
 def is_daemon(pid: int) -> bool:
@@ -100,9 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             grace_s = float(value)
         except ValueError:
             parser.error(f"${RECLAIM_GRACE_ENV}={value!r} is not a number of seconds; unset it or give e.g. 10")
+    ready = None  # the write end of a pipe the launcher waits on (Note [a launcher that returns when ready])
     if args.detach:
+        read_end, ready = os.pipe()
         if os.fork() > 0:
+            os.close(ready)
+            os.read(read_end, 1)  # a byte: serving; end of file: the daemon exited first
             os._exit(0)  # the launcher returns; the daemon is re-parented away from its engine
+        os.close(read_end)
         os.setsid()
     path = args.socket or socket_path()
     ensure_private_dir(path.parent)
@@ -114,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0  # another daemon owns this socket
         raise
     server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s).start()
+    if ready is not None:
+        os.write(ready, b"1")
+        os.close(ready)
     try:
         server.wait(args.idle_exit_s)
     finally:

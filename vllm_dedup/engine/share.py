@@ -24,6 +24,14 @@ are exactly those the kernels use.  The steps, in order (one method each of `Sha
 Steps 3 to 5 hold the registry's publish lock of the device and share group, so engines that
 finish loading together map each other's tensors instead of each publishing a copy.
 
+Note [one publish in flight]
+    Publishing a segment is a round trip to the registry (about 1 ms: it checks the memfd's
+    seals), and sealing one where it lies costs a few milliseconds of page-table work.  One
+    thread sends each segment's publish while this one seals the next, so the round trips
+    overlap the sealing.  The segment is adopted once its publish has returned.  A segment
+    that must be copied is made only after the one in flight is adopted, so the private
+    copies it replaces are freed first: a load holds no more memory at once than before.
+
 Failures never stop the engine (unless ``on_registry_error="fail"``): the registry failing
 mid-way leaves the remaining tensors private; a segment that cannot be created, mapped or read
 (`errors.SegmentError`, a CUDA driver error, torch running out of memory while wrapping or
@@ -43,6 +51,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 from ..content.fingerprint import same_bytes
 from ..content.keys import ContentKey
@@ -282,39 +291,83 @@ class SharingPass:
 
     # 4. plan, 5. publish -------------------------------------------------------------------
     def plan_and_publish(self) -> None:
+        """Publish every miss, one segment per pack (Note [one publish in flight])."""
         misses = list(self.pending)
         if self.granularity is None:
-            for key in misses:
-                self.publish([key], [0], self.pending[key][0].nbytes)
-            return
-        plan = plan_packs([self.pending[k][0].nbytes for k in misses], self.granularity,
-                          max_pack_bytes=self.granularity)
-        for i in plan.private:
-            self.keep_private(self.pending.pop(misses[i]))
-        for pack in plan.packs:
-            self.publish([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)
-
-    def publish(self, keys: list[str], offsets: list[int], nbytes: int) -> None:
-        """One new segment holding the first tensor of each key's group at its offset."""
-        first = self.pending[keys[0]][0]
-        seg = None
-        if len(keys) == 1 and getattr(first, "staged", None) is not None:
-            seg = first.staged  # filled while loading (`staging.py`): published as it is, no copy
-        elif len(keys) == 1 and self.in_place is not None and isinstance(first, Slot):
-            seg = self.in_place.seal(first)  # loaded in place (`in_place.py`): sealed where it lies
-        if seg is None:
-            parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
+            packs = [([key], [0], self.pending[key][0].nbytes) for key in misses]
+        else:
+            plan = plan_packs([self.pending[k][0].nbytes for k in misses], self.granularity,
+                              max_pack_bytes=self.granularity)
+            for i in plan.private:
+                self.keep_private(self.pending.pop(misses[i]))
+            packs = [([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)
+                     for pack in plan.packs]
+        with ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-publish") as rpc:
+            in_flight = None
             try:
-                seg = self.seg_cls.create_packed(parts, nbytes, self.ctx.device_key)
-            except (SegmentError, RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
-                self.segment_failed([self.pending.pop(k) for k in keys], e)
-                return
-            self.report.created_bytes += seg.size
+                for keys, offsets, nbytes in packs:
+                    seg = self.segment_in_place(keys)
+                    if seg is None:  # a copy: the private copies of the one in flight go first
+                        in_flight, done = None, in_flight
+                        self.adopt_published(done)
+                        seg = self.copied_segment(keys, offsets, nbytes)
+                        if seg is None:
+                            continue
+                    held = [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)]
+                    in_flight, done = (rpc.submit(self.register, seg, held), seg, keys, offsets), in_flight
+                    self.adopt_published(done)
+                in_flight, done = None, in_flight
+                self.adopt_published(done)
+            except BaseException:
+                if in_flight is not None:  # published or not, its descriptor is closed by `register`
+                    try:
+                        self.adopt_published(in_flight)
+                    except Exception:
+                        pass  # the first error is the one raised
+                raise
+
+    def segment_in_place(self, keys: list[str]):
+        """The segment holding a one-key pack already, sealed (none: None): a packed weight
+        staged while loading (`staging.py`), or a tensor loaded in place (`in_place.py`)."""
+        first = self.pending[keys[0]][0]
+        if len(keys) == 1 and getattr(first, "staged", None) is not None:
+            return first.staged  # published as it is, no copy
+        if len(keys) == 1 and self.in_place is not None and isinstance(first, Slot):
+            return self.in_place.seal(first)  # sealed where it lies, no copy
+        return None
+
+    def copied_segment(self, keys: list[str], offsets: list[int], nbytes: int):
+        """A new segment with the first tensor of each key's group copied in at its offset, or
+        None where it cannot be made (those groups stay private)."""
+        parts = [(self.pending[k][0].tensor, off) for k, off in zip(keys, offsets)]
         try:
-            seg_id = self.lease.publish(seg.fileno(), seg.size,
-                                        [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)])
+            seg = self.seg_cls.create_packed(parts, nbytes, self.ctx.device_key)
+        except (SegmentError, RuntimeError, MemoryError) as e:  # torch's out-of-memory is a RuntimeError
+            self.segment_failed([self.pending.pop(k) for k in keys], e)
+            return None
+        self.report.created_bytes += seg.size
+        return seg
+
+    def register(self, seg, held: list[tuple[str, int, int]]) -> int:
+        """Publish ``seg``, holding ``(content key, offset, bytes)`` tensors, to the registry;
+        return this lease's id of it.  Its descriptor is closed either way (the lease keeps a
+        duplicate).  Runs in the publish thread, so it reads nothing the sharing pass changes."""
+        try:
+            return self.lease.publish(seg.fileno(), seg.size, held)
         finally:
             seg.close_fd()
+
+    def adopt_published(self, in_flight) -> None:
+        """Wait for ``in_flight``'s publish (``(future, segment, keys, offsets)``; None: nothing)
+        and swap its tensors for the segment's.
+
+        Raises:
+            RegistryUnavailable: the publish failed (its groups are still pending).
+        """
+        if in_flight is None:
+            return
+        future, seg, keys, offsets = in_flight
+        seg_id = future.result()
         uid = self.lease.uid_of(seg_id)
         self.report.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
         taken = 0

@@ -38,8 +38,8 @@ SmolLM2-135M-Instruct as converted (bfloat16, 269 MB); ``llama-1.2b``, a
 random-weight Llama of 1.17B parameters (bfloat16, 2.34 GB in three shards,
 `harness.sample_models.llama_1b`), made at the first run (about a minute).  The page cache is
 warm for every engine (the checkpoints are read once before the plain engine starts): the
-plain figures are a plain load's best case.  ``--no-serve`` leaves out the ``vllm serve`` restarts; ``--profile``
-runs the second engine's ``get_model`` under cProfile and prints where its time goes (the whole
+plain figures are a plain load's best case.  ``--no-serve`` leaves out the ``vllm serve`` restarts; ``--profile [first|second]``
+runs that dedup engine's ``get_model`` (the second's by default) under cProfile and prints where its time goes (the whole
 profile is written beside the JSON).  Prints the machine's CPU flags and a table; writes
 ``benchmarks/results/load_time.json`` (``load_time-<preset>.json`` for another preset;
 ``--json``: also the last line of stdout).
@@ -149,7 +149,8 @@ def warm_page_cache(*folders: Path) -> None:
                     pass
 
 
-def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None, extra: dict | None = None) -> dict:
+def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None, extra: dict | None = None,
+        profiled: str | None = None) -> dict:
     tuned = cached_variant(model, "last-layers")
     cache = ManifestCache(default_cache_dir())
     scans = [scan_model(m, cache=cache, progress=False) for m in (model, tuned)]  # the variant's keys cached
@@ -167,11 +168,12 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
     rows["plain last-layers"] = measure(plain_tuned, None, report.model_bytes(scans[1]))
     tuned_reference = rows["plain last-layers"].pop("tokens")
     plain_tuned.stop()
-    first = start(model, "dedup", dtype, 0, extra)
+    profile_env = {PROFILE_ENV: str(profile)} if profile else None
+    first = start(model, "dedup", dtype, 0, extra, env=profile_env if profiled == "first" else None)
     try:
         rows["dedup first"] = measure(first, reference, 0)
         (first_tensors,) = first.final_tensors()
-        second = start(model, "dedup", dtype, 1, extra, env={PROFILE_ENV: str(profile)} if profile else None)
+        second = start(model, "dedup", dtype, 1, extra, env=profile_env if profiled == "second" else None)
         rows["dedup second"] = measure(second, reference, 0)
         (second_tensors,) = second.final_tensors()
         rows["dedup second"]["tensors_differing"] = len(differences(second_tensors, first_tensors))
@@ -233,7 +235,8 @@ def main() -> int:
                         help="smollm2-fp32 (default) or llama-1.2b (random weights, bfloat16, 2.34 GB)")
     parser.add_argument("--dtype", default=None, help="engine dtype (default: the preset's; bfloat16 for --model)")
     parser.add_argument("--no-serve", action="store_true", help="leave out the vllm serve restarts")
-    parser.add_argument("--profile", action="store_true", help="profile the second engine's get_model (cProfile)")
+    parser.add_argument("--profile", nargs="?", const="second", choices=("first", "second"), default=None,
+                        help="profile this dedup engine's get_model (cProfile; default: the second)")
     parser.add_argument("--cpu-linear", choices=("packed", "plain", "private"), default=None,
                         help="the dedup engines' cpu_linear (default: the loader's, packed)")
     parser.add_argument("--no-in-place", action="store_true",
@@ -264,8 +267,9 @@ def main() -> int:
     if args.isa:
         name = name.replace(".json", f"-{args.isa}.json")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    profile = RESULTS / name.replace(".json", ".second.prof") if args.profile else None
-    result = run(args.model, args.dtype or "bfloat16", serve=not args.no_serve, profile=profile, extra=extra)
+    profile = RESULTS / name.replace(".json", f".{args.profile}.prof") if args.profile else None
+    result = run(args.model, args.dtype or "bfloat16", serve=not args.no_serve, profile=profile, extra=extra,
+                 profiled=args.profile)
     print_table(result)
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     if args.json:

@@ -104,9 +104,9 @@ def test_hundreds_of_simultaneous_connections_are_all_served_and_leak_nothing(pu
 
 
 REFUSALS = {
-    "unsealed memfd": "the memfd is not sealed read-only (missing F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)",
-    "memfd without sealing": "the memfd is not sealed read-only (missing F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW)",
-    "memfd sealed but writable": "the memfd is not sealed read-only (missing F_SEAL_WRITE)",
+    "unsealed memfd": "the memfd is not sealed read-only (missing F_SEAL_WRITE (or F_SEAL_FUTURE_WRITE), F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)",
+    "memfd without sealing": "the memfd is not sealed read-only (missing F_SEAL_WRITE (or F_SEAL_FUTURE_WRITE), F_SEAL_SHRINK, F_SEAL_GROW)",
+    "memfd sealed but writable": "the memfd is not sealed read-only (missing F_SEAL_WRITE (or F_SEAL_FUTURE_WRITE))",
     "memfd too small": f"the memfd holds {NBYTES // 2} bytes, fewer than the {NBYTES} expected",
     "pipe": "the descriptor is a pipe, not a memfd",
     "socket": "the descriptor is a socket, not a memfd",
@@ -202,7 +202,7 @@ def test_empty_and_oversized_datagrams_are_answered_and_the_lease_kept(published
         fd = memfd(7, seals=0, data=b"{}")
         reply = raw.ask({"$memfd": 7}, [fd])
         assert reply["error"] == ("bad request: a registry message's memfd is refused: the memfd is not sealed read-only "
-                                  "(missing F_SEAL_WRITE, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)")
+                                  "(missing F_SEAL_WRITE (or F_SEAL_FUTURE_WRITE), F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_SEAL)")
         os.close(fd)
         assert raw.ask(b"[" * 50_000)["error"] == "bad request: registry message is nested too deeply"
         assert raw.ask(b'{"op": "report", "load": {"x": NaN}}')["error"].startswith("bad request: registry message is not JSON (NaN")

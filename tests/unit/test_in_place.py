@@ -4,9 +4,15 @@ page tables (``/proc/self/pagemap``); the model is a small ``nn.Module`` standin
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
+import fcntl
 import gc
+import mmap
 import os
+import signal
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,7 +22,9 @@ from vllm_dedup.engine.context import LoadContext
 from vllm_dedup.engine.in_place import InPlace
 from vllm_dedup.engine.share import share_model
 from vllm_dedup.registry.client import RegistryClient, registry_stats
+from vllm_dedup.engine.slots import collect_slots
 from vllm_dedup.registry.lease import Lease
+from vllm_dedup.segments.host import F_SEAL_FUTURE_WRITE, check_sealed_memfd
 
 MB = 1 << 20
 
@@ -136,11 +144,18 @@ def test_a_replaced_tensor_frees_its_memfd_at_once():
     placed.release()
 
 
-def test_the_sharing_pass_seals_in_place_and_a_second_engine_maps_it(registry_server):
+# Both ways of sealing where it lies: the writable mapping kept and made read-only
+# (F_SEAL_FUTURE_WRITE, this kernel's), and the bridge (F_SEAL_WRITE, before Linux 5.1).
+SEALING = pytest.mark.parametrize("where_it_lies", [True, False], ids=["future-write", "bridge"])
+
+
+@SEALING
+def test_the_sharing_pass_seals_in_place_and_a_second_engine_maps_it(registry_server, where_it_lies):
     first, second = _Model(), _Model()
     a, b = _context(registry_server.path, "first"), _context(registry_server.path, "second")
     try:
         placed = InPlace(min_bytes=4096)
+        placed.seals_where_it_lies = where_it_lies
         placed.place(first)
         first.load(0)
         report = share_model(first, a, in_place=placed)
@@ -166,11 +181,13 @@ def test_the_sharing_pass_seals_in_place_and_a_second_engine_maps_it(registry_se
         b.lease.close()
 
 
-def test_a_storage_something_else_still_views_is_published_by_a_copy(registry_server):
+@SEALING
+def test_a_storage_something_else_still_views_is_published_by_a_copy(registry_server, where_it_lies):
     model = _Model()
     ctx = _context(registry_server.path, "viewer")
     try:
         placed = InPlace(min_bytes=4096)
+        placed.seals_where_it_lies = where_it_lies
         placed.place(model)
         model.load(1)
         viewer = model.down.weight.data.view(-1)  # outside the model: the writable mapping stays
@@ -181,6 +198,46 @@ def test_a_storage_something_else_still_views_is_published_by_a_copy(registry_se
         assert torch.equal(viewer, model.down.weight.view(-1))
     finally:
         ctx.lease.close()
+
+
+def test_a_segment_sealed_where_it_lies_can_be_written_by_nobody():
+    """The kernel's side of Note [sealing where it lies] (memfd_create(2), mprotect(2)): after
+    `InPlace.seal`, no new writable mapping, no write(2), no receiver's mprotect to writable,
+    and a write through the engine's own mapping faults."""
+    model = _Model()
+    placed = InPlace(min_bytes=4096)
+    assert placed.seals_where_it_lies  # Linux 5.1 or later: every machine this project runs on
+    placed.place(model)
+    weights = model.load(2)
+    slots, _, _ = collect_slots(model, "cpu", 4096)
+    (slot,) = [s for s in slots if s.tensor.data_ptr() == model.down.weight.data_ptr()]
+    seg = placed.seal(slot)
+    assert seg is not None, placed.failures
+    fd = seg.fileno()
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
+        check_sealed_memfd(fd, seg.nbytes)  # what the registry and every receiver check
+        assert torch.equal(model.down.weight, weights["down"]) and _mapping(model.down.weight).split()[1][:2] == "r-"
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as received:
+            address = torch.frombuffer(received, dtype=torch.uint8).data_ptr()
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            assert libc.mprotect(address, seg.nbytes, mmap.PROT_READ | mmap.PROT_WRITE) == -1  # EACCES
+        pid = os.fork()
+        if pid == 0:  # a child shares the mapping: writing through it must kill it
+            faulthandler.disable()  # pytest's, inherited: the fault is expected, no traceback
+            model.down.weight.data.view(-1)[0] = 1.0
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
+        assert torch.equal(model.down.weight, weights["down"])
+    finally:
+        seg.close_fd()
+        placed.release()
 
 
 def test_near_the_descriptor_limit_the_rest_loads_into_private_memory(monkeypatch):

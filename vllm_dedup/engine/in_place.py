@@ -13,9 +13,9 @@ a pass over the bytes.  With it:
 2. vLLM's weight loaders write the checkpoint's bytes into those pages, and post-processing
    runs on them as on any tensor;
 3. the sharing pass keys them as before; one that no other engine holds is published from its
-   own memfd (`InPlace.seal`): its places are rebound to a read-only mapping of the same pages,
-   the writable mapping is closed, and the memfd is sealed read-only (`host.seal`).  No byte is
-   copied.
+   own memfd (`InPlace.seal`): its writable mapping is made read-only where it is and the memfd
+   is sealed against every new writer (Note [sealing where it lies]).  No byte is copied, and
+   no page is mapped again.
 
 A storage that post-processing replaces (vLLM packs a linear weight for oneDNN and drops it),
 or that the sharing pass maps from another engine instead, frees its pages with its last
@@ -42,14 +42,28 @@ Note [only written pages are copied]
     private anonymous mappings only (``/proc/self/maps``); any other storage is copied whole,
     as is everything where ``pagemap`` cannot be read.
 
+Note [sealing where it lies]
+    ``F_SEAL_WRITE`` fails (EBUSY) while any shared mapping of the memfd may become writable:
+    the writable mapping the weight loaders wrote through, and even a read-only shared mapping
+    of a descriptor opened for writing (Linux 6.18 here).  Closing that mapping and mapping
+    the pages again costs page-table work in proportion to the bytes (about 0.16 s per GB
+    here, `benchmarks/seal_cost.py`), as much as a tenth of a plain load.  So `InPlace.seal`
+    keeps the mapping: ``mprotect(PROT_READ)`` makes it read-only (a write through it faults,
+    as through a sealed segment's mapping), and ``F_SEAL_FUTURE_WRITE`` (Linux 5.1) seals the
+    memfd against every *new* writable mapping and every ``write``, in every process.  Only
+    this engine could make its own mapping writable again, by calling ``mprotect`` itself; a
+    peer in its share group is trusted that far already (a recipe is mapped without reading
+    it: docs/architecture.md, "Trust"), and a CUDA exporter keeps its allocation writable in
+    the same way.  Receivers accept either seal (`host.check_sealed_memfd`).
+
 Note [sealing under a tensor]
-    ``F_SEAL_WRITE`` fails (EBUSY) while any shared mapping of the memfd may become writable,
-    and before Linux 6.7 a read-only shared mapping of a descriptor opened for writing counts
-    as one.  The tensor must read valid pages all the time, so `InPlace.seal` moves it in
-    three steps: to a private read-only mapping of the memfd (the *bridge*: it reads the same
-    pages, and a private mapping does not block the seal), then the writable mapping is
-    closed and the memfd sealed, then the tensor goes to the segment's shared read-only
-    mapping (`HostSegment`) and the bridge goes with its last view.
+    Where the kernel does not take ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1; tried once,
+    `InPlace.seals_where_it_lies`), the writable mapping must go before ``F_SEAL_WRITE``, and
+    the tensor must read valid pages all the time, so `InPlace.seal` moves it in three steps:
+    to a private read-only mapping of the memfd (the *bridge*: it reads the same pages, and a
+    private mapping does not block the seal), then the writable mapping is closed and the
+    memfd sealed, then the tensor goes to the segment's shared read-only mapping
+    (`HostSegment`) and the bridge goes with its last view.
 
 Note [descriptors]
     A writable segment holds two descriptors while it is writable: its own and the one
@@ -70,6 +84,7 @@ Note [a descriptor that goes with its mapping]
 from __future__ import annotations
 
 import bisect
+import functools
 import mmap
 import os
 import sys
@@ -83,7 +98,7 @@ import torch
 from ..content.views import typed_view
 from ..errors import SegmentError
 from ..log import init_logger
-from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal
+from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, protect_read_only, seal, seal_future_writes
 from .heap import PAGE_BYTES
 from .slots import Slot, collect_slots, swap
 
@@ -199,6 +214,9 @@ class InPlace:
             return None
         placed.closer.detach()  # from here the descriptor is closed here or handed over
         del self._placed[t.data_ptr()]
+        if self.seals_where_it_lies:
+            del t
+            return self._seal_where_it_lies(slot, placed, writable)
         dtype, shape, stride = t.dtype, tuple(t.shape), tuple(t.stride())
         try:  # Note [sealing under a tensor]
             bridge = mmap.mmap(placed.fd, placed.nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ)
@@ -220,6 +238,43 @@ class InPlace:
             self.failures.append(str(e))
             return None
         swap(slot, seg.tensor(0, dtype, shape, stride))
+        placed.sealed = True
+        self.sealed_bytes += placed.nbytes
+        return seg
+
+    @functools.cached_property
+    def seals_where_it_lies(self) -> bool:
+        """Whether this kernel seals a memfd whose writable mapping stays, made read-only
+        (Note [sealing where it lies]): tried once on a page of a memfd of its own."""
+        fd = os.memfd_create(SEGMENT_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, PAGE_BYTES)
+            with mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as page:
+                protect_read_only(torch.frombuffer(page, dtype=torch.uint8).data_ptr(), PAGE_BYTES)
+                seal_future_writes(fd)
+                return True
+        except (OSError, BufferError):
+            return False
+        finally:
+            os.close(fd)
+
+    def _seal_where_it_lies(self, slot: Slot, placed: _Placed, writable: mmap.mmap) -> HostSegment | None:
+        """`seal` by Note [sealing where it lies]: the slot stays on its writable mapping,
+        made read-only, and the memfd is sealed against every new writer."""
+        t = slot.tensor
+        seg = HostSegment(placed.fd, placed.nbytes, mapping=writable)
+        loaded = weakref.ref(t.untyped_storage())  # torch keeps a storage's Python object while it lives
+        swap(slot, seg.tensor(0, t.dtype, tuple(t.shape), tuple(t.stride())))
+        del t
+        try:
+            if loaded() is not None:  # a view kept outside the model, which may write
+                raise BufferError("a tensor outside the model still views its writable mapping")
+            protect_read_only(slot.tensor.untyped_storage().data_ptr(), placed.nbytes)
+            seal_future_writes(placed.fd)
+        except (BufferError, OSError) as e:  # the slot reads the same bytes: it is copied instead
+            seg.close_fd()
+            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
+            return None
         placed.sealed = True
         self.sealed_bytes += placed.nbytes
         return seg

@@ -6,11 +6,20 @@ any writable shared mapping and any ``write`` to it, in every process, the creat
 a stray in-place write into a shared weight faults instead of silently changing another
 engine's model.  All processes map it ``PROT_READ``, ``MAP_SHARED``, so its pages exist once
 and are counted once across processes (PSS splits them).
+
+A segment sealed where it was loaded (`engine.in_place`) is sealed with ``F_SEAL_FUTURE_WRITE``
+instead of ``F_SEAL_WRITE`` (`seal_future_writes`; Note [sealing where it lies] there): the
+kernel refuses every new writable mapping and every ``write``, and the creator's own writable
+mapping, which it keeps, is made read-only (`protect_read_only`).  Receivers accept either seal
+(`check_sealed_memfd`): nobody but the creator can write, and the creator's mapping faults on
+a write as a read-only one does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import stat
@@ -21,7 +30,7 @@ from ..errors import SegmentError
 from .base import Segment
 
 __all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
-           "seal", "sealed_memfd", "write_all"]
+           "protect_read_only", "seal", "seal_future_writes", "sealed_memfd", "write_all"]
 
 # The memfd names (shown as ``/memfd:NAME`` in /proc/PID/fd): distinct, so a process's segments
 # and recipes can be told apart when counting what is left behind.
@@ -29,8 +38,11 @@ SEGMENT_MEMFD_NAME = "vllm-dedup"
 RECIPE_MEMFD_NAME = "vllm-dedup-recipe"
 MESSAGE_MEMFD_NAME = "vllm-dedup-message"  # a registry message too large for a datagram
 
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1, <linux/fcntl.h>; Python's fcntl does not name it before 3.12
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
-_SEAL_NAMES = [(fcntl.F_SEAL_WRITE, "F_SEAL_WRITE"), (fcntl.F_SEAL_SHRINK, "F_SEAL_SHRINK"),
+_FUTURE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE  # either keeps every receiver from writing
+_SEAL_NAMES = [(_WRITE_SEALS, "F_SEAL_WRITE (or F_SEAL_FUTURE_WRITE)"), (fcntl.F_SEAL_SHRINK, "F_SEAL_SHRINK"),
                (fcntl.F_SEAL_GROW, "F_SEAL_GROW"), (fcntl.F_SEAL_SEAL, "F_SEAL_SEAL")]
 _KINDS = [(stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")]
@@ -75,10 +87,43 @@ def seal(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
 
 
+def seal_future_writes(fd: int) -> None:
+    """Seal the memfd ``fd`` against every write but through the writable mappings that exist
+    already (``F_SEAL_FUTURE_WRITE|SHRINK|GROW|SEAL``, Linux 5.1): no process can map it
+    writable or ``write`` it from now on (memfd_create(2)).  The caller makes its own writable
+    mapping read-only (`protect_read_only`).
+
+    Raises:
+        OSError: EINVAL where the kernel does not know the seal; as `seal` otherwise.
+    """
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _FUTURE_SEALS)
+
+
+def protect_read_only(address: int, nbytes: int) -> None:
+    """Make the pages of ``[address, address + nbytes)`` of this process read-only
+    (``mprotect(PROT_READ)``; ``address`` page-aligned, as a mapping's first byte is): a write
+    through them faults from now on.  The page tables stay: nothing is mapped again.
+
+    Raises:
+        OSError: mprotect failed (the range is not mapped, or not page-aligned).
+    """
+    if _mprotect()(address, nbytes, mmap.PROT_READ) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mprotect(PROT_READ) of {nbytes} bytes at {address:#x}: {os.strerror(err)}")
+
+
+@functools.cache
+def _mprotect():
+    mprotect = ctypes.CDLL(None, use_errno=True).mprotect  # the C library this process runs on
+    mprotect.argtypes, mprotect.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return mprotect
+
+
 def check_sealed_memfd(fd: int, nbytes: int) -> None:
     """Check that ``fd`` is a memfd sealed read-only holding at least ``nbytes`` bytes: what a
-    peer may hand over as a host segment, since nobody can change its bytes after the check.
-    The descriptor stays open either way.
+    peer may hand over as a host segment, since nobody can change its bytes after the check
+    (``F_SEAL_FUTURE_WRITE`` in place of ``F_SEAL_WRITE``: nobody but its creator, whose own
+    mapping is read-only; module docstring).  The descriptor stays open either way.
 
     Raises:
         SegmentError: it is not (the message says what it is instead, or what is missing).
@@ -100,12 +145,25 @@ def check_sealed_memfd(fd: int, nbytes: int) -> None:
 
 
 class HostSegment(Segment):
-    """A sealed memfd and one read-only mapping of it in this process."""
+    """A sealed memfd and one read-only mapping of it in this process.
 
-    def __init__(self, fd: int, nbytes: int, device: str = "cpu"):
+    Args:
+        fd: the memfd (the segment owns it until `close_fd`).
+        nbytes: its usable bytes.
+        mapping: a mapping of ``fd`` this process has already, read-only by now (a segment
+            sealed where it was loaded, `engine.in_place`); default: a new read-only one.
+
+    Raises:
+        SegmentError: ``fd`` cannot be mapped (the descriptor is closed then).
+    """
+
+    def __init__(self, fd: int, nbytes: int, device: str = "cpu", mapping: mmap.mmap | None = None):
         self._fd = fd
         self.nbytes = self.size = nbytes  # pages are not counted as padding
         self.device = device
+        if mapping is not None:
+            self._map = mapping
+            return
         # MAP_POPULATE fills the page tables now: no page faults in the first forward passes,
         # and the pages show in this process's PSS like a private copy's would.  An empty
         # tensor still needs a (1-byte) mapping: mmap of length 0 is an error.

@@ -58,7 +58,7 @@ Note [sealing where it lies]
 
 Note [sealing under a tensor]
     Where the kernel does not take ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1; tried once,
-    `InPlace.seals_where_it_lies`), the writable mapping must go before ``F_SEAL_WRITE``, and
+    `host.seals_future_writes`), the writable mapping must go before ``F_SEAL_WRITE``, and
     the tensor must read valid pages all the time, so `InPlace.seal` moves it in three steps:
     to a private read-only mapping of the memfd (the *bridge*: it reads the same pages, and a
     private mapping does not block the seal), then the writable mapping is closed and the
@@ -84,7 +84,6 @@ Note [a descriptor that goes with its mapping]
 from __future__ import annotations
 
 import bisect
-import functools
 import mmap
 import os
 import sys
@@ -98,7 +97,7 @@ import torch
 from ..content.views import typed_view
 from ..errors import SegmentError
 from ..log import init_logger
-from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, protect_read_only, seal, seal_future_writes
+from ..segments.host import HostSegment, seal, seals_future_writes, writable_memfd
 from .heap import PAGE_BYTES
 from .slots import Slot, collect_slots, swap
 
@@ -132,6 +131,9 @@ class InPlace:
     Attributes:
         placed_bytes: bytes moved into writable segments by `place`.
         sealed_bytes: bytes sealed where they lie by `seal` (published with no copy).
+        seals_where_it_lies: whether `seal` keeps the writable mapping, made read-only (Note
+            [sealing where it lies]), or goes through the bridge (Note [sealing under a
+            tensor]); this kernel's answer (`host.seals_future_writes`) unless set.
         failures: why storages stayed where they were or were copied after all (first few).
     """
 
@@ -139,6 +141,7 @@ class InPlace:
         self.min_bytes = min_bytes
         self.skip = skip or (lambda module, name: False)
         self._placed: dict[int, _Placed] = {}  # address of the mapping's first byte -> its segment
+        self.seals_where_it_lies = seals_future_writes()  # else the bridge (Note [sealing under a tensor])
         self.placed_bytes = 0
         self.sealed_bytes = 0
         self.failures: list[str] = []
@@ -174,13 +177,7 @@ class InPlace:
         """Move one storage; or, where something outside the model's places still holds vLLM's
         storage (Note [a storage held elsewhere]), leave it where it is."""
         old, nbytes = slot.tensor, slot.nbytes
-        fd = os.memfd_create(SEGMENT_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd, mapping = writable_memfd(nbytes)
         closer = weakref.finalize(mapping, os.close, fd)
         dtype, shape, stride = old.dtype, tuple(old.shape), tuple(old.stride())
         new = _over(mapping, dtype, shape, stride)
@@ -242,37 +239,19 @@ class InPlace:
         self.sealed_bytes += placed.nbytes
         return seg
 
-    @functools.cached_property
-    def seals_where_it_lies(self) -> bool:
-        """Whether this kernel seals a memfd whose writable mapping stays, made read-only
-        (Note [sealing where it lies]): tried once on a page of a memfd of its own."""
-        fd = os.memfd_create(SEGMENT_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, PAGE_BYTES)
-            with mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as page:
-                protect_read_only(torch.frombuffer(page, dtype=torch.uint8).data_ptr(), PAGE_BYTES)
-                seal_future_writes(fd)
-                return True
-        except (OSError, BufferError):
-            return False
-        finally:
-            os.close(fd)
-
     def _seal_where_it_lies(self, slot: Slot, placed: _Placed, writable: mmap.mmap) -> HostSegment | None:
         """`seal` by Note [sealing where it lies]: the slot stays on its writable mapping,
         made read-only, and the memfd is sealed against every new writer."""
         t = slot.tensor
-        seg = HostSegment(placed.fd, placed.nbytes, mapping=writable)
         loaded = weakref.ref(t.untyped_storage())  # torch keeps a storage's Python object while it lives
-        swap(slot, seg.tensor(0, t.dtype, tuple(t.shape), tuple(t.stride())))
+        swap(slot, _over(writable, t.dtype, tuple(t.shape), tuple(t.stride())))  # a storage of our own
         del t
         try:
             if loaded() is not None:  # a view kept outside the model, which may write
                 raise BufferError("a tensor outside the model still views its writable mapping")
-            protect_read_only(slot.tensor.untyped_storage().data_ptr(), placed.nbytes)
-            seal_future_writes(placed.fd)
+            seg = HostSegment.sealed_where_it_lies(placed.fd, placed.nbytes, writable)
         except (BufferError, OSError) as e:  # the slot reads the same bytes: it is copied instead
-            seg.close_fd()
+            os.close(placed.fd)
             self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
             return None
         placed.sealed = True

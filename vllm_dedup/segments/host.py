@@ -30,7 +30,8 @@ from ..errors import SegmentError
 from .base import Segment
 
 __all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
-           "protect_read_only", "seal", "seal_future_writes", "sealed_memfd", "write_all"]
+           "protect_read_only", "seal", "seal_future_writes", "sealed_memfd", "seals_future_writes",
+           "writable_memfd", "write_all"]
 
 # The memfd names (shown as ``/memfd:NAME`` in /proc/PID/fd): distinct, so a process's segments
 # and recipes can be told apart when counting what is left behind.
@@ -85,6 +86,46 @@ def seal(fd: int) -> None:
         OSError: the memfd was not made with ``MFD_ALLOW_SEALING``, or a writable mapping of it exists.
     """
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+
+
+def writable_memfd(nbytes: int, name: str = SEGMENT_MEMFD_NAME) -> tuple[int, mmap.mmap]:
+    """A new memfd of ``nbytes`` bytes (sealable, zeros) and a writable shared mapping of it:
+    ``(descriptor, mapping)``, both the caller's.
+
+    Raises:
+        OSError: memfd_create, ftruncate or mmap failed (out of memory or descriptors).
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        return fd, mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@functools.cache
+def seals_future_writes() -> bool:
+    """Whether this kernel seals a memfd with ``F_SEAL_FUTURE_WRITE`` while a writable mapping
+    of it, made read-only, stays (Linux 5.1): tried once, on a page of a memfd of its own."""
+    try:
+        fd, page = writable_memfd(mmap.PAGESIZE)
+    except OSError:
+        return False
+    try:
+        protect_read_only(_address(page), mmap.PAGESIZE)
+        seal_future_writes(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        page.close()
+        os.close(fd)
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """The address of a writable mapping's first byte (the buffer export is let go at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
 
 def seal_future_writes(fd: int) -> None:
@@ -172,6 +213,22 @@ class HostSegment(Segment):
         except OSError as e:
             self.close_fd()
             raise SegmentError(f"cannot map a {nbytes}-byte memfd segment: {e}") from None
+
+    @classmethod
+    def sealed_where_it_lies(cls, fd: int, nbytes: int, mapping: mmap.mmap, device: str = "cpu") -> HostSegment:
+        """Seal the memfd ``fd`` through the writable ``mapping`` of it this process wrote: the
+        mapping is made read-only (`protect_read_only`), the memfd sealed against every new
+        writer (`seal_future_writes`), and the segment reads through that same mapping, so no
+        page is mapped again (module docstring).  Where `seals_future_writes` is false, use
+        `seal` with the writable mapping closed instead.
+
+        Raises:
+            OSError: mprotect or sealing failed (the mapping may be read-only already; nothing
+                is sealed then, and the caller still owns ``fd``).
+        """
+        protect_read_only(_address(mapping), nbytes)
+        seal_future_writes(fd)
+        return cls(fd, nbytes, device, mapping=mapping)
 
     @classmethod
     def create_packed(cls, parts, nbytes: int, device: str = "cpu", name: str = SEGMENT_MEMFD_NAME) -> HostSegment:

@@ -23,6 +23,7 @@ from vllm_dedup.engine.in_place import InPlace
 from vllm_dedup.engine.share import share_model
 from vllm_dedup.registry.client import RegistryClient, registry_stats
 from vllm_dedup.engine.slots import collect_slots
+from vllm_dedup.errors import RegistryUnavailable
 from vllm_dedup.registry.lease import Lease
 from vllm_dedup.segments.host import F_SEAL_FUTURE_WRITE, check_sealed_memfd
 
@@ -198,6 +199,38 @@ def test_a_storage_something_else_still_views_is_published_by_a_copy(registry_se
         assert torch.equal(viewer, model.down.weight.view(-1))
     finally:
         ctx.lease.close()
+
+
+def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_their_bytes(registry_server):
+    """Note [one publish in flight] in `share.py`: a publish fails while the next segment is
+    sealed; the segments sealed but not published stay this engine's, and nothing is lost."""
+    model = _Model()
+    lease = Lease(RegistryClient(registry_server.path), "mid-publish", "cpu", "default", "in-place-test")
+    ctx = LoadContext(DedupConfig(min_tensor_bytes=4096), lease, torch.device("cpu"), "cpu")  # fallback
+    calls, publish = [], lease.publish
+
+    def failing_after_one(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) > 1:
+            raise RegistryUnavailable("the registry failed for the test")
+        return publish(*args, **kwargs)
+
+    lease.publish = failing_after_one
+    try:
+        placed = InPlace(min_bytes=4096)
+        placed.place(model)
+        weights = model.load(3)
+        cache = model.cache.clone()
+        report = share_model(model, ctx, in_place=placed)
+        assert report.published_tensors == 1 and report.private_tensors >= 2, report
+        assert any("failed for the test" in e for e in report.errors)
+        assert len(calls) >= 2  # the second was sent while the first was adopted
+        assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+        assert torch.equal(model.cache, cache) and model.head.weight is model.up.weight
+        (group,) = registry_stats(registry_server.path).groups
+        assert group.resident_bytes == calls[0]  # only the first segment was published
+    finally:
+        lease.close()
 
 
 def test_a_segment_sealed_where_it_lies_can_be_written_by_nobody():

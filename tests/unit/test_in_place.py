@@ -101,6 +101,24 @@ def test_place_moves_what_the_sharing_pass_takes_and_keeps_bytes_set_at_construc
     placed.release()
 
 
+def test_a_replay_places_only_its_loaded_modules_and_a_declined_one_is_discarded():
+    """`replay.Replay` places the modules it loads from the checkpoint; the others are mapped.
+    A tensor with a place outside them (``up``, tied into ``head``) stays where it is."""
+    model = _Model()
+    placed = InPlace(min_bytes=4096)
+    placed.place(model, [model.down, model.up])
+    assert _memfd(model.down.weight) and not _memfd(model.up.weight) and not _memfd(model.cache)
+    assert placed.placed_bytes == 1024 * 512 * 4
+    weights = model.load(4)
+    placed.discard()  # the replay declined: the usual load that follows starts afresh
+    assert placed.placed_bytes == 0 and placed.held_bytes == 0
+    assert torch.equal(model.down.weight, weights["down"])  # the model given up still reads its bytes
+    placed.place(model, [model.up, model.head])
+    assert _memfd(model.up.weight) and model.head.weight is model.up.weight
+    assert torch.equal(model.up.weight, weights["up"])  # bytes written before placing are copied
+    placed.release()
+
+
 def test_only_written_pages_are_copied_and_the_rest_reads_zeros():
     import mmap
     import warnings

@@ -152,14 +152,19 @@ class InPlace:
         the sealed ones and those a tensor still views."""
         return self.sealed_bytes + sum(p.nbytes for p in list(self._placed.values()) if p.mapping() is not None)
 
-    def place(self, model: torch.nn.Module) -> None:
+    def place(self, model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> None:
         """Move each of ``model``'s storages the sharing pass would take into a writable memfd of
-        its own (module docstring, step 1).  Never raises: a storage that cannot be moved stays."""
+        its own (module docstring, step 1); with ``modules``, only storages whose every place is
+        in one of them (a replay's modules loaded from the checkpoint: the others are mapped).
+        Never raises: a storage that cannot be moved stays."""
         slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
+        only = None if modules is None else {id(m) for m in modules}
         anonymous = _AnonymousRanges()
         room = _descriptor_room()
         for slot in slots:
             if any(self.skip(module, name) for module, name, _ in slot.refs):
+                continue
+            if only is not None and not all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]):
                 continue
             if room < 2:  # Note [descriptors]
                 self.failures.append("the process's descriptor limit (RLIMIT_NOFILE) is near")
@@ -257,6 +262,14 @@ class InPlace:
         placed.sealed = True
         self.sealed_bytes += placed.nbytes
         return seg
+
+    def discard(self) -> None:
+        """Forget what was placed so far, for a model given up (a replay that declined): the
+        descriptors are closed (the pages go with the model) and count no more."""
+        for placed in self._placed.values():
+            placed.closer()
+            self.placed_bytes -= placed.nbytes
+        self._placed.clear()
 
     def release(self) -> None:
         """Let go of the descriptors not published: the pages of a segment no tensor views go

@@ -210,8 +210,8 @@ class DedupModelLoader(BaseModelLoader):
 
     @staticmethod
     def _staging(ctx: LoadContext):
-        """A `staging.Staging` for a usual load of this context (packed weights moved into
-        segments as vLLM makes them), or None where nothing is staged: another device than
+        """A `staging.Staging` for a load of this context that reads the checkpoint (packed
+        weights moved into segments as vLLM makes them), or None where nothing is staged: another device than
         the host's, or packed weights not shared."""
         if not ctx.share_packed or ctx.device_type != "cpu":
             return None
@@ -220,8 +220,9 @@ class DedupModelLoader(BaseModelLoader):
 
     @staticmethod
     def _in_place(ctx: LoadContext, staging) -> InPlace | None:
-        """An `in_place.InPlace` for a usual load of this context (its tensors loaded into
-        segments of its own), or None: ``in_place`` off, or another device than the host's.
+        """An `in_place.InPlace` for a load of this context that reads the checkpoint (its
+        tensors loaded into segments of its own), or None: ``in_place`` off, or another device
+        than the host's.
         Where packed weights are staged, linear weights stay out: vLLM packs and drops them."""
         if not ctx.config.in_place or ctx.device_type != "cpu":
             return None
@@ -230,8 +231,9 @@ class DedupModelLoader(BaseModelLoader):
     def _load(self, ctx: LoadContext, report: LoadReport, staging=None, in_place=None):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
         `replay.Replay` or None, the `fast_path.RecordedLoad` or None, the `fast_path.Decision`
-        or None).  A usual load stages its packed weights into ``staging`` as it goes, and
-        loads its tensors into ``in_place``'s segments."""
+        or None).  What is read from the checkpoint (all of a usual load, a replay's unmatched
+        modules) stages its packed weights into ``staging`` as it goes, and loads its tensors
+        into ``in_place``'s segments."""
 
         files, why = fast_path_files(ctx, self.inner)
         decision = None
@@ -240,7 +242,7 @@ class DedupModelLoader(BaseModelLoader):
             report.checkpoint_bytes_read += decision.bytes_hashed
             why = decision.why
             if decision.match is not None:
-                replay = Replay(ctx, decision.match, decision.where)
+                replay = Replay(ctx, decision.match, decision.where, in_place, staging)
                 try:
                     model = replay.build()
                 except RecipeDeclined as e:

@@ -124,22 +124,6 @@ def test_a_key_collision_is_caught_by_the_compare():
     assert all(torch.equal(a, b) for a, b in zip(before, _outputs(model)))
 
 
-def test_a_model_given_up_is_discarded_and_counts_no_more():
-    """A replay that declines after staging some of its loaded modules' packed weights
-    (`replay.Replay`): the usual load that follows must neither count nor publish them."""
-    model = _model(1, 2)
-    before = _outputs(model)
-    staging = Staging(min_bytes=1)
-    _stage(model, staging)
-    assert staging.created_bytes > 0
-    staging.discard()
-    assert staging.staged == [] and staging.created_bytes == 0 and staging.slots() == []
-    assert all(torch.equal(a, b) for a, b in zip(before, _outputs(model)))  # the handlers keep their mappings
-    fresh = _model(3)
-    _stage(fresh, staging)  # the next load stages as if nothing came before
-    assert [e.module for e in staging.staged] == ["layer0"] and staging.staged[0].owner
-
-
 def test_small_packed_weights_stay_with_onednn():
     model = _model(1)
     nbytes = onednn.find_packed(model.layer0.handler).nbytes

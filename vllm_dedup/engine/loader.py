@@ -210,8 +210,8 @@ class DedupModelLoader(BaseModelLoader):
 
     @staticmethod
     def _staging(ctx: LoadContext):
-        """A `staging.Staging` for a load of this context that reads the checkpoint (packed
-        weights moved into segments as vLLM makes them), or None where nothing is staged: another device than
+        """A `staging.Staging` for a usual load of this context (packed weights moved into
+        segments as vLLM makes them), or None where nothing is staged: another device than
         the host's, or packed weights not shared."""
         if not ctx.share_packed or ctx.device_type != "cpu":
             return None
@@ -231,8 +231,8 @@ class DedupModelLoader(BaseModelLoader):
     def _load(self, ctx: LoadContext, report: LoadReport, staging=None, in_place=None):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
         `replay.Replay` or None, the `fast_path.RecordedLoad` or None, the `fast_path.Decision`
-        or None).  What is read from the checkpoint (all of a usual load, a replay's unmatched
-        modules) stages its packed weights into ``staging`` as it goes, and loads its tensors
+        or None).  A usual load stages its packed weights into ``staging`` as it goes; what is
+        read from the checkpoint (all of a usual load, a replay's unmatched modules) is loaded
         into ``in_place``'s segments."""
 
         files, why = fast_path_files(ctx, self.inner)
@@ -242,7 +242,7 @@ class DedupModelLoader(BaseModelLoader):
             report.checkpoint_bytes_read += decision.bytes_hashed
             why = decision.why
             if decision.match is not None:
-                replay = Replay(ctx, decision.match, decision.where, in_place, staging)
+                replay = Replay(ctx, decision.match, decision.where, in_place)
                 try:
                     model = replay.build()
                 except RecipeDeclined as e:

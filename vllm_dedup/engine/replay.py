@@ -28,8 +28,7 @@ The steps of `Replay.build`, in order:
    (``weights_already_processed``, the mechanism vLLM's ``ipc_cache`` loader uses) for the
    mapped modules and normally for the loaded ones; right after a mapped module's own
    post-processing made its oneDNN handler, the handler's packed weight is replaced by the
-   recipe's segment (`onednn.install`), and right after a loaded module's, its packed weight
-   is moved into a segment of this engine's own (`staging.Staging`, as in a usual load);
+   recipe's segment (`onednn.install`);
 6. check that no meta tensor is left anywhere a kernel may read one (`slots.attribute_tensors`).
 
 Any failure raises `recipe.RecipeDeclined` after giving back every segment acquired; the loader
@@ -71,8 +70,6 @@ class Replay:
         where: checkpoint tensor name -> its file.
         in_place: where the unmatched modules' tensors are loaded (`in_place.InPlace`; the
             sharing pass seals them where they lie), or None: private memory.
-        staging: where the unmatched modules' packed weights go as they are made
-            (`staging.Staging`), or None: they stay with oneDNN until the sharing pass.
 
     Attributes:
         placement: ``id`` of each tensor bound from a segment -> its `context.Placement`.
@@ -80,8 +77,8 @@ class Replay:
         recorder: records the loaded modules' sources (`sources.SourceRecorder`).
     """
 
-    def __init__(self, ctx: LoadContext, match: Match, where: dict, in_place=None, staging=None):
-        self.ctx, self.match, self.where, self.in_place, self.staging = ctx, match, where, in_place, staging
+    def __init__(self, ctx: LoadContext, match: Match, where: dict, in_place=None):
+        self.ctx, self.match, self.where, self.in_place = ctx, match, where, in_place
         self.placement: dict[int, Placement] = {}  # handlers' ids too, for their packed weights
         self.mapped_bytes = 0
         self._zeros = ZeroPages()  # Note [packed weights replayed]
@@ -144,9 +141,8 @@ class Replay:
         except Exception as e:  # a fast path never stops an engine: the usual load follows
             logger.debug("building the model from a recipe failed", exc_info=True)
             self.release()
-            for load_state in (self.in_place, self.staging):
-                if load_state is not None:
-                    load_state.discard()
+            if self.in_place is not None:
+                self.in_place.discard()
             if model is not None:
                 forget_layers(self.ctx.vllm_config, model)
             ropes.clear()  # rotary modules made on the meta device must not be reused
@@ -413,9 +409,6 @@ class Replay:
         # layer's reuses its pages (`heap.reused_heap`).
         with reused_heap(), post_processing_hooks(mapped, after, pre_processed=True, before=before), \
                 contextlib.ExitStack() as stack:
-            if self.staging is not None and self.match.unmatched:
-                loaded = {name: model.get_submodule(name) for name in self.match.unmatched}
-                stack.enter_context(post_processing_hooks(loaded, self.staging.after_post_processing))
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())
             process_weights_after_loading(model, self.ctx.model_config, self.ctx.device)

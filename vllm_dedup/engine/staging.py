@@ -209,15 +209,6 @@ class Staging:
         self.staged.clear()
         self._by_key.clear()
 
-    def discard(self) -> None:
-        """Forget what was staged so far, for a model given up (a replay that declined): the
-        segments go with that model's handlers, and count no more."""
-        for entry in self.staged:
-            if entry.owner:
-                self._drop(entry.segment)
-        self.staged.clear()
-        self._by_key.clear()
-
     def _drop(self, segment: HostSegment) -> None:
         with contextlib.suppress(OSError):
             segment.close_fd()

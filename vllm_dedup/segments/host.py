@@ -39,7 +39,7 @@ SEGMENT_MEMFD_NAME = "vllm-dedup"
 RECIPE_MEMFD_NAME = "vllm-dedup-recipe"
 MESSAGE_MEMFD_NAME = "vllm-dedup-message"  # a registry message too large for a datagram
 
-F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1, <linux/fcntl.h>; Python's fcntl does not name it before 3.12
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1, <linux/fcntl.h>; Python 3.11's fcntl does not name it
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _FUTURE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | F_SEAL_FUTURE_WRITE  # either keeps every receiver from writing

@@ -187,10 +187,8 @@ class InPlace:
         dtype, shape, stride = old.dtype, tuple(old.shape), tuple(old.stride())
         new = _over(mapping, dtype, shape, stride)
         _copy_written(old, new, anonymous)
-        vllms = weakref.ref(old.untyped_storage())  # torch keeps a storage's Python object while it lives
-        swap(slot, new)
         del old
-        held = vllms()
+        held = _swap_out(slot, new)
         if held is not None:  # Note [a storage held elsewhere]: back where it was
             swap(slot, torch.empty(0, dtype=dtype).set_(held, 0, shape, stride))
             self.failures.append("a tensor outside the model's parameters and buffers holds its storage")
@@ -248,11 +246,10 @@ class InPlace:
         """`seal` by Note [sealing where it lies]: the slot stays on its writable mapping,
         made read-only, and the memfd is sealed against every new writer."""
         t = slot.tensor
-        loaded = weakref.ref(t.untyped_storage())  # torch keeps a storage's Python object while it lives
-        swap(slot, _over(writable, t.dtype, tuple(t.shape), tuple(t.stride())))  # a storage of our own
+        new = _over(writable, t.dtype, tuple(t.shape), tuple(t.stride()))  # a storage of our own
         del t
         try:
-            if loaded() is not None:  # a view kept outside the model, which may write
+            if _swap_out(slot, new) is not None:  # a view kept outside the model, which may write
                 raise BufferError("a tensor outside the model still views its writable mapping")
             seg = HostSegment.sealed_where_it_lies(placed.fd, placed.nbytes, writable)
         except (BufferError, OSError) as e:  # the slot reads the same bytes: it is copied instead
@@ -297,6 +294,15 @@ def _descriptor_room() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     return max(soft - used - 1024, 0)
+
+
+def _swap_out(slot: Slot, new: torch.Tensor):
+    """Rebind ``slot``'s places to ``new`` (`slots.swap`) and return the storage they held if
+    something outside the model's places still holds it, else None (Note [a storage held
+    elsewhere]).  The caller must hold no reference to the slot's old tensor."""
+    old = weakref.ref(slot.tensor.untyped_storage())  # torch keeps a storage's Python object while it lives
+    swap(slot, new)
+    return old()
 
 
 def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tensor:

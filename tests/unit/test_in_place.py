@@ -81,9 +81,10 @@ def _memfd_descriptors() -> int:
     return n
 
 
-def _context(sock, name: str) -> LoadContext:
+def _context(sock, name: str, on_registry_error: str = "fail") -> LoadContext:
     lease = Lease(RegistryClient(sock), name, "cpu", "default", "in-place-test")
-    return LoadContext(DedupConfig(min_tensor_bytes=4096, on_registry_error="fail"), lease, torch.device("cpu"), "cpu")
+    return LoadContext(DedupConfig(min_tensor_bytes=4096, on_registry_error=on_registry_error), lease,
+                       torch.device("cpu"), "cpu")
 
 
 def test_place_moves_what_the_sharing_pass_takes_and_keeps_bytes_set_at_construction():
@@ -223,8 +224,8 @@ def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_thei
     """Note [one publish in flight] in `share.py`: a publish fails while the next segment is
     sealed; the segments sealed but not published stay this engine's, and nothing is lost."""
     model = _Model()
-    lease = Lease(RegistryClient(registry_server.path), "mid-publish", "cpu", "default", "in-place-test")
-    ctx = LoadContext(DedupConfig(min_tensor_bytes=4096), lease, torch.device("cpu"), "cpu")  # fallback
+    ctx = _context(registry_server.path, "mid-publish", on_registry_error="fallback")
+    lease = ctx.lease
     calls, publish = [], lease.publish
 
     def failing_after_one(*args, **kwargs):

@@ -18,12 +18,19 @@ gives back (`Segment.return_cached`).
 
 Every backend failure raises `errors.SegmentError`, so the engine side has one thing to catch
 (the tensors concerned stay private).
+
+A segment is made in one of two ways: `Segment.create_packed` copies tensors into a new one, or
+`Segment.allocate` gives a writable one that this process fills where it lies (`Segment.member`
+tensors: a load's weight loaders write there, `engine.in_place_packed`) and then makes read-only
+(`Segment.freeze`).  Either way, what is published is read-only in every process.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+
+from ..errors import SegmentError
 
 __all__ = ["Segment", "segment_class"]
 
@@ -84,9 +91,38 @@ class Segment(ABC):
         grows: `engine.meter.LoadMeter`)."""
 
     @classmethod
-    def return_cached(cls) -> None:
+    def return_cached(cls, collect: bool = True) -> None:
         """Give memory an allocator keeps cached for this process back to the device (after
-        tensors were swapped for segments).  Nothing to give back by default."""
+        tensors were swapped for segments); with ``collect``, after a garbage collection (tensors
+        in reference cycles).  Nothing to give back by default."""
+
+    # Publishing in place (module docstring): allocate, fill through members, freeze.
+    @classmethod
+    def allocate(cls, nbytes: int, device: str) -> Segment:
+        """A new segment of ``nbytes`` usable bytes (zeros), mapped read-write in this process
+        for it to fill through `member` tensors; `freeze` it before it is published.
+
+        Raises:
+            SegmentError: this backend cannot, or not now (the message says why).
+        """
+        raise SegmentError(f"the {cls.__name__} backend cannot publish in place")
+
+    def member(self, offset: int, nbytes: int):
+        """A 1-d ``uint8`` tensor over ``[offset, offset + nbytes)`` of a segment from
+        `allocate`, with a storage of its own (exactly those bytes: to the engine it is one
+        storage, as a tensor vLLM allocated is), writable until `freeze`.  It keeps the mapping
+        alive."""
+        raise NotImplementedError(f"{type(self).__name__} has no writable members")
+
+    def freeze(self) -> None:
+        """Make a segment from `allocate` read-only in this process, and sealed against new
+        writers where the backend can seal: from here on it is what `create_packed` would have
+        made, ready to publish.  Its members read the same bytes (a write through them faults).
+
+        Raises:
+            SegmentError: it could not be made read-only (it must not be published then).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no writable members")
 
     _fd: int  # the segment's descriptor in this process, -1 once closed
 

@@ -158,15 +158,32 @@ def _check_versions() -> None:
                        torch.version.cuda.split(".")[0])
 
 
-def _bytes_tensor(mapping: vmm.Mapping):
-    """The whole mapping as a 1-d uint8 CUDA tensor on its own device (no copy; the tensor keeps
-    the mapping alive)."""
+class _Range:
+    """``[offset, offset + nbytes)`` of a mapping as a 1-d ``uint8`` array for torch
+    (``__cuda_array_interface__``); it holds the mapping, so a tensor over it keeps it alive."""
+
+    def __init__(self, mapping: vmm.Mapping, offset: int, nbytes: int):
+        if not 0 <= offset <= offset + nbytes <= mapping.size:
+            raise ValueError(f"{nbytes} bytes at offset {offset} do not fit in a {mapping.size}-byte mapping")
+        self.mapping, self.va, self.nbytes = mapping, mapping.va + offset, nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        # Consumers ignore the read-only flag; the range's access flags are what protect it.
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.va, False), "strides": None, "version": 2}
+
+
+def _bytes_tensor(mapping: vmm.Mapping, offset: int = 0, nbytes: int | None = None):
+    """``nbytes`` of the mapping from ``offset`` (default: all of it) as a 1-d uint8 CUDA tensor
+    on its own device, with a storage of exactly those bytes (no copy; the tensor keeps the
+    mapping alive)."""
     import torch
 
-    raw = torch.as_tensor(mapping, device=torch.device("cuda", mapping.ordinal))
-    if raw.data_ptr() != mapping.va:  # torch copied instead of wrapping: never share a copy
+    rng = _Range(mapping, offset, mapping.size - offset if nbytes is None else nbytes)
+    raw = torch.as_tensor(rng, device=torch.device("cuda", mapping.ordinal))
+    if raw.data_ptr() != rng.va:  # torch copied instead of wrapping: never share a copy
         raise CudaError(f"torch wrapped the mapping at {raw.device}/{raw.data_ptr():#x}, expected "
-                        f"cuda:{mapping.ordinal}/{mapping.va:#x}")
+                        f"cuda:{mapping.ordinal}/{rng.va:#x}")
     return raw
 
 
@@ -223,14 +240,16 @@ class CudaSegment(Segment):
         return torch.cuda.memory_allocated()
 
     @classmethod
-    def return_cached(cls) -> None:
-        """Free what the caching allocator keeps (``torch.cuda.empty_cache``) after a
-        ``gc.collect()``, so that swapped-out weights give their memory back to the driver."""
+    def return_cached(cls, collect: bool = True) -> None:
+        """Free what the caching allocator keeps (``torch.cuda.empty_cache``), after a
+        ``gc.collect()`` with ``collect``, so that swapped-out weights give their memory back to
+        the driver."""
         import gc
 
         import torch
 
-        gc.collect()
+        if collect:
+            gc.collect()
         torch.cuda.empty_cache()
 
     @classmethod
@@ -269,31 +288,76 @@ class CudaSegment(Segment):
         """
         try:
             ordinal = _parts_ordinal(parts, nbytes)
-            _check_versions()
-            _track_captures()
-            key = device or cudadrv.device_key(ordinal)
-            mapping, fd = vmm.allocate(ordinal, nbytes, release_cached=_release_cached, capturing=_capturing)
         except BaseException as e:
             _reraise(e, f"cannot create a CUDA segment of {nbytes} bytes")
+        seg = cls.allocate(nbytes, device or ordinal)
         try:
             import torch
 
-            raw = _bytes_tensor(mapping)
             with torch.cuda.device(ordinal):
                 for t, offset in parts:
                     src = t.detach().reshape(-1).view(torch.uint8)
-                    raw[offset : offset + src.numel()].copy_(src)
-                torch.cuda.synchronize(ordinal)
-            del raw
-            mapping.protect()
+                    seg.member(offset, src.numel()).copy_(src)
+            seg.freeze()
         except BaseException as e:
-            os.close(fd)
-            try:
-                mapping.close()
-            except CudaError:
-                logger.warning("could not unmap a CUDA segment that failed", exc_info=True)
+            seg.discard()
             _reraise(e, f"cannot copy {len(parts)} tensor(s) into a new CUDA segment")
+        return seg
+
+    @classmethod
+    def allocate(cls, nbytes: int, device) -> CudaSegment:
+        """A new exportable allocation of ``nbytes`` (rounded up to the granularity), mapped
+        read-write here for this process to fill (`Segment.allocate`).  The caller's current
+        CUDA context is left as it was.
+
+        Args:
+            nbytes: usable bytes.
+            device: the device's key (``cuda:GPU-...``), a torch device or an ordinal.
+
+        Raises:
+            SegmentError: no VMM support, out of device memory after one retry (torch's cached
+                blocks returned first), or a driver error; nothing is left allocated.
+        """
+        try:
+            ordinal = _ordinal(device)
+            _check_versions()
+            _track_captures()
+            key = device if isinstance(device, str) and device.startswith("cuda:GPU-") else cudadrv.device_key(ordinal)
+            mapping, fd = vmm.allocate(ordinal, nbytes, release_cached=_release_cached, capturing=_capturing)
+        except BaseException as e:
+            _reraise(e, f"cannot create a CUDA segment of {nbytes} bytes")
         return cls(mapping, fd, nbytes, key)
+
+    def member(self, offset: int, nbytes: int):
+        """`Segment.member`: a uint8 CUDA tensor whose storage is exactly ``[offset, offset +
+        nbytes)`` of the mapping (its own ``__cuda_array_interface__``)."""
+        if offset + nbytes > self.nbytes:
+            raise ValueError(f"a {nbytes}-byte member at offset {offset} does not fit in {self.nbytes} bytes")
+        return _bytes_tensor(self._mapping, offset, nbytes)
+
+    def freeze(self) -> None:
+        """`Segment.freeze`: wait for the device (a weight loader's copy may still be writing),
+        then make the mapping read-only (`vmm.Mapping.protect`).  A CUDA allocation cannot be
+        sealed: any holder of its descriptor could map it writable (module docstring).  Where the
+        driver refuses read-only access the segment stays writable here, as `create_packed`'s do
+        (warned once).
+
+        Raises:
+            SegmentError: the synchronize failed.
+        """
+        try:
+            self._mapping.protect(synchronize=True)
+        except CudaError as e:
+            raise SegmentError(f"cannot make a CUDA segment read-only: {e}") from None
+
+    def discard(self) -> None:
+        """Close the descriptor and unmap, for a segment never published whose tensors are
+        gone (a failed `create_packed`)."""
+        self.close_fd()
+        try:
+            self._mapping.close()
+        except CudaError:
+            logger.warning("could not unmap a CUDA segment that failed", exc_info=True)
 
     @classmethod
     def attach(cls, fd: int, nbytes: int, device: str) -> CudaSegment:

@@ -198,6 +198,8 @@ class HostSegment(Segment):
         SegmentError: ``fd`` cannot be mapped (the descriptor is closed then).
     """
 
+    _writable = False  # made by `allocate` and not frozen yet
+
     def __init__(self, fd: int, nbytes: int, device: str = "cpu", mapping: mmap.mmap | None = None):
         self._fd = fd
         self.nbytes = self.size = nbytes  # pages are not counted as padding
@@ -229,6 +231,45 @@ class HostSegment(Segment):
         protect_read_only(_address(mapping), nbytes)
         seal_future_writes(fd)
         return cls(fd, nbytes, device, mapping=mapping)
+
+    @classmethod
+    def allocate(cls, nbytes: int, device: str = "cpu") -> HostSegment:
+        """A writable memfd segment (`Segment.allocate`), frozen where it lies by `freeze`.
+
+        Raises:
+            SegmentError: the kernel cannot seal a memfd that stays mapped (before Linux 5.1:
+                `seals_future_writes`), or memfd_create, ftruncate or mmap failed.
+        """
+        if not seals_future_writes():
+            raise SegmentError("this kernel cannot seal a memfd that stays mapped (F_SEAL_FUTURE_WRITE, Linux 5.1)")
+        try:
+            fd, mapping = writable_memfd(nbytes)
+        except OSError as e:
+            raise SegmentError(f"cannot make a {nbytes}-byte writable memfd segment: {e}") from None
+        seg = cls(fd, nbytes, device, mapping=mapping)
+        seg._writable = True
+        return seg
+
+    def member(self, offset: int, nbytes: int):
+        import torch
+
+        if not 0 <= offset <= offset + nbytes <= self.nbytes:
+            raise ValueError(f"a {nbytes}-byte member at offset {offset} does not fit in {self.nbytes} bytes")
+        with warnings.catch_warnings():  # read-only once frozen: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def freeze(self) -> None:
+        """`Segment.freeze`: the writable mapping is made read-only where it is and the memfd
+        sealed against every new writer (`sealed_where_it_lies`); a no-op once done."""
+        if not self._writable:
+            return
+        try:
+            protect_read_only(_address(self._map), max(self.nbytes, 1))
+            seal_future_writes(self._fd)
+        except OSError as e:
+            raise SegmentError(f"cannot seal a {self.nbytes}-byte memfd segment where it lies: {e}") from None
+        self._writable = False
 
     @classmethod
     def create_packed(cls, parts, nbytes: int, device: str = "cpu", name: str = SEGMENT_MEMFD_NAME) -> HostSegment:

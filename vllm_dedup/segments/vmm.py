@@ -63,8 +63,8 @@ class Mapping:
         read_only: writes through this range fault (False where the driver refused read-only
             access; a warning then says so once).
 
-    ``__cuda_array_interface__`` (a 1-d ``uint8`` array of ``size`` bytes) is how
-    `segments.cuda` wraps the range as a torch tensor, which then keeps this object alive.
+    `segments.cuda` wraps byte ranges of it as torch tensors (``__cuda_array_interface__``),
+    which keep this object alive.
     """
 
     def __init__(self, handle, size: int, ordinal: int, read_only: bool, capturing=_never):
@@ -87,10 +87,22 @@ class Mapping:
                 self.close()
                 raise
 
-    def protect(self) -> bool:
+    def protect(self, synchronize: bool = False) -> bool:
         """Make the range read-only on its device.  Returns False (and warns once) where the
-        driver refuses read-only access; the range's access is then unchanged."""
+        driver refuses read-only access; the range's access is then unchanged.
+
+        Args:
+            synchronize: wait for the device's work first.  ``cuMemSetAccess`` is not
+                stream-ordered: a kernel still writing the range (a weight loader's copy) would
+                fault once it is read-only.
+
+        Raises:
+            CudaError: the synchronize failed (a kernel faulted, or the context is gone).
+        """
         global _warned_read_only
+        if synchronize:
+            with on_device(self.ordinal):
+                call("cuCtxSynchronize")
         try:
             with on_device(self.ordinal):
                 call("cuMemSetAccess", self.va, self.size, [_access_desc(self.ordinal, True)], 1)
@@ -101,11 +113,6 @@ class Mapping:
                 logger.warning("the CUDA driver refuses read-only mappings (%s); shared weights are "
                                "mapped read-write, so a stray in-place write would not fault", e)
         return self.read_only
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        # Consumers ignore the read-only flag; the range's access flags are what protect it.
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.va, False), "strides": None, "version": 2}
 
     def close(self) -> None:
         """Synchronize the device, unmap the range and free its addresses (idempotent).

@@ -36,6 +36,13 @@ Steps (``--steps``, default all that the backend has):
    every shareable weight; both compute again and must get bit-identical logits (deterministic
    algorithms on); used memory of the device and of each process (NVML per process; host: PSS)
    is recorded after each step; ``M1`` exits and ``M2`` computes once more.
+
+``in_place``: publish in place (`engine.in_place_packed`): ``P1`` builds the model, moves its
+   storages into writable packed segments (the host backend packs at 2 MiB as a GPU does),
+   zeroes them and writes them again from a CPU copy as vLLM's weight loaders write, and the
+   sharing pass publishes every pack where it lies: no copy, and on a GPU its used memory after
+   publishing is a private load's plus the packs' padding (within 5%); its logits equal its
+   private ones; ``P2`` maps every weight and computes the same logits.
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ sys.path.insert(0, str(ROOT))  # harness/ and a bare checkout's vllm_dedup (the 
 KEY, EXTRA = "gpu-check-weight", "gpu-check-extra"  # the pack's two members; children map only KEY
 MB = 1 << 20
 FORBIDDEN = ("vllm", "ray")  # not on the GPU machines: no path of this script may import them
-STEPS = {"cuda": ("driver", "segments", "model"), "host": ("segments", "model")}
+STEPS = {"cuda": ("driver", "segments", "model", "in_place"), "host": ("segments", "model", "in_place")}
+HOST_GRANULARITY = 2 * MB  # the host backend has none; in_place lays packs out as on a GPU
 # (hidden, intermediate, layers, heads, kv heads, vocab): the model step's LlamaForCausalLM
 MODEL_SIZES = {"tiny": (512, 1376, 4, 8, 4, 16384), "small": (1024, 2816, 8, 16, 8, 32000)}
 PROMPT = [[1, 15, 27, 3, 99, 512, 7, 64, 300, 2, 11, 900]]  # token ids < every vocabulary above
@@ -170,8 +178,11 @@ def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
                 reply(model_bytes(state["model"], int(cmd["min_tensor_bytes"])))
             elif op == "logits":
                 reply(logits(state, platform, fingerprint))
+            elif op == "place":
+                reply(place(state, seg_cls, platform, device_key, int(cmd["min_tensor_bytes"])))
             elif op == "share":
-                reply(share(state["model"], client, platform, device_key, int(cmd["min_tensor_bytes"])))
+                reply(share(state["model"], client, platform, device_key, int(cmd["min_tensor_bytes"]),
+                            state.get("in_place")))
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as e:  # reported to the parent, which decides what it means
@@ -220,15 +231,47 @@ def logits(state: dict, platform: Platform, fingerprint) -> dict:
             "next_tokens": out[0].argmax(-1).tolist()}
 
 
-def share(model, lease, platform: Platform, device_key: str, min_tensor_bytes: int) -> dict:
-    """The loader's sharing pass (`engine.share.share_model`) over the model; its figures."""
+def share(model, lease, platform: Platform, device_key: str, min_tensor_bytes: int, in_place=None) -> dict:
+    """The loader's sharing pass (`engine.share.share_model`) over the model, publishing
+    ``in_place``'s packs where they lie if given; its figures."""
     from vllm_dedup.config import DedupConfig
     from vllm_dedup.engine.context import LoadContext
     from vllm_dedup.engine.share import share_model
 
     config = DedupConfig(min_tensor_bytes=min_tensor_bytes, on_registry_error="fail")
-    result = share_model(model, LoadContext(config, lease, platform.device, device_key))
-    return {k: v for k, v in dataclasses.asdict(result).items() if k != "placement"}
+    granularity = None if in_place is None else in_place.granularity
+    result = share_model(model, LoadContext(config, lease, platform.device, device_key), pack_granularity=granularity,
+                         in_place=in_place)
+    if in_place is not None:
+        in_place.release()
+    out = {k: v for k, v in dataclasses.asdict(result).items() if k != "placement"}
+    if in_place is not None:
+        out.update(sealed_bytes=in_place.sealed_bytes, in_place_failures=in_place.failures[:3])
+    return out
+
+
+def place(state: dict, seg_cls, platform: Platform, device_key: str, min_tensor_bytes: int) -> dict:
+    """What the loader does around ``load_weights`` with publish in place
+    (`engine.in_place_packed.PackedInPlace`): the model's storages are moved into writable packed
+    segments, zeroed, then written again from a copy on the CPU (the "checkpoint"), as vLLM's
+    weight loaders write (``param.data.copy_``).  Returns what was placed."""
+    import torch
+
+    from vllm_dedup.engine.in_place_packed import PackedInPlace
+
+    model = state["model"]
+    checkpoint = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    granularity = seg_cls.granularity(platform.device) or HOST_GRANULARITY
+    placed = PackedInPlace(seg_cls, device_key, platform.device.type, granularity, min_tensor_bytes)
+    placed.place(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data.zero_()
+        for name, p in model.named_parameters():
+            p.data.copy_(checkpoint[name])
+    platform.sync()
+    state["in_place"] = placed
+    return {"placed_bytes": placed.placed_bytes, "held_bytes": placed.held_bytes, "failures": placed.failures[:3]}
 
 
 class ContextProbe:
@@ -616,6 +659,56 @@ def step_model(run: Run, sock: Path, args) -> None:
     run.read(step, "all exited")
 
 
+def step_in_place(run: Run, sock: Path, args) -> None:
+    """Publish in place (`engine.in_place_packed`): the first engine loads into packed segments
+    of its own and publishes them with no copy, so its device memory is a private load's; the
+    second maps them."""
+    from vllm_dedup.registry.client import registry_stats
+
+    step = "in_place"
+    min_bytes = 65536 if args.model_size == "small" else 4096
+    p1 = run.child("P1", sock, args)
+    built = p1.ask("build", min_tensor_bytes=min_bytes)
+    shareable = built.get("shareable_bytes", 0)
+    private = p1.ask("logits")
+    after_build = run.read(step, "P1 built the model (private)")
+    placed = p1.ask("place", min_tensor_bytes=min_bytes)
+    after_place = run.read(step, "P1 loaded in place")
+    run.check(step, "P1 loads every shareable weight into its own segments",
+              placed.get("placed_bytes") == shareable, json.dumps(placed))
+    published = p1.ask("share", min_tensor_bytes=min_bytes)
+    after_share = run.read(step, "P1 published where they lie")
+    run.check(step, "P1 publishes every shareable weight where it lies (no copy)",
+              published.get("published_bytes") == shareable and published.get("created_bytes") == 0
+              and not published.get("errors"), json.dumps(published))
+    shared = p1.ask("logits")
+    run.check(step, "P1's logits through its own published segments equal its private ones (bit for bit)",
+              shared.get("fingerprint") == private.get("fingerprint"), json.dumps(shared)[:400])
+    growth = after_share - after_build
+    padding = published.get("padding_bytes", 0)
+    if run.backend == "cuda":  # the host's figure includes what glibc keeps of the freed heap
+        run.check(step, "P1's device memory after publishing is its private load's (+ padding, + 5%)",
+                  growth <= padding + 0.05 * shareable,
+                  f"{growth / MB:+.1f} MiB for {shareable / MB:.1f} MiB ({padding / MB:.1f} MiB padding)")
+    p2 = run.child("P2", sock, args)
+    p2.ask("build", min_tensor_bytes=min_bytes)
+    mapped = p2.ask("share", min_tensor_bytes=min_bytes)
+    run.read(step, "P2 mapped P1's segments")
+    run.check(step, "P2 maps every shareable weight from P1's segments",
+              mapped.get("shared_bytes") == shareable and mapped.get("published_bytes") == 0, json.dumps(mapped))
+    logits2 = p2.ask("logits")
+    run.check(step, "P2's logits through P1's segments equal P1's private ones (bit for bit)",
+              logits2.get("fingerprint") == private.get("fingerprint"), json.dumps(logits2)[:400])
+    groups = registry_stats(sock).groups
+    run.check(step, "the registry holds P1's segments once", len(groups) == 1 and groups[0].engines == 2,
+              json.dumps([dataclasses.asdict(g) for g in groups]))
+    run.figures["in_place"] = {"shareable_bytes": shareable, "placed": placed, "published": published,
+                               "growth": {"P1 place": after_place - after_build, "P1 publish": after_share - after_place,
+                                          "P1 load to published": growth}}
+    run.end_children()
+    run.read(step, "all exited")
+
+
 def run_all(args) -> dict:
     from vllm_dedup.registry.server import RegistryServer
     from vllm_dedup.registry.state import Registry
@@ -637,8 +730,10 @@ def run_all(args) -> dict:
                         step_driver(run, key)
                     elif step == "segments":
                         step_segments(run, server.path, args, key)
-                    else:
+                    elif step == "model":
                         step_model(run, server.path, args)
+                    else:
+                        step_in_place(run, server.path, args)
                 except Exception as e:  # one step's crash is a failed check, the next step still runs
                     run.check(step, "the step ran to its end", False, f"{type(e).__name__}: {e}")
                 finally:
@@ -683,6 +778,12 @@ def report(result: dict) -> str:
                       f"shareable; M1 published {model['published'].get('published_bytes', 0) / MB:.1f} MiB, M2 mapped "
                       f"{model['mapped'].get('shared_bytes', 0) / MB:.1f} MiB"]
         lines.append("used memory growth: " + ", ".join(f"{k} {v / MB:+.1f} MiB" for k, v in model["growth"].items()))
+    in_place = result.get("in_place")
+    if in_place:
+        lines += ["", f"in place: {in_place['shareable_bytes'] / MB:.1f} MiB shareable, "
+                      f"{in_place['published'].get('sealed_bytes', 0) / MB:.1f} MiB of segments published where they lie, "
+                      f"{in_place['published'].get('created_bytes', 0) / MB:.1f} MiB copied"]
+        lines.append("used memory growth: " + ", ".join(f"{k} {v / MB:+.1f} MiB" for k, v in in_place["growth"].items()))
     lines.append("")
     lines.append("PASSED" if result["passed"] else "FAILED")
     return "\n".join(lines)

@@ -69,7 +69,7 @@ def _seal_all(nbytes: int, segments: int, kept: bool) -> tuple[float, list[HostS
         p.data.fill_(1.0)  # every page written, as by the weight loaders
     slots, _, _ = collect_slots(model, "cpu", 1 << 20)
     start = time.perf_counter()
-    sealed = [placed.seal(slot) for slot in slots]
+    sealed = [placed.seal([slot], [0]) for slot in slots]
     seconds = time.perf_counter() - start
     if None in sealed:
         raise SystemExit(f"a tensor could not be sealed where it lies: {placed.failures[:1]}")

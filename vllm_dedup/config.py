@@ -55,10 +55,11 @@ class DedupConfig:
         fast_path: map the modules a recipe of an earlier engine matches instead of reading
             the checkpoint (`engine.fast_path`).  Nothing is compared byte for byte on that
             path: the trust is the source keys and the load signature, within a share group.
-        in_place: on the host backend, a load that reads the checkpoint loads its tensors into
-            memfd segments of its own and publishes them where they lie, with no copy
-            (`engine.in_place`); ``false`` loads into private memory and copies into segments
-            after post-processing.
+        in_place: a load that reads the checkpoint loads its tensors into segments of its own
+            and publishes them where they lie, with no copy: memfds on the host
+            (`engine.in_place`), packed allocations where segments come in granules (CUDA,
+            `engine.in_place_packed`); ``false`` loads into private memory and copies into
+            segments after post-processing.
         registry_timeout_s: seconds an engine waits for the registry: for any one reply (a
             hung or stopped registry costs one such wait, then the engine loads privately what
             it has not mapped yet), and for a registry that died mid-load to be back.

@@ -34,7 +34,7 @@ def run_check(tmp_path: Path, backend: str, *args: str, env: dict | None = None)
     return result
 
 
-@pytest.mark.slow  # the whole script: five child processes, each importing torch (about 15 s)
+@pytest.mark.slow  # the whole script: seven child processes, each importing torch (about 25 s)
 def test_gpu_check_segments_and_model_steps_on_host_segments(tmp_path):
     result = run_check(tmp_path, "host")
     names = {(c["step"], c["check"]) for c in result["checks"]}
@@ -44,12 +44,16 @@ def test_gpu_check_segments_and_model_steps_on_host_segments(tmp_path):
             ("model", "M2 maps every shareable weight from M1's segments and publishes nothing"),
             ("model", "M2's logits through M1's segments equal its private ones and M1's (bit for bit)"),
             ("model", "after M1 exits, M2 computes the same logits"),
+            ("in_place", "P1 publishes every shareable weight where it lies (no copy)"),
+            ("in_place", "P2's logits through P1's segments equal P1's private ones (bit for bit)"),
             ("all", "no process imported vLLM or Ray")} <= names
     assert result["throughput"]["fingerprint_gb_s"] > 0
     model = result["model"]
     assert model["mapped"]["shared_bytes"] == model["shareable_bytes"] > 30 * (1 << 20)
+    in_place = result["in_place"]
+    assert in_place["published"]["created_bytes"] == 0 and in_place["published"]["sealed_bytes"] > 0
     processes = {name for m in result["memory"] for name in m["processes"]}
-    assert {"parent", "A", "B", "C", "M1", "M2"} <= processes
+    assert {"parent", "A", "B", "C", "M1", "M2", "P1", "P2"} <= processes
 
 
 @pytest.mark.parametrize("mig", [False, True], ids=["gpu", "mig"])

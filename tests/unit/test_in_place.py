@@ -263,7 +263,7 @@ def test_a_segment_sealed_where_it_lies_can_be_written_by_nobody():
     weights = model.load(2)
     slots, _, _ = collect_slots(model, "cpu", 4096)
     (slot,) = [s for s in slots if s.tensor.data_ptr() == model.down.weight.data_ptr()]
-    seg = placed.seal(slot)
+    seg = placed.seal([slot], [0])
     assert seg is not None, placed.failures
     fd = seg.fileno()
     try:

@@ -99,7 +99,7 @@ from ..errors import SegmentError
 from ..log import init_logger
 from ..segments.host import HostSegment, seal, seals_future_writes, writable_memfd
 from .heap import PAGE_BYTES
-from .slots import Slot, collect_slots, swap
+from .slots import Slot, collect_slots, swap, swap_out
 
 __all__ = ["InPlace"]
 
@@ -188,7 +188,7 @@ class InPlace:
         new = _over(mapping, dtype, shape, stride)
         _copy_written(old, new, anonymous)
         del old
-        held = _swap_out(slot, new)
+        held = swap_out(slot, new)
         if held is not None:  # Note [a storage held elsewhere]: back where it was
             swap(slot, torch.empty(0, dtype=dtype).set_(held, 0, shape, stride))
             self.failures.append("a tensor outside the model's parameters and buffers holds its storage")
@@ -196,15 +196,23 @@ class InPlace:
         self._placed[new.data_ptr()] = _Placed(fd, nbytes, weakref.ref(mapping), closer)
         self.placed_bytes += nbytes
 
-    def seal(self, slot: Slot) -> HostSegment | None:
-        """Publish ``slot`` where it lies: rebind its places to a read-only mapping of its
-        memfd, close the writable mapping, seal the memfd (module docstring, step 3).
+    def packs(self, pending: dict) -> list:
+        """Packs of several tensors to publish where they lie: none here, every segment holds
+        one storage (`seal` takes one-key packs)."""
+        return []
+
+    def seal(self, slots: list[Slot], offsets: list[int]) -> HostSegment | None:
+        """Publish a one-slot pack where it lies: the slot's memfd is sealed with its pages
+        where they are (module docstring, step 3).
 
         Returns:
             The sealed segment (the caller publishes it and owns its descriptor), or None where
-            the slot is not in an in-place segment of this load or cannot be sealed (the caller
-            copies it then; the slot reads the same bytes either way).
+            the pack is not one slot at offset 0 of an in-place segment of this load, or it
+            cannot be sealed (the caller copies it then; the slot reads the same bytes either way).
         """
+        if len(slots) != 1 or list(offsets) != [0]:
+            return None
+        slot = slots[0]
         t = slot.tensor
         placed = self._placed.get(t.untyped_storage().data_ptr())
         if placed is None or placed.sealed or placed.nbytes != slot.nbytes or t.storage_offset():
@@ -249,7 +257,7 @@ class InPlace:
         new = _over(writable, t.dtype, tuple(t.shape), tuple(t.stride()))  # a storage of our own
         del t
         try:
-            if _swap_out(slot, new) is not None:  # a view kept outside the model, which may write
+            if swap_out(slot, new) is not None:  # a view kept outside the model, which may write
                 raise BufferError("a tensor outside the model still views its writable mapping")
             seg = HostSegment.sealed_where_it_lies(placed.fd, placed.nbytes, writable)
         except (BufferError, OSError) as e:  # the slot reads the same bytes: it is copied instead
@@ -294,15 +302,6 @@ def _descriptor_room() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     return max(soft - used - 1024, 0)
-
-
-def _swap_out(slot: Slot, new: torch.Tensor):
-    """Rebind ``slot``'s places to ``new`` (`slots.swap`) and return the storage they held if
-    something outside the model's places still holds it, else None (Note [a storage held
-    elsewhere]).  The caller must hold no reference to the slot's old tensor."""
-    old = weakref.ref(slot.tensor.untyped_storage())  # torch keeps a storage's Python object while it lives
-    swap(slot, new)
-    return old()
 
 
 def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tensor:

@@ -63,6 +63,7 @@ from .fast_path import RecordedLoad, decide, fast_path_files, leave_recipe
 from .handlers import recorded_handlers
 from .heap import reused_heap
 from .in_place import InPlace
+from .in_place_packed import PackedInPlace
 from .meter import LoadMeter
 from .packed import packed_and_dropped
 from .post_processing import post_processing_hooks
@@ -219,14 +220,23 @@ class DedupModelLoader(BaseModelLoader):
         return Staging(ctx.config.min_tensor_bytes, ctx.device_key, colliding)
 
     @staticmethod
-    def _in_place(ctx: LoadContext, staging) -> InPlace | None:
-        """An `in_place.InPlace` for a load of this context that reads the checkpoint (its
-        tensors loaded into segments of its own), or None: ``in_place`` off, or another device
-        than the host's.
-        Where packed weights are staged, linear weights stay out: vLLM packs and drops them."""
-        if not ctx.config.in_place or ctx.device_type != "cpu":
+    def _in_place(ctx: LoadContext, staging) -> InPlace | PackedInPlace | None:
+        """Where a load of this context that reads the checkpoint loads its tensors into
+        segments of its own: `in_place.InPlace` on the host (a memfd per storage; where packed
+        weights are staged, linear weights stay out: vLLM packs and drops them),
+        `in_place_packed.PackedInPlace` where segments come in granules (CUDA); None with
+        ``in_place`` off, or where the backend cannot say its granularity."""
+        if not ctx.config.in_place:
             return None
-        return InPlace(ctx.config.min_tensor_bytes, skip=packed_and_dropped if staging is not None else None)
+        if ctx.device_type == "cpu":
+            return InPlace(ctx.config.min_tensor_bytes, skip=packed_and_dropped if staging is not None else None)
+        try:
+            seg_cls = segment_class(ctx.device_type)
+            granularity = seg_cls.granularity(ctx.device)
+        except (NotImplementedError, SegmentError) as e:
+            logger.info("%s: tensors load into private memory (%s)", ctx.model_name, e)
+            return None
+        return PackedInPlace(seg_cls, ctx.device_key, ctx.device_type, granularity, ctx.config.min_tensor_bytes)
 
     def _load(self, ctx: LoadContext, report: LoadReport, staging=None, in_place=None):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the

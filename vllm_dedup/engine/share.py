@@ -292,21 +292,24 @@ class SharingPass:
     # 4. plan, 5. publish -------------------------------------------------------------------
     def plan_and_publish(self) -> None:
         """Publish every miss, one segment per pack (Note [one publish in flight])."""
-        misses = list(self.pending)
+        own = self.in_place.packs(self.pending) if self.in_place is not None else []
+        laid_out = {key for keys, _, _ in own for key in keys}
+        misses = [key for key in self.pending if key not in laid_out]
+        packs = own  # published where they lie (`in_place_packed.py`)
         if self.granularity is None:
-            packs = [([key], [0], self.pending[key][0].nbytes) for key in misses]
+            packs += [([key], [0], self.pending[key][0].nbytes) for key in misses]
         else:
             plan = plan_packs([self.pending[k][0].nbytes for k in misses], self.granularity,
                               max_pack_bytes=self.granularity)
             for i in plan.private:
                 self.keep_private(self.pending.pop(misses[i]))
-            packs = [([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)
-                     for pack in plan.packs]
+            packs += [([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)
+                      for pack in plan.packs]
         with ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-publish") as rpc:
             in_flight = None
             try:
                 for keys, offsets, nbytes in packs:
-                    seg = self.segment_in_place(keys)
+                    seg = self.segment_in_place(keys, offsets)
                     if seg is None:  # a copy: the private copies of the one in flight go first
                         in_flight, done = None, in_flight
                         self.adopt_published(done)
@@ -326,14 +329,15 @@ class SharingPass:
                         pass  # the first error is the one raised
                 raise
 
-    def segment_in_place(self, keys: list[str]):
-        """The segment holding a one-key pack already, sealed (none: None): a packed weight
-        staged while loading (`staging.py`), or a tensor loaded in place (`in_place.py`)."""
+    def segment_in_place(self, keys: list[str], offsets: list[int]):
+        """The segment holding a pack already, sealed (none: None): a packed weight staged while
+        loading (`staging.py`), or tensors loaded in place (`in_place.py`, `in_place_packed.py`)."""
         first = self.pending[keys[0]][0]
         if len(keys) == 1 and getattr(first, "staged", None) is not None:
             return first.staged  # published as it is, no copy
-        if len(keys) == 1 and self.in_place is not None and isinstance(first, Slot):
-            return self.in_place.seal(first)  # sealed where it lies, no copy
+        slots = [self.pending[key][0] for key in keys]
+        if self.in_place is not None and all(isinstance(s, Slot) for s in slots):
+            return self.in_place.seal(slots, offsets)  # sealed where it lies, no copy
         return None
 
     def copied_segment(self, keys: list[str], offsets: list[int], nbytes: int):

@@ -21,11 +21,12 @@ Note [views into a shared storage]
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from .attributes import closure_contents, module_attributes
 
-__all__ = ["Slot", "attribute_tensors", "collect_slots", "covers_storage", "storage_id", "swap"]
+__all__ = ["Slot", "attribute_tensors", "collect_slots", "covers_storage", "storage_id", "swap", "swap_out"]
 
 
 @dataclass
@@ -135,6 +136,17 @@ def swap(slot: Slot, new) -> None:
         else:
             module._buffers[name] = rebound
     slot.tensor = new
+
+
+def swap_out(slot: Slot, new):
+    """`swap` ``slot`` to ``new`` and return the storage its places held if something outside
+    them still holds it, else None: a tensor of vLLM's kept elsewhere (an attribute, a closure)
+    would go on reading the old storage (`engine.in_place`, Note [a storage held elsewhere]).
+    torch keeps a storage's Python object while the storage lives, so a weak reference tells.
+    The caller must hold no reference to the slot's old tensor."""
+    old = weakref.ref(slot.tensor.untyped_storage())
+    swap(slot, new)
+    return old()
 
 
 def attribute_tensors(model):

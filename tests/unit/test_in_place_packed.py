@@ -1,0 +1,172 @@
+"""Publish in place with packed segments (`vllm_dedup.engine.in_place_packed`), the CUDA
+backend's layout, run here on the host backend's writable memfd segments with a forced 1 MiB
+granularity (as `tests/integration/test_share.py` runs packing): real memfds, a real registry
+daemon, real mappings; the model is a small ``nn.Module`` standing in for vLLM's.  What only a
+GPU shows (torch tensors over VMM mappings, device memory) is `benchmarks/gpu_check.py`'s."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from test_in_place import _context, _mapping, _memfd_descriptors
+from vllm_dedup.engine.in_place_packed import PackedInPlace
+from vllm_dedup.engine.share import share_model
+from vllm_dedup.registry.client import registry_stats
+from vllm_dedup.segments.host import HostSegment
+from vllm_dedup.segments.packing import plan_packs
+
+GRANULARITY = 1 << 20
+MIN_BYTES = 4096
+
+
+class _Model(nn.Module):
+    """Weights of several sizes (packs of one and of several), one tied into a second module, a
+    buffer computed at construction, and a norm too small to move."""
+
+    SHAPES = {"big": (768, 1024), "mid": (512, 512), "part": (256, 512), "small0": (128, 256), "small1": (64, 256)}
+
+    def __init__(self):
+        super().__init__()
+        for name, shape in self.SHAPES.items():
+            setattr(self, name, nn.Linear(shape[1], shape[0], bias=False))
+        self.head = nn.Linear(512, 256, bias=False)
+        self.head.weight = self.part.weight  # tied: one storage, two places
+        self.register_buffer("cache", torch.arange(1 << 16, dtype=torch.float32))  # bytes before loading
+        self.norm = nn.Parameter(torch.ones(16))
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def load(self, seed: int, retrained: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """Write weights as vLLM's weight loaders do (``param.data.copy_``); the ``retrained``
+        ones from another seed.  Returns what each holds."""
+        out = {}
+        for name, shape in self.SHAPES.items():
+            g = torch.Generator().manual_seed(seed + 1000 * (name in retrained) + len(name))
+            out[name] = torch.randn(shape, generator=g)
+            getattr(self, name).weight.data.copy_(out[name])
+        return out
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).weight for name in self.SHAPES}
+
+
+def _placer() -> PackedInPlace:
+    return PackedInPlace(HostSegment, "cpu", "cpu", GRANULARITY, MIN_BYTES)
+
+
+def _sizes() -> list[int]:
+    """The candidates' sizes in the sharing pass's order (the model's parameters, then buffers)."""
+    return [h * w * 4 for h, w in _Model.SHAPES.values()] + [(1 << 16) * 4]
+
+
+def test_place_lays_storages_out_in_packs_and_keeps_what_construction_wrote():
+    before = _memfd_descriptors()  # another test's segments may still be alive in this process
+    model = _Model()
+    cache = model.cache.clone()
+    placed = _placer()
+    placed.place(model)
+    plan = plan_packs(_sizes(), GRANULARITY, max_pack_bytes=GRANULARITY)
+    assert len(plan.packs) < len(_sizes()) and not plan.private  # some share an allocation
+    for t in [*model.weights().values(), model.cache]:
+        assert "/memfd:vllm-dedup" in _mapping(t) and t.untyped_storage().nbytes() == t.numel() * 4  # its own storage
+    assert "/memfd:vllm-dedup" not in _mapping(model.norm)  # 64 bytes: private
+    assert model.head.weight is model.part.weight and torch.equal(model.cache, cache)
+    assert placed.placed_bytes == sum(_sizes())
+    assert placed.held_bytes == plan.segment_bytes
+    assert _memfd_descriptors() - before == len(plan.packs) * 2  # the segment's and its mapping's
+    weights = model.load(0)
+    assert all(torch.equal(model.weights()[n], weights[n]) for n in weights)
+    placed.release()
+    assert _memfd_descriptors() - before == len(plan.packs)  # the mappings' own, which go with the tensors
+    del model, t
+    assert _memfd_descriptors() == before
+
+
+def test_the_first_engine_publishes_every_pack_where_it_lies_and_a_second_maps_them(registry_server):
+    first, second = _Model(), _Model()
+    a, b = _context(registry_server.path, "first"), _context(registry_server.path, "second")
+    plan = plan_packs(_sizes(), GRANULARITY, max_pack_bytes=GRANULARITY)
+    try:
+        placed = _placer()
+        placed.place(first)
+        want = first.load(0)
+        report = share_model(first, a, pack_granularity=GRANULARITY, in_place=placed)
+        assert report.created_bytes == 0, placed.failures  # no copy
+        assert report.published_tensors == len(_sizes()) and report.padding_bytes == plan.padding_bytes
+        assert placed.sealed_bytes == plan.segment_bytes
+        for t in [*first.weights().values(), first.cache]:
+            assert _mapping(t).split()[1][:2] == "r-", _mapping(t)  # frozen: a write faults
+        (group,) = registry_stats(registry_server.path).groups
+        assert (group.segments, group.resident_bytes) == (len(plan.packs), plan.segment_bytes)
+        placed.release()
+
+        second.load(0)
+        report = share_model(second, b, pack_granularity=GRANULARITY)
+        assert (report.shared_tensors, report.published_tensors) == (len(_sizes()), 0)
+        for model in (first, second):
+            assert all(torch.equal(model.weights()[n], want[n]) for n in want)
+        assert torch.equal(first.cache, second.cache) and first.head.weight is first.part.weight
+    finally:
+        a.lease.close()
+        b.lease.close()
+
+
+def test_a_fine_tune_publishes_only_packs_of_its_own_and_frees_the_rest(registry_server):
+    """The base engine publishes its packs: {big}, {mid}, {part, cache, small0, small1} at a
+    1 MiB granularity.  A fine-tune whose ``mid`` and ``small0`` differ maps everything else.
+    Its {mid} pack is all its own: published where it lies.  Its last pack holds shared tensors,
+    so it is not published; ``small0``, alone, would fill an eighth of a new pack and stays
+    private, in that pack's allocation (Note [a pack lives while a member does]); the rest of
+    the pack's members are mapped from the base engine."""
+    base, tuned = _Model(), _Model()
+    a, b = _context(registry_server.path, "base"), _context(registry_server.path, "tuned")
+    try:
+        share_model(base, a, pack_granularity=GRANULARITY, in_place=_placed_and_loaded(base, 0))
+        base_bytes = {n: t.clone() for n, t in base.weights().items()}
+        placed = _placed_and_loaded(tuned, 0, ("mid", "small0"))
+        want = {n: t.clone() for n, t in tuned.weights().items()}
+        assert not torch.equal(want["mid"], base_bytes["mid"]) and torch.equal(want["big"], base_bytes["big"])
+        report = share_model(tuned, b, pack_granularity=GRANULARITY, in_place=placed)
+        assert (report.shared_tensors, report.published_tensors, report.created_bytes) == (4, 1, 0), report
+        assert placed.sealed_bytes == GRANULARITY  # {mid}, frozen where it lies
+        placed.release()
+        assert all(torch.equal(tuned.weights()[n], want[n]) for n in want)
+        assert _mapping(tuned.mid.weight).split()[1][:2] == "r-"
+        assert _mapping(tuned.small0.weight).split()[1][:2] == "rw"  # private, in its pack
+        assert _mapping(tuned.big.weight).split()[1][:2] == "r-"  # mapped from the base engine
+        (group,) = registry_stats(registry_server.path).groups
+        assert group.engines == 2
+    finally:
+        a.lease.close()
+        b.lease.close()
+
+
+def _placed_and_loaded(model: _Model, seed: int, retrained: tuple[str, ...] = ()) -> PackedInPlace:
+    placed = _placer()
+    placed.place(model)
+    model.load(seed, retrained)
+    return placed
+
+
+def test_a_declined_replay_discards_what_it_placed():
+    model = _Model()
+    placed = _placer()
+    placed.place(model, [model.big, model.mid])
+    assert placed.placed_bytes == sum(_sizes()[:2]) and "/memfd:vllm-dedup" not in _mapping(model.part.weight)
+    weights = model.load(5)
+    placed.discard()
+    assert placed.placed_bytes == 0 and placed.held_bytes == 0
+    assert torch.equal(model.big.weight, weights["big"])  # the model given up still reads its bytes
+
+
+def test_a_storage_something_else_holds_stays_where_it_is():
+    model = _Model()
+    kept = model.big.weight.data  # a tensor of vLLM's kept outside the model's places
+    placed = _placer()
+    placed.place(model)
+    assert "/memfd:vllm-dedup" not in _mapping(model.big.weight)
+    assert model.big.weight.data_ptr() == kept.data_ptr()
+    assert "holds its storage" in placed.failures[0]
+    assert placed.placed_bytes == sum(_sizes()) - _sizes()[0]
+    placed.release()

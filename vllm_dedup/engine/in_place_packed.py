@@ -1,0 +1,215 @@
+"""Publish in place where segments come in granules (the CUDA backend): a usual load's
+parameters live in packed segments of this engine's own from before ``load_weights``, and the
+sharing pass publishes a pack's segment where it lies.
+
+The host backend gives every storage a memfd of its own (`in_place.py`): a page costs nothing
+to round to.  A CUDA allocation comes in granules of 2 MiB (`segments.packing`), so storages are
+laid out as the sharing pass lays out the tensors it copies (`packing.plan_packs`, same
+arguments): several to an allocation, each at its offset, each a storage of its own there
+(`Segment.member`), so that to vLLM and to the sharing pass the model looks as after a plain
+load.
+
+1. `PackedInPlace.place`, right after vLLM builds the model: plan the storages the sharing pass
+   would take into packs, allocate each pack's segment (`Segment.allocate`, read-write), copy
+   what each storage holds already (a rotary cache computed at construction), rebind the
+   model's places (`slots.swap_out`).  The storages vLLM allocated go back to its allocator as
+   they are replaced, and the allocator gives its cache back to the device every
+   ``_RETURN_EVERY`` bytes (Note [one copy at a time]).
+2. vLLM's weight loaders write the checkpoint into the segments; post-processing runs on them as
+   on any tensor.
+3. The sharing pass keys every tensor as before, then asks `PackedInPlace.packs` which packs it
+   can publish as they lie: those whose every member is still bound where it was placed and is
+   the first tensor of a content key no engine holds (a *miss*).  Each is made read-only
+   (`Segment.freeze`) and published: no copy.  Every other miss is planned and copied as before.
+
+A pack one of whose members is mapped from another engine instead (a fine-tune's shared layers)
+is not published; its other members are copied, and its allocation goes with the last tensor
+over it (Note [a pack lives while a member does]).
+
+Nothing here stops a load: a pack that cannot be allocated leaves the rest where vLLM put them,
+and a storage that cannot be moved stays (`in_place.py`, Note [a storage held elsewhere]).
+
+Note [one copy at a time]
+    Placing copies storage by storage: the new allocation, then the old storage freed.  On a
+    GPU the freed storage goes to PyTorch's caching allocator, not to the device, so without
+    returning the cache the device would hold the whole model twice by the end of `place`.
+    Returning it every ``_RETURN_EVERY`` bytes (``torch.cuda.empty_cache``, no garbage
+    collection: a replaced storage is freed by its reference count) bounds the excess over a
+    plain load to about that much, plus the allocator segments still partly in use.
+
+Note [a pack lives while a member does]
+    An allocation is freed when no mapping of it is left, and each member tensor holds the
+    mapping.  A member kept private (its bytes collide with a resident key's, a backend error)
+    keeps its pack's whole allocation: at most its own size plus a granule, since packs hold
+    at most a granule unless one tensor alone is bigger (`plan_packs`' ``max_pack_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..content.views import typed_view
+from ..errors import SegmentError
+from ..log import init_logger
+from ..segments.packing import plan_packs
+from .slots import Slot, collect_slots, swap, swap_out
+
+__all__ = ["PackedInPlace"]
+
+logger = init_logger(__name__)
+
+_RETURN_EVERY = 256 << 20  # bytes placed between two returns of the allocator's cache (Note [one copy at a time])
+
+
+@dataclass
+class _Pack:
+    """One segment of this load: its members' data pointers and offsets (bytes)."""
+
+    seg: object  # a `segments.base.Segment` from ``allocate``, not frozen yet
+    members: dict[int, int] = field(default_factory=dict)  # member storage's data pointer -> offset
+    payload_bytes: int = 0  # the members' bytes
+
+
+class PackedInPlace:
+    """The writable packed segments of one usual load: made by `place` before ``load_weights``,
+    published where they lie by the sharing pass (`packs`, `seal`), the rest let go of by
+    `release`.  Same interface as `in_place.InPlace`, the host backend's.
+
+    Args:
+        seg_cls: the segment backend (`segments.cuda.CudaSegment`; any with ``allocate``).
+        device_key: the device's key (`Segment.device_key`).
+        device_type: the torch device type of the tensors to place (``"cuda"``).
+        granularity: the backend's allocation granularity on the device (bytes).
+        min_bytes: storages smaller than this stay where vLLM put them (``min_tensor_bytes``).
+        skip: ``skip(module, name)`` is true for a tensor post-processing will replace.
+
+    Attributes:
+        placed_bytes: bytes of the storages moved into packs by `place`.
+        sealed_bytes: bytes of the segments published where they lie (padding included).
+        failures: why storages stayed where they were (first few).
+    """
+
+    def __init__(self, seg_cls, device_key: str, device_type: str, granularity: int, min_bytes: int, skip=None):
+        self.seg_cls, self.device_key, self.device_type = seg_cls, device_key, device_type
+        self.granularity, self.min_bytes = granularity, min_bytes
+        self.skip = skip or (lambda module, name: False)
+        self._packs: list[_Pack] = []  # placed, not sealed
+        self.placed_bytes = self.sealed_bytes = 0
+        self.failures: list[str] = []
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of this load's packed segments that exist now (the load meter's ``live``): the
+        sealed ones and those not let go of (which their members may keep a while longer)."""
+        return self.sealed_bytes + sum(p.seg.size for p in self._packs)
+
+    def place(self, model, modules: list | None = None) -> None:
+        """Move each of ``model``'s storages the sharing pass would take into a packed segment
+        (module docstring, step 1); with ``modules``, only storages whose every place is in one
+        of them (a replay's modules loaded from the checkpoint).  Never raises."""
+        only = None if modules is None else {id(m) for m in modules}
+        slots = [slot for slot in collect_slots(model, self.device_type, self.min_bytes)[0]
+                 if not any(self.skip(module, name) for module, name, _ in slot.refs)
+                 and (only is None or all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]))]
+        if not slots:
+            return
+        plan = plan_packs([s.nbytes for s in slots], self.granularity, max_pack_bytes=self.granularity)
+        unreturned = 0
+        for pack in plan.packs:
+            try:
+                placed = _Pack(self.seg_cls.allocate(pack.nbytes, self.device_key))
+            except SegmentError as e:  # out of device memory: the rest stays
+                self._stop(e)
+                break
+            try:
+                for i, offset in pack.members:
+                    self._move(slots[i], placed, offset)
+            except (SegmentError, RuntimeError, ValueError, MemoryError) as e:
+                self._stop(e)
+                break
+            finally:
+                self._keep(placed)
+            unreturned += pack.nbytes
+            if unreturned >= _RETURN_EVERY:
+                self.seg_cls.return_cached(collect=False)
+                unreturned = 0
+        self.seg_cls.return_cached(collect=False)
+
+    def _stop(self, e: Exception) -> None:
+        self.failures.append(f"{type(e).__name__}: {e}")
+        logger.info("in place: the rest of the tensors load into private memory (%s)", e)
+
+    def _keep(self, placed: _Pack) -> None:
+        """Keep a pack that has members; one that has none (every storage stayed) is let go of."""
+        if placed.members:
+            self._packs.append(placed)
+            self.placed_bytes += placed.payload_bytes
+        else:
+            placed.seg.close_fd()
+
+    def _move(self, slot: Slot, placed: _Pack, offset: int) -> None:
+        old, nbytes = slot.tensor, slot.nbytes
+        dtype, shape, stride = old.dtype, tuple(old.shape), tuple(old.stride())
+        new = typed_view(placed.seg.member(offset, nbytes), 0, dtype, shape, stride)
+        new.copy_(old)
+        del old
+        held = swap_out(slot, new)
+        if held is not None:  # Note [a storage held elsewhere] (in_place.py): back where it was
+            import torch
+
+            swap(slot, torch.empty(0, dtype=dtype, device=new.device).set_(held, 0, shape, stride))
+            self.failures.append("a tensor outside the model's parameters and buffers holds its storage")
+            return
+        placed.members[new.data_ptr()] = offset
+        placed.payload_bytes += nbytes
+
+    def packs(self, pending: dict) -> list[tuple[list, list[int], int]]:
+        """The packs the sharing pass may publish where they lie: ``(keys, offsets, nbytes)`` for
+        each pack whose every member is the first slot of a key of ``pending`` (content key ->
+        its group of slots, the misses), bound where it was placed (module docstring, step 3)."""
+        first = {group[0].tensor.data_ptr(): key for key, group in pending.items()}
+        out = []
+        for pack in self._packs:
+            keys = [first.get(ptr) for ptr in pack.members]
+            if all(k is not None for k in keys) and len(set(keys)) == len(keys):
+                out.append((keys, list(pack.members.values()), pack.seg.nbytes))
+        return out
+
+    def seal(self, slots: list[Slot], offsets: list[int]):
+        """Freeze the pack ``slots`` fill at ``offsets`` (one of `packs`) and hand it over.
+
+        Returns:
+            The frozen segment (the caller publishes it and owns its descriptor), or None where
+            the slots are not exactly one pack of this load or it cannot be frozen (the caller
+            copies them then; they read the same bytes either way).
+        """
+        layout = {s.tensor.data_ptr(): off for s, off in zip(slots, offsets)}
+        pack = next((p for p in self._packs if p.members == layout), None)
+        if pack is None:
+            return None
+        self._packs.remove(pack)
+        try:
+            pack.seg.freeze()
+        except SegmentError as e:
+            self.failures.append(str(e))
+            return None
+        self.sealed_bytes += pack.seg.size
+        return pack.seg
+
+    def discard(self) -> None:
+        """Forget what was placed, for a model given up (a replay that declined): the segments
+        go with the model's tensors."""
+        self.placed_bytes -= sum(p.payload_bytes for p in self._packs)
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the packs not published: each allocation goes with its last member
+        (Note [a pack lives while a member does]); the descriptors are closed now."""
+        for pack in self._packs:
+            pack.seg.close_fd()
+        self._packs.clear()
+
+    def summary(self) -> str:
+        mb = 1e6
+        return (f"{self.placed_bytes / mb:.1f} MB loaded into packed segments of its own, "
+                f"{self.sealed_bytes / mb:.1f} MB of segments published where they lie")

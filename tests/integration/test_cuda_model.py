@@ -320,3 +320,43 @@ def test_a_finalizer_on_another_thread_during_a_capture_defers_the_unmap(model):
     got = ask(p, "defer_elsewhere", ordinal=0)
     assert got["during"]["mappings"] == 1 and got["during"]["synchronizes"] == 0
     assert got["released"] == 1 and got["after"]["mappings"] == 0 and got["after"]["synchronizes"] == 1
+
+
+def _smollm2_on_a_gpu(layers: int) -> dict[str, int]:
+    """Bytes of each weight of SmolLM2-135M's first ``layers`` layers as vLLM's GPU model holds
+    them in bfloat16 (q, k, v merged into ``qkv_proj``; gate and up into ``gate_up_proj``;
+    hidden 576, 9 heads and 3 KV heads of 64, intermediate 1536, vocabulary 49152, tied
+    embeddings), at least the loader's default ``min_tensor_bytes`` (1 MiB)."""
+    hidden, intermediate, kv = 576, 1536, 3 * 64
+    shapes = {"embed_tokens": (49152, hidden)}
+    for i in range(layers):
+        shapes |= {f"{i}.qkv_proj": (hidden + 2 * kv, hidden), f"{i}.o_proj": (hidden, hidden),
+                   f"{i}.gate_up_proj": (2 * intermediate, hidden), f"{i}.down_proj": (hidden, intermediate)}
+    return {name: rows * cols * 2 for name, (rows, cols) in shapes.items() if rows * cols * 2 >= 1 << 20}
+
+
+def test_publish_in_place_costs_the_first_engine_a_private_load_and_the_second_nothing(registry_server, model):
+    """Issue 27, item 5, on the driver model: the first engine allocates its weights' packs
+    (`CudaSegment.allocate`), its weight loaders write them where they lie, and it publishes
+    them (`CudaSegment.freeze`): the device's used memory grows by the weights plus the packs'
+    padding, within 5% of a private load's bytes.  A second engine maps all of them: the device's
+    used memory does not grow."""
+    tensors = _smollm2_on_a_gpu(layers=4)
+    weights = sum(tensors.values())
+    a = model.peer(registry_server.path, "A", devices=1)
+    ask(a, "hello", ordinal=0)
+    free0 = ask(a, "memory", ordinal=0)["free"]
+    first = ask(a, "load_in_place", ordinal=0, tensors=tensors)
+    grown = free0 - ask(a, "memory", ordinal=0)["free"]
+    assert first["private"] == [] and first["shared"] == 0 and first["read_only"] is True
+    assert grown == first["segment_bytes"] and weights <= grown <= 1.05 * weights, (grown, weights)
+    want = {k: digest(k, n) for k, n in tensors.items()}
+    assert first["digests"] == want
+
+    b = model.peer(registry_server.path, "B", devices=1)
+    ask(b, "hello", ordinal=0)
+    second = ask(b, "load_in_place", ordinal=0, tensors=tensors)
+    assert second["shared"] == weights and second["segment_bytes"] == 0 and second["digests"] == want
+    assert ask(b, "memory", ordinal=0)["free"] == free0 - grown  # the second engine costs the device nothing
+    assert a.end() == 0
+    assert ask(b, "read")["digests"] == want  # the first engine's segments outlive it

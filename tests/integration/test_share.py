@@ -36,7 +36,7 @@ class SharePeer(PeerProcess):
 
 @pytest.mark.heavy
 def test_packed_segments_are_published_mapped_and_outlive_their_creator(registry_server):
-    plan = plan_packs(list(SIZES.values()), GRANULARITY, max_pack_bytes=GRANULARITY)
+    plan = plan_packs(list(SIZES.values()), GRANULARITY)
     assert len(plan.packs) < len(SIZES)  # the layout does pack several tensors together
     base = SharePeer(registry_server.path, "base")
     first = base.read_json()

@@ -15,6 +15,10 @@ answer carries the model's counters (``stats``) and this thread's current device
 - ``load {ordinal, tensors: {key: bytes}}``: what an engine's load does with its weights: map
   the resident ones, create and publish the others (one allocation each); ``recipe
   {signature, final: {key: bytes}}``: leave a recipe naming those final keys;
+- ``load_in_place {ordinal, tensors: {key: bytes}}``: the same with publish in place's layout
+  (`engine.in_place_packed`): the misses planned into packs (`packing.plan_packs` at the
+  device's granularity), each pack a `CudaSegment.allocate`, its members written where they lie
+  (as vLLM's weight loaders write), then `CudaSegment.freeze` and publish;
 - ``create {ordinal, nbytes, members: [[key, offset, bytes], ...]}``: allocate, fill each member
   with `pattern`, protect, publish; ``map {ordinal, keys}``: acquire and map only what they need;
 - ``read``, ``write {key}`` (must fault), ``close``: every mapping held;
@@ -47,6 +51,7 @@ from vllm_dedup.errors import SegmentError
 from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.segments import cudadrv, vmm
 from vllm_dedup.segments.cuda import CudaSegment
+from vllm_dedup.segments.packing import plan_packs
 
 STATS = ("retained_contexts", "allocations", "mappings", "reservations", "synchronizes", "creates",
          "current_device", "context_depth", "create_calls")
@@ -114,6 +119,30 @@ class Peer:
                 self.held[key] = (mapping, 0, nbytes)
                 published += mapping.size
         return {"shared": shared, "published": published, "digests": self.read()}
+
+    def op_load_in_place(self, ordinal, tensors):
+        key = cudadrv.device_key(ordinal)
+        hits = {}
+        for found in self.client.acquire(list(tensors)):
+            seg = CudaSegment.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), key)
+            seg.close_fd()
+            hits.update({hit.key: (seg, hit) for hit in found.hits})
+        for k, (seg, hit) in hits.items():
+            self.held[k] = (seg._mapping, hit.offset, hit.nbytes)
+        misses = [k for k in tensors if k not in hits]
+        plan = plan_packs([tensors[k] for k in misses], cudadrv.granularity(ordinal))
+        for pack in plan.packs:
+            seg = CudaSegment.allocate(pack.nbytes, key)
+            members = [(misses[i], offset, tensors[misses[i]]) for i, offset in pack.members]
+            for k, offset, n in members:
+                ctypes.memmove(seg._mapping.va + offset, pattern(k, n), n)  # the weight loader's write
+            seg.freeze()
+            self.client.publish(seg.fileno(), seg.size, members)
+            seg.close_fd()
+            self.held.update({k: (seg._mapping, offset, n) for k, offset, n in members})
+        return {"shared": sum(tensors[k] for k in hits), "segment_bytes": plan.segment_bytes,
+                "private": [misses[i] for i in plan.private], "digests": self.read(),
+                "read_only": all(m.read_only for m, _, _ in self.held.values())}
 
     def op_recipe(self, signature, final):
         self.client.put_recipe(json.dumps({"signature": signature, "id": signature, "final": final}).encode())

@@ -40,8 +40,8 @@ Note [one copy at a time]
 Note [a pack lives while a member does]
     An allocation is freed when no mapping of it is left, and each member tensor holds the
     mapping.  A member kept private (its bytes collide with a resident key's, a backend error)
-    keeps its pack's whole allocation: at most its own size plus a granule, since packs hold
-    at most a granule unless one tensor alone is bigger (`plan_packs`' ``max_pack_bytes``).
+    keeps its pack's whole allocation: at most 64 MiB, or its own size plus a granule where it
+    alone is bigger (`plan_packs`' ``max_pack_bytes``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class PackedInPlace:
                  and (only is None or all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]))]
         if not slots:
             return
-        plan = plan_packs([s.nbytes for s in slots], self.granularity, max_pack_bytes=self.granularity)
+        plan = plan_packs([s.nbytes for s in slots], self.granularity)
         unreturned = 0
         for pack in plan.packs:
             try:

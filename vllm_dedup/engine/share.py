@@ -13,8 +13,8 @@ are exactly those the kernels use.  The steps, in order (one method each of `Sha
    bytes exactly, and **adopt** the shared tensor (swap it in, drop the private copy); a failed
    compare (a hash collision, crafted or not) keeps the tensor private: different bytes are
    never swapped in;
-4. **plan** the misses: where segments come in a coarse granularity (CUDA: 2 MiB) several small
-   tensors are packed into one segment (`segments.packing`), and tensors whose pack would be
+4. **plan** the misses: where segments come in a coarse granularity (CUDA: 2 MiB) tensors are
+   packed into segments of up to 64 MiB (`segments.packing`), and tensors whose pack would be
    mostly padding stay private;
 5. **publish**: copy each pack into a new segment, publish it, adopt the segment-backed tensors.
    A packed weight staged while loading (`staging.py`), or a tensor loaded in place
@@ -299,8 +299,7 @@ class SharingPass:
         if self.granularity is None:
             packs += [([key], [0], self.pending[key][0].nbytes) for key in misses]
         else:
-            plan = plan_packs([self.pending[k][0].nbytes for k in misses], self.granularity,
-                              max_pack_bytes=self.granularity)
+            plan = plan_packs([self.pending[k][0].nbytes for k in misses], self.granularity)
             for i in plan.private:
                 self.keep_private(self.pending.pop(misses[i]))
             packs += [([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)

@@ -5,7 +5,8 @@ CUDA virtual-memory allocations (``cuMemCreate``) come in multiples of the devic
 per tensor would waste up to a granule per tensor, so tensors are packed: first-fit decreasing
 into packs of at most ``max_pack_bytes``, each tensor at an ``alignment``-byte offset (256 bytes:
 CUDA's allocation alignment, which every kernel's vector loads assume), each pack rounded up to
-the granularity.
+the granularity.  The engine packs at the default 64 MiB: packs of one granule padded
+SmolLM2-135M's GPU layout (1-3.4 MiB tensors) by 23.8%, 64 MiB packs by 1.0%.
 
 A pack that would be mostly padding (its tensors fill less than ``min_fill`` of it) is not
 worth sharing: its tensors stay private, and the plan says so.  The padding of the packs kept

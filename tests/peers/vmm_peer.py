@@ -130,7 +130,7 @@ class Peer:
         for k, (seg, hit) in hits.items():
             self.held[k] = (seg._mapping, hit.offset, hit.nbytes)
         misses = [k for k in tensors if k not in hits]
-        plan = plan_packs([tensors[k] for k in misses], cudadrv.granularity(ordinal))
+        plan = plan_packs([tensors[k] for k in misses], cudadrv.granularity(ordinal), in_order=True)
         for pack in plan.packs:
             seg = CudaSegment.allocate(pack.nbytes, key)
             members = [(misses[i], offset, tensors[misses[i]]) for i, offset in pack.members]

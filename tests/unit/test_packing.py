@@ -56,6 +56,17 @@ def test_small_items_fill_the_slack_of_a_big_one_and_a_mostly_empty_pack_stays_p
     assert plan_packs([100 << 10], granularity=4096).packs[0].nbytes == round_up(100 << 10, 4096)
 
 
+def test_in_order_packs_hold_consecutive_items_with_as_little_padding():
+    # SmolLM2-135M's GPU layout: per layer qkv 1.05 MiB, gate_up 3.4 MiB, down 1.7 MiB; 54 MiB embedding.
+    sizes = [56_623_104] + [1_105_920, 3_538_944, 1_769_472] * 30
+    plan = plan_packs(sizes, granularity=2 * MiB, in_order=True)
+    check_plan(sizes, plan, 2 * MiB, 256)
+    members = [i for pack in plan.packs for i, _ in pack.members]
+    assert members == list(range(len(sizes)))  # in the order given, each pack a run of items
+    assert plan.padding_bytes < len(plan.packs) * 2 * MiB
+    assert plan.padding_bytes <= 1.01 * plan_packs(sizes, granularity=2 * MiB).padding_bytes + 2 * MiB
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="power of two"):
         plan_packs([1], granularity=3 * MiB)

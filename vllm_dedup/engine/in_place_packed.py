@@ -4,13 +4,12 @@ sharing pass publishes a pack's segment where it lies.
 
 The host backend gives every storage a memfd of its own (`in_place.py`): a page costs nothing
 to round to.  A CUDA allocation comes in granules of 2 MiB (`segments.packing`), so storages are
-laid out as the sharing pass lays out the tensors it copies (`packing.plan_packs`, same
-arguments): several to an allocation, each at its offset, each a storage of its own there
+packed: several to an allocation, each at its offset, each a storage of its own there
 (`Segment.member`), so that to vLLM and to the sharing pass the model looks as after a plain
 load.
 
 1. `PackedInPlace.place`, right after vLLM builds the model: plan the storages the sharing pass
-   would take into packs, allocate each pack's segment (`Segment.allocate`, read-write), copy
+   would take into packs of consecutive storages, allocate each pack's segment (`Segment.allocate`, read-write), copy
    what each storage holds already (a rotary cache computed at construction), rebind the
    model's places (`slots.swap_out`).  The storages vLLM allocated go back to its allocator as
    they are replaced, and the allocator gives its cache back to the device every
@@ -33,9 +32,17 @@ Note [one copy at a time]
     Placing copies storage by storage: the new allocation, then the old storage freed.  On a
     GPU the freed storage goes to PyTorch's caching allocator, not to the device, so without
     returning the cache the device would hold the whole model twice by the end of `place`.
-    Returning it every ``_RETURN_EVERY`` bytes (``torch.cuda.empty_cache``, no garbage
-    collection: a replaced storage is freed by its reference count) bounds the excess over a
-    plain load to about that much, plus the allocator segments still partly in use.
+    The cache is returned every ``_RETURN_EVERY`` bytes (``torch.cuda.empty_cache``, no
+    garbage collection: a replaced storage is freed by its reference count).  It returns only
+    allocator segments with no block in use, and tensors over 1 MiB and under 10 MiB share
+    20 MiB segments, smaller ones 2 MiB segments (PyTorch's ``CUDACachingAllocator``,
+    ``get_allocation_size``: ``kLargeBuffer``, ``kSmallBuffer``), so storages are moved in the order
+    vLLM made them, the model's order: packs hold consecutive storages (`plan_packs`'
+    ``in_order``), a pack is allocated only when the one before is filled, and each allocator
+    segment empties soon after it stops being used.  The excess over a plain load then stays
+    near one pack (64 MiB at most, or one bigger tensor) plus ``_RETURN_EVERY``.  Consecutive
+    layers in one pack also suit a fine-tune: the packs of its retrained layers are all its own,
+    published where they lie.
 
 Note [a pack lives while a member does]
     An allocation is freed when no mapping of it is left, and each member tensor holds the
@@ -58,7 +65,7 @@ __all__ = ["PackedInPlace"]
 
 logger = init_logger(__name__)
 
-_RETURN_EVERY = 256 << 20  # bytes placed between two returns of the allocator's cache (Note [one copy at a time])
+_RETURN_EVERY = 64 << 20  # bytes placed between two returns of the allocator's cache (Note [one copy at a time])
 
 
 @dataclass
@@ -113,7 +120,7 @@ class PackedInPlace:
                  and (only is None or all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]))]
         if not slots:
             return
-        plan = plan_packs([s.nbytes for s in slots], self.granularity)
+        plan = plan_packs([s.nbytes for s in slots], self.granularity, in_order=True)  # Note [one copy at a time]
         unreturned = 0
         for pack in plan.packs:
             try:

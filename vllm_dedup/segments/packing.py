@@ -60,7 +60,7 @@ class PackPlan:
 
 
 def plan_packs(sizes: list[int], granularity: int, alignment: int = 256, max_pack_bytes: int = 64 << 20,
-               min_fill: float = 0.5) -> PackPlan:
+               min_fill: float = 0.5, in_order: bool = False) -> PackPlan:
     """Pack items of ``sizes`` bytes into segments (see the module docstring).
 
     Args:
@@ -70,10 +70,15 @@ def plan_packs(sizes: list[int], granularity: int, alignment: int = 256, max_pac
         max_pack_bytes: packs are at most this big unless one item alone is bigger (then that
             item gets a segment of its own).
         min_fill: a pack whose items fill less than this fraction of it stays private.
+        in_order: take the items in the order given, each into the last pack if it fits, else
+            into a new one (next fit), so that a pack holds consecutive items: a model's
+            consecutive layers, made and let go of together (`engine.in_place_packed`).  Packs
+            are as full as first-fit decreasing makes them wherever items are small next to
+            ``max_pack_bytes``; only the slack of an item bigger than it is less often filled.
 
     Returns:
-        packs in decreasing order of their first item's size; every item is in exactly one
-        pack or in ``private``.
+        packs in decreasing order of their first item's size (``in_order``: in the items'
+        order); every item is in exactly one pack or in ``private``.
 
     Raises:
         ValueError: a size <= 0, or a granularity/alignment that is not a power of two.
@@ -87,9 +92,10 @@ def plan_packs(sizes: list[int], granularity: int, alignment: int = 256, max_pac
         raise ValueError("every size must be > 0 bytes")
     cap = max(max_pack_bytes, granularity)
     packs: list[Pack] = []
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+    order = range(len(sizes)) if in_order else sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    for i in order:
         size = sizes[i]
-        for pack in packs:
+        for pack in packs[-1:] if in_order else packs:
             offset = round_up(pack.used_bytes, alignment)
             if offset + size <= max(cap, round_up(pack.used_bytes, granularity)):
                 break

@@ -99,6 +99,7 @@ from ..errors import SegmentError
 from ..log import init_logger
 from ..segments.host import HostSegment, seal, seals_future_writes, writable_memfd
 from .heap import PAGE_BYTES
+from .proc_maps import mappings
 from .slots import Slot, collect_slots, swap, swap_out
 
 __all__ = ["InPlace"]
@@ -319,17 +320,14 @@ class _AnonymousRanges:
     def __init__(self):
         self.starts, self.ends = [], []
         try:
-            with open("/proc/self/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    path = fields[5].strip() if len(fields) > 5 else ""
-                    if fields[1][3] == "p" and fields[4] == "0" and (not path or path == "[heap]"):
-                        start, end = (int(x, 16) for x in fields[0].split("-"))
-                        if self.ends and self.ends[-1] == start:  # adjacent: one range
-                            self.ends[-1] = end
-                        else:
-                            self.starts.append(start)
-                            self.ends.append(end)
+            for m in mappings():
+                if not m.private_anonymous:
+                    continue
+                if self.ends and self.ends[-1] == m.start:  # adjacent: one range
+                    self.ends[-1] = m.end
+                else:
+                    self.starts.append(m.start)
+                    self.ends.append(m.end)
         except OSError:
             pass
 

@@ -21,6 +21,7 @@ import os
 import struct
 
 from ...errors import PackedWeightError
+from ..proc_maps import mappings
 
 __all__ = ["Library", "elf_build_id", "elf_symbols", "library", "memcmp"]
 
@@ -183,12 +184,7 @@ def library() -> Library:
 def loaded_extension() -> tuple[str, str]:
     """(path, name) of the vLLM extension this process loaded: vllm/_C, _C_AVX512 or _C_AVX2
     (``platforms/cpu.py``, ``import_kernels``, picks one by the CPU's ISA)."""
-    paths = set()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(None, 5)
-            if len(parts) == 6 and "/vllm/_C" in parts[5] and ".abi3.so" in parts[5]:
-                paths.add((parts[5].rstrip(), parts[3], int(parts[4])))
+    paths = {(m.path, m.device, m.inode) for m in mappings() if "/vllm/_C" in m.path and ".abi3.so" in m.path}
     if len(paths) != 1:
         raise PackedWeightError(f"expected one vLLM _C extension loaded, found {sorted(paths) or 'none'}")
     path, device, inode = paths.pop()
@@ -201,14 +197,7 @@ def loaded_extension() -> tuple[str, str]:
 
 
 def executable_ranges(path: str) -> list[tuple[int, int]]:
-    out = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].rstrip() == path and "x" in parts[1]:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi))
-    return out
+    return [(m.start, m.end) for m in mappings() if m.path == path and "x" in m.perms]
 
 
 def elf_build_id(path: str) -> str:

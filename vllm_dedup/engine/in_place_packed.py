@@ -61,9 +61,15 @@ from ..log import init_logger
 from ..segments.packing import plan_packs
 from .slots import Slot, collect_slots, swap, swap_out
 
-__all__ = ["PackedInPlace"]
+__all__ = ["PACKED_ON_HOST_ENV", "PackedInPlace"]
 
 logger = init_logger(__name__)
+
+# A test hook, not for use: with it set to a granularity in bytes (a power of two), a usual load
+# on the host is laid out in packs of that granularity (host segments from `Segment.allocate`)
+# instead of a memfd per storage, so that this module runs with real vLLM engines on the CPU
+# (`benchmarks/zoo.py` under it compares every tensor with a plain load's).
+PACKED_ON_HOST_ENV = "VLLM_DEDUP_TEST_PACKED_IN_PLACE"
 
 _RETURN_EVERY = 64 << 20  # bytes placed between two returns of the allocator's cache (Note [one copy at a time])
 

@@ -42,6 +42,7 @@ compiled artifact of a plain engine is never loaded into such a model, nor the o
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ from .fast_path import RecordedLoad, decide, fast_path_files, leave_recipe
 from .handlers import recorded_handlers
 from .heap import reused_heap
 from .in_place import InPlace
-from .in_place_packed import PackedInPlace
+from .in_place_packed import PACKED_ON_HOST_ENV, PackedInPlace
 from .meter import LoadMeter
 from .packed import packed_and_dropped
 from .post_processing import post_processing_hooks
@@ -228,15 +229,17 @@ class DedupModelLoader(BaseModelLoader):
         ``in_place`` off, or where the backend cannot say its granularity."""
         if not ctx.config.in_place:
             return None
-        if ctx.device_type == "cpu":
-            return InPlace(ctx.config.min_tensor_bytes, skip=packed_and_dropped if staging is not None else None)
+        skip = packed_and_dropped if staging is not None else None
+        packed_on_host = os.environ.get(PACKED_ON_HOST_ENV)  # a test hook (in_place_packed.py)
+        if ctx.device_type == "cpu" and not packed_on_host:
+            return InPlace(ctx.config.min_tensor_bytes, skip=skip)
         try:
             seg_cls = segment_class(ctx.device_type)
-            granularity = seg_cls.granularity(ctx.device)
+            granularity = seg_cls.granularity(ctx.device) or int(packed_on_host)
         except (NotImplementedError, SegmentError) as e:
             logger.info("%s: tensors load into private memory (%s)", ctx.model_name, e)
             return None
-        return PackedInPlace(seg_cls, ctx.device_key, ctx.device_type, granularity, ctx.config.min_tensor_bytes)
+        return PackedInPlace(seg_cls, ctx.device_key, ctx.device_type, granularity, ctx.config.min_tensor_bytes, skip)
 
     def _load(self, ctx: LoadContext, report: LoadReport, staging=None, in_place=None):
         """The model, by the fastest exact path: (model, tensors mapped by a recipe, the
@@ -310,7 +313,8 @@ class DedupModelLoader(BaseModelLoader):
 
         # The sharing pass raises only under on_registry_error="fail"; the message says what to do.
         try:
-            share_model(model, ctx, report, mapped, staging=staging, in_place=in_place)
+            share_model(model, ctx, report, mapped, pack_granularity=getattr(in_place, "granularity", None),
+                        staging=staging, in_place=in_place)
         except RegistryUnavailable as e:
             raise RegistryUnavailable(f"vllm-dedup: the registry failed while sharing weights: {e}") from None
         except SegmentError as e:

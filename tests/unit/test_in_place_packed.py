@@ -6,6 +6,7 @@ GPU shows (torch tensors over VMM mappings, device memory) is `benchmarks/gpu_ch
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -167,3 +168,50 @@ def test_a_storage_something_else_holds_stays_where_it_is():
     assert "holds its storage" in placed.failures[0]
     assert placed.placed_bytes == sum(_sizes()) - _sizes()[0]
     placed.release()
+
+
+def _replaced_after_loading(model: _Model, name: str) -> None:
+    """What post-processing does to a weight it repacks: a new parameter in its place (the old
+    storage, in the pack, is then used by nothing)."""
+    old = getattr(model, name).weight
+    getattr(model, name).weight = nn.Parameter(old.detach().clone(), requires_grad=False)
+
+
+def test_a_pack_whose_replaced_members_fit_in_a_granule_is_published_where_it_lies(registry_server):
+    """Note [what a pack may hold when it is published]: ``small1`` (64 KiB) is replaced after
+    loading; the pack holds its dead bytes as padding and is still published, no copy."""
+    model = _Model()
+    ctx = _context(registry_server.path, "replaced-small")
+    try:
+        placed = _placed_and_loaded(model, 0)
+        _replaced_after_loading(model, "small1")
+        report = share_model(model, ctx, pack_granularity=GRANULARITY, in_place=placed)
+        assert report.created_bytes == 0 and placed.sealed_bytes > 0, placed.failures
+        # small1's replacement is a miss too, alone a sixteenth of a pack: private
+        assert (report.published_tensors, report.private_tensors) == (len(_sizes()) - 1, 2)  # and the norm
+        placed.release()
+    finally:
+        ctx.lease.close()
+
+
+@pytest.mark.parametrize("case", ["replaced", "kept"])
+def test_a_pack_is_copied_when_more_than_a_granule_was_replaced_or_a_member_is_still_used(registry_server, case):
+    """``big`` (3 MiB) replaced after loading: its dead bytes would be padding for good, so the
+    pack's misses are copied.  Or ``small1``'s storage is still used outside the model: it
+    must not turn read-only, so the pack is copied too."""
+    model = _Model()
+    ctx = _context(registry_server.path, f"copied-{case}")
+    try:
+        placed = _placed_and_loaded(model, 0)
+        kept = model.small1.weight.data if case == "kept" else None
+        _replaced_after_loading(model, "big" if case == "replaced" else "small1")
+        want = {n: t.clone() for n, t in model.weights().items()}
+        report = share_model(model, ctx, pack_granularity=GRANULARITY, in_place=placed)
+        assert placed.sealed_bytes == 0 and report.created_bytes > 0
+        assert ("were replaced" if case == "replaced" else "stay private") in placed.failures[0], placed.failures
+        placed.release()
+        assert all(torch.equal(model.weights()[n], want[n]) for n in want)
+        if kept is not None:
+            kept.add_(1)  # still writable: a write does not fault
+    finally:
+        ctx.lease.close()

@@ -21,9 +21,10 @@ load.
    the first tensor of a content key no engine holds (a *miss*).  Each is made read-only
    (`Segment.freeze`) and published: no copy.  Every other miss is planned and copied as before.
 
-A pack one of whose members is mapped from another engine instead (a fine-tune's shared layers)
-is not published; its other members are copied, and its allocation goes with the last tensor
-over it (Note [a pack lives while a member does]).
+A pack some of whose members are mapped from another engine instead (a fine-tune's shared
+layers) or were replaced by post-processing is published only when those are at most a granule
+(Note [what a pack may hold when it is published]); otherwise its misses are copied, and its
+allocation goes with the last tensor over it (Note [a pack lives while a member does]).
 
 Nothing here stops a load: a pack that cannot be allocated leaves the rest where vLLM put them,
 and a storage that cannot be moved stays (`in_place.py`, Note [a storage held elsewhere]).
@@ -44,6 +45,17 @@ Note [one copy at a time]
     layers in one pack also suit a fine-tune: the packs of its retrained layers are all its own,
     published where they lie.
 
+Note [what a pack may hold when it is published]
+    Publishing a pack makes all of it read-only and keeps all of it while the registry or any
+    engine holds it.  So every member must be a miss published with it, or dead: a storage
+    nothing uses any more, because post-processing replaced it (vLLM repacks an MoE layer's
+    experts, a quantized layer's weights) or the sharing pass mapped it from another engine.
+    A member still in use but not published (its bytes collide with a resident key's) would
+    turn read-only under a tensor that may be written: such a pack is copied.  A dead member's
+    bytes are padding from then on, so a pack is published only while they are at most a
+    granule, the padding its size already rounds up to; past that, copying the misses into a
+    tight pack and letting this one go keeps less memory for good than one copy costs once.
+
 Note [a pack lives while a member does]
     An allocation is freed when no mapping of it is left, and each member tensor holds the
     mapping.  A member kept private (its bytes collide with a resident key's, a backend error)
@@ -53,6 +65,7 @@ Note [a pack lives while a member does]
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from ..content.views import typed_view
@@ -75,11 +88,22 @@ _RETURN_EVERY = 64 << 20  # bytes placed between two returns of the allocator's 
 
 
 @dataclass
+class _Member:
+    """A storage moved into a pack: its offset and size (bytes), and a weak reference to it,
+    dead once nothing uses it (post-processing replaced it, or it was mapped from another
+    engine: Note [what a pack may hold when it is published])."""
+
+    offset: int
+    nbytes: int
+    storage: weakref.ref
+
+
+@dataclass
 class _Pack:
-    """One segment of this load: its members' data pointers and offsets (bytes)."""
+    """One segment of this load and its members, by their storages' data pointers."""
 
     seg: object  # a `segments.base.Segment` from ``allocate``, not frozen yet
-    members: dict[int, int] = field(default_factory=dict)  # member storage's data pointer -> offset
+    members: dict[int, _Member] = field(default_factory=dict)
     payload_bytes: int = 0  # the members' bytes
 
 
@@ -173,19 +197,37 @@ class PackedInPlace:
             swap(slot, torch.empty(0, dtype=dtype, device=new.device).set_(held, 0, shape, stride))
             self.failures.append("a tensor outside the model's parameters and buffers holds its storage")
             return
-        placed.members[new.data_ptr()] = offset
+        placed.members[new.data_ptr()] = _Member(offset, nbytes, weakref.ref(new.untyped_storage()))
         placed.payload_bytes += nbytes
 
     def packs(self, pending: dict) -> list[tuple[list, list[int], int]]:
-        """The packs the sharing pass may publish where they lie: ``(keys, offsets, nbytes)`` for
-        each pack whose every member is the first slot of a key of ``pending`` (content key ->
-        its group of slots, the misses), bound where it was placed (module docstring, step 3)."""
+        """The packs the sharing pass may publish where they lie (module docstring, step 3):
+        ``(keys, offsets, nbytes)`` of each pack whose members are the first slots of keys of
+        ``pending`` (content key -> its group of slots: the misses), bound where they were
+        placed, or dead, at most a granule of them (Note [what a pack may hold when it is
+        published]).  Why each other pack is not is in `failures`."""
         first = {group[0].tensor.data_ptr(): key for key, group in pending.items()}
         out = []
         for pack in self._packs:
-            keys = [first.get(ptr) for ptr in pack.members]
-            if all(k is not None for k in keys) and len(set(keys)) == len(keys):
-                out.append((keys, list(pack.members.values()), pack.seg.nbytes))
+            keys, offsets, dead, alive = [], [], 0, 0
+            for ptr, member in pack.members.items():
+                if ptr in first:
+                    keys.append(first[ptr])
+                    offsets.append(member.offset)
+                elif member.storage() is None:
+                    dead += member.nbytes
+                else:
+                    alive += member.nbytes
+            if not keys:
+                continue  # nothing in it to publish: it goes with `release`
+            mb = pack.seg.size / 1e6
+            if alive:
+                self.failures.append(f"a {mb:.1f} MB pack is copied: {alive / 1e6:.1f} MB in it stay private")
+            elif dead > self.granularity:
+                self.failures.append(f"a {mb:.1f} MB pack is copied: {dead / 1e6:.1f} MB in it were replaced by "
+                                     "post-processing or mapped from another engine")
+            else:
+                out.append((keys, offsets, pack.seg.nbytes))
         return out
 
     def seal(self, slots: list[Slot], offsets: list[int]):
@@ -197,9 +239,12 @@ class PackedInPlace:
             copies them then; they read the same bytes either way).
         """
         layout = {s.tensor.data_ptr(): off for s, off in zip(slots, offsets)}
-        pack = next((p for p in self._packs if p.members == layout), None)
-        if pack is None:
+        pack = next((p for p in self._packs if next(iter(layout)) in p.members), None)
+        if pack is None or any(ptr not in pack.members or pack.members[ptr].offset != off
+                               for ptr, off in layout.items()):
             return None
+        if any(m.storage() is not None for ptr, m in pack.members.items() if ptr not in layout):
+            return None  # a member not published is still in use: it would become read-only
         self._packs.remove(pack)
         try:
             pack.seg.freeze()

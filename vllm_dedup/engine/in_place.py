@@ -197,10 +197,10 @@ class InPlace:
         self._placed[new.data_ptr()] = _Placed(fd, nbytes, weakref.ref(mapping), closer)
         self.placed_bytes += nbytes
 
-    def packs(self, pending: dict) -> list:
-        """Packs of several tensors to publish where they lie: none here, every segment holds
-        one storage (`seal` takes one-key packs)."""
-        return []
+    def packs(self, pending: dict) -> tuple[list, list]:
+        """Packs of several tensors to publish where they lie, and groups of misses to copy
+        together: none here, every segment holds one storage (`seal` takes one-key packs)."""
+        return [], []
 
     def seal(self, slots: list[Slot], offsets: list[int]) -> HostSegment | None:
         """Publish a one-slot pack where it lies: the slot's memfd is sealed with its pages

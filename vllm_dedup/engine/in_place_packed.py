@@ -41,7 +41,10 @@ Note [one copy at a time]
     vLLM made them, the model's order: packs hold consecutive storages (`plan_packs`'
     ``in_order``), a pack is allocated only when the one before is filled, and each allocator
     segment empties soon after it stops being used.  The excess over a plain load then stays
-    near one pack (64 MiB at most, or one bigger tensor) plus ``_RETURN_EVERY``.  Consecutive
+    near one pack (64 MiB at most, or one bigger tensor) plus ``_RETURN_EVERY``.  A pack the
+    sharing pass cannot publish as it lies is copied the same way, one pack at a time: its
+    misses planned apart from the others' (`packs`' ``regroup``), so that it goes as soon as
+    they are copied.  Consecutive
     layers in one pack also suit a fine-tune: the packs of its retrained layers are all its own,
     published where they lie.
 
@@ -200,14 +203,23 @@ class PackedInPlace:
         placed.members[new.data_ptr()] = _Member(offset, nbytes, weakref.ref(new.untyped_storage()))
         placed.payload_bytes += nbytes
 
-    def packs(self, pending: dict) -> list[tuple[list, list[int], int]]:
-        """The packs the sharing pass may publish where they lie (module docstring, step 3):
-        ``(keys, offsets, nbytes)`` of each pack whose members are the first slots of keys of
-        ``pending`` (content key -> its group of slots: the misses), bound where they were
-        placed, or dead, at most a granule of them (Note [what a pack may hold when it is
-        published]).  Why each other pack is not is in `failures`."""
+    def packs(self, pending: dict) -> tuple[list[tuple[list, list[int], int]], list[list]]:
+        """How the sharing pass publishes this load's misses (module docstring, step 3).
+
+        Args:
+            pending: content key -> its group of slots, for the keys no engine holds (misses).
+
+        Returns:
+            ``(in_place, regroup)``.  ``in_place``: ``(keys, offsets, nbytes)`` of each pack to
+            publish where it lies, whose members are the first slots of keys of ``pending``,
+            bound where they were placed, or dead, at most a granule of them (Note [what a pack
+            may hold when it is published]).  ``regroup``: the misses of each other pack, to be
+            copied pack by pack, so that each such pack goes once its misses are copied rather
+            than all of them at the end (Note [one copy at a time]).  Why a pack is copied is in
+            `failures`.
+        """
         first = {group[0].tensor.data_ptr(): key for key, group in pending.items()}
-        out = []
+        out, regroup = [], []
         for pack in self._packs:
             keys, offsets, dead, alive = [], [], 0, 0
             for ptr, member in pack.members.items():
@@ -222,13 +234,16 @@ class PackedInPlace:
                 continue  # nothing in it to publish: it goes with `release`
             mb = pack.seg.size / 1e6
             if alive:
-                self.failures.append(f"a {mb:.1f} MB pack is copied: {alive / 1e6:.1f} MB in it stay private")
+                regroup.append(keys)
+                self.failures.append(f"a {mb:.1f} MB pack is copied: {alive / 1e6:.1f} MB in it stay private "
+                                     "or duplicate another tensor")
             elif dead > self.granularity:
+                regroup.append(keys)
                 self.failures.append(f"a {mb:.1f} MB pack is copied: {dead / 1e6:.1f} MB in it were replaced by "
                                      "post-processing or mapped from another engine")
             else:
                 out.append((keys, offsets, pack.seg.nbytes))
-        return out
+        return out, regroup
 
     def seal(self, slots: list[Slot], offsets: list[int]):
         """Freeze the pack ``slots`` fill at ``offsets`` (one of `packs`) and hand it over.

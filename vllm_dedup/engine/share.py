@@ -292,18 +292,11 @@ class SharingPass:
     # 4. plan, 5. publish -------------------------------------------------------------------
     def plan_and_publish(self) -> None:
         """Publish every miss, one segment per pack (Note [one publish in flight])."""
-        own = self.in_place.packs(self.pending) if self.in_place is not None else []
-        laid_out = {key for keys, _, _ in own for key in keys}
-        misses = [key for key in self.pending if key not in laid_out]
+        own, regroup = self.in_place.packs(self.pending) if self.in_place is not None else ([], [])
+        laid_out = {key for keys, _, _ in own for key in keys} | {key for group in regroup for key in group}
         packs = own  # published where they lie (`in_place_packed.py`)
-        if self.granularity is None:
-            packs += [([key], [0], self.pending[key][0].nbytes) for key in misses]
-        else:
-            plan = plan_packs([self.pending[k][0].nbytes for k in misses], self.granularity)
-            for i in plan.private:
-                self.keep_private(self.pending.pop(misses[i]))
-            packs += [([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)
-                      for pack in plan.packs]
+        for group in [*regroup, [key for key in self.pending if key not in laid_out]]:
+            packs += self.planned(group)
         with ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-publish") as rpc:
             in_flight = None
             try:
@@ -327,6 +320,18 @@ class SharingPass:
                     except Exception:
                         pass  # the first error is the one raised
                 raise
+
+    def planned(self, misses: list[str]) -> list[tuple[list[str], list[int], int]]:
+        """``misses`` laid out in packs to copy, ``(keys, offsets, nbytes)`` each: one per key
+        where segments have no granularity, else `plan_packs`'s (those it leaves out stay
+        private now)."""
+        if self.granularity is None:
+            return [([key], [0], self.pending[key][0].nbytes) for key in misses]
+        plan = plan_packs([self.pending[k][0].nbytes for k in misses], self.granularity)
+        for i in plan.private:
+            self.keep_private(self.pending.pop(misses[i]))
+        return [([misses[i] for i, _ in pack.members], [off for _, off in pack.members], pack.nbytes)
+                for pack in plan.packs]
 
     def segment_in_place(self, keys: list[str], offsets: list[int]):
         """The segment holding a pack already, sealed (none: None): a packed weight staged while

@@ -114,6 +114,11 @@ class Segment(ABC):
         alive."""
         raise NotImplementedError(f"{type(self).__name__} has no writable members")
 
+    def _check_member(self, offset: int, nbytes: int) -> None:
+        """Raise ValueError unless ``[offset, offset + nbytes)`` lies within the usable bytes."""
+        if not 0 <= offset <= offset + nbytes <= self.nbytes:
+            raise ValueError(f"a {nbytes}-byte member at offset {offset} does not fit in {self.nbytes} bytes")
+
     def freeze(self) -> None:
         """Make a segment from `allocate` read-only in this process, and sealed against new
         writers where the backend can seal: from here on it is what `create_packed` would have

@@ -331,8 +331,7 @@ class CudaSegment(Segment):
     def member(self, offset: int, nbytes: int):
         """`Segment.member`: a uint8 CUDA tensor whose storage is exactly ``[offset, offset +
         nbytes)`` of the mapping (its own ``__cuda_array_interface__``)."""
-        if offset + nbytes > self.nbytes:
-            raise ValueError(f"a {nbytes}-byte member at offset {offset} does not fit in {self.nbytes} bytes")
+        self._check_member(offset, nbytes)
         return _bytes_tensor(self._mapping, offset, nbytes)
 
     def freeze(self) -> None:

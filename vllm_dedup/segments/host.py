@@ -30,7 +30,7 @@ from ..errors import SegmentError
 from .base import Segment
 
 __all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
-           "protect_read_only", "seal", "seal_future_writes", "sealed_memfd", "seals_future_writes",
+           "protect_read_only", "seal", "seal_future_writes", "seal_where_it_lies", "sealed_memfd", "seals_future_writes",
            "writable_memfd", "write_all"]
 
 # The memfd names (shown as ``/memfd:NAME`` in /proc/PID/fd): distinct, so a process's segments
@@ -113,8 +113,7 @@ def seals_future_writes() -> bool:
     except OSError:
         return False
     try:
-        protect_read_only(_address(page), mmap.PAGESIZE)
-        seal_future_writes(fd)
+        seal_where_it_lies(fd, page, mmap.PAGESIZE)
         return True
     except OSError:
         return False
@@ -126,6 +125,19 @@ def seals_future_writes() -> bool:
 def _address(mapping: mmap.mmap) -> int:
     """The address of a writable mapping's first byte (the buffer export is let go at once)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+
+
+def seal_where_it_lies(fd: int, mapping: mmap.mmap, nbytes: int) -> None:
+    """Make this process's writable ``mapping`` of the memfd ``fd`` read-only over ``nbytes``
+    (`protect_read_only`) and seal the memfd against every new writer (`seal_future_writes`):
+    the pages stay where they are (Linux 5.1).
+
+    Raises:
+        OSError: mprotect or sealing failed (the mapping may be read-only already; nothing is
+            sealed then).
+    """
+    protect_read_only(_address(mapping), nbytes)
+    seal_future_writes(fd)
 
 
 def seal_future_writes(fd: int) -> None:
@@ -228,8 +240,7 @@ class HostSegment(Segment):
             OSError: mprotect or sealing failed (the mapping may be read-only already; nothing
                 is sealed then, and the caller still owns ``fd``).
         """
-        protect_read_only(_address(mapping), nbytes)
-        seal_future_writes(fd)
+        seal_where_it_lies(fd, mapping, nbytes)
         return cls(fd, nbytes, device, mapping=mapping)
 
     @classmethod
@@ -253,11 +264,8 @@ class HostSegment(Segment):
     def member(self, offset: int, nbytes: int):
         import torch
 
-        if not 0 <= offset <= offset + nbytes <= self.nbytes:
-            raise ValueError(f"a {nbytes}-byte member at offset {offset} does not fit in {self.nbytes} bytes")
-        with warnings.catch_warnings():  # read-only once frozen: that is the point
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+        self._check_member(offset, nbytes)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
 
     def freeze(self) -> None:
         """`Segment.freeze`: the writable mapping is made read-only where it is and the memfd
@@ -265,8 +273,7 @@ class HostSegment(Segment):
         if not self._writable:
             return
         try:
-            protect_read_only(_address(self._map), max(self.nbytes, 1))
-            seal_future_writes(self._fd)
+            seal_where_it_lies(self._fd, self._map, max(self.nbytes, 1))
         except OSError as e:
             raise SegmentError(f"cannot seal a {self.nbytes}-byte memfd segment where it lies: {e}") from None
         self._writable = False

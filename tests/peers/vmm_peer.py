@@ -98,12 +98,18 @@ class Peer:
     def op_expect(self):
         return {"bytes": self.client.expected_shared_bytes()}
 
-    def op_load(self, ordinal, tensors):
+    def resident(self, ordinal, keys) -> dict:
+        """Acquire ``keys`` and map what is resident (only as much of each segment as its hits
+        need); key -> (segment, hit)."""
         hits = {}
-        for found in self.client.acquire(list(tensors)):
+        for found in self.client.acquire(list(keys)):
             seg = CudaSegment.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), cudadrv.device_key(ordinal))
             seg.close_fd()
             hits.update({hit.key: (seg, hit) for hit in found.hits})
+        return hits
+
+    def op_load(self, ordinal, tensors):
+        hits = self.resident(ordinal, tensors)
         shared = published = 0
         for key, nbytes in tensors.items():
             if key in hits:
@@ -122,11 +128,7 @@ class Peer:
 
     def op_load_in_place(self, ordinal, tensors):
         key = cudadrv.device_key(ordinal)
-        hits = {}
-        for found in self.client.acquire(list(tensors)):
-            seg = CudaSegment.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), key)
-            seg.close_fd()
-            hits.update({hit.key: (seg, hit) for hit in found.hits})
+        hits = self.resident(ordinal, tensors)
         for k, (seg, hit) in hits.items():
             self.held[k] = (seg._mapping, hit.offset, hit.nbytes)
         misses = [k for k in tensors if k not in hits]
@@ -160,12 +162,9 @@ class Peer:
 
     def op_map(self, ordinal, keys):
         sizes = {}
-        for found in self.client.acquire(keys):
-            seg = CudaSegment.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), cudadrv.device_key(ordinal))
-            seg.close_fd()
-            for hit in found.hits:
-                self.held[hit.key] = (seg._mapping, hit.offset, hit.nbytes)
-                sizes[hit.key] = seg.size
+        for k, (seg, hit) in self.resident(ordinal, keys).items():
+            self.held[k] = (seg._mapping, hit.offset, hit.nbytes)
+            sizes[k] = seg.size
         return {"digests": self.read(), "sizes": sizes, "read_only": all(m.read_only for m, _, _ in self.held.values())}
 
     def op_read(self):

@@ -138,6 +138,8 @@ class InPlace:
         failures: why storages stayed where they were or were copied after all (first few).
     """
 
+    granularity = None  # a memfd per storage: the sharing pass packs nothing (`in_place_packed` does)
+
     def __init__(self, min_bytes: int, skip=None):
         self.min_bytes = min_bytes
         self.skip = skip or (lambda module, name: False)

@@ -313,7 +313,7 @@ class DedupModelLoader(BaseModelLoader):
 
         # The sharing pass raises only under on_registry_error="fail"; the message says what to do.
         try:
-            share_model(model, ctx, report, mapped, pack_granularity=getattr(in_place, "granularity", None),
+            share_model(model, ctx, report, mapped, pack_granularity=in_place and in_place.granularity,
                         staging=staging, in_place=in_place)
         except RegistryUnavailable as e:
             raise RegistryUnavailable(f"vllm-dedup: the registry failed while sharing weights: {e}") from None

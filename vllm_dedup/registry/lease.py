@@ -63,7 +63,9 @@ logger = init_logger(__name__)
 
 # Test hook: when set to N, the process stops itself (SIGSTOP) right after its N-th publish made
 # while holding a lock, so that a test can kill the registry at that exact point
-# (tests/e2e/test_registry_faults.py).
+# (tests/e2e/test_registry_faults.py).  The stop is sent to the publishing thread itself
+# (tgkill): a process-directed SIGSTOP goes to the main thread first, and until that thread
+# runs and stops the others, the publish thread could send the next publish already queued.
 STOP_AFTER_PUBLISHES_ENV = "VLLM_DEDUP_TEST_STOP_AFTER_PUBLISHES"
 
 
@@ -173,7 +175,7 @@ class Lease:
             self._publishes += 1
             stop_here = self._locks and os.environ.get(STOP_AFTER_PUBLISHES_ENV) == str(self._publishes)
         if stop_here:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         return lease_id
 
     def release(self, segments: list[int]) -> None:

@@ -332,17 +332,21 @@ def test_the_tensors_a_w8a8_handler_reads_by_pointer_are_pinned():
 
 
 def test_a_replay_placeholder_packs_zeros_and_a_write_to_it_faults():
-    """Note [packed weights replayed]: a replay's placeholder weight reads zeros, vLLM packs
-    it, and the pages are read-only: a write dies with SIGSEGV (in a child) instead of changing
+    """Note [packed weights replayed]: a replay's placeholder weight reads zeros (one row,
+    broadcast), vLLM packs it into the layout and size a plain weight of its shape packs into,
+    and the pages are read-only: a write dies with SIGSEGV (in a child) instead of changing
     what the next layer packs from the same pages."""
     from vllm_dedup.engine.packed import ZeroPages
 
     zeros = ZeroPages()
     placeholder = zeros.tensor(DTYPE, torch.Size((96, 320)))
-    assert not placeholder.any() and placeholder.stride() == (320, 1)
+    assert not placeholder.any() and placeholder.shape == (96, 320) and placeholder.stride() == (0, 1)
     handler = ops.create_onednn_mm(placeholder.t(), 32)
     x = torch.randn(3, 320, generator=torch.Generator().manual_seed(1)).to(DTYPE)
     assert not ops.onednn_mm(handler, x, None).any()
+    packed, plain = (onednn.find_packed(h) for h in (handler, ops.create_onednn_mm(_weight(96, 320).t(), 32)))
+    assert (packed.layout, packed.nbytes) == (plain.layout, plain.nbytes)
+    assert packed.view().tobytes().count(0) == packed.nbytes  # every byte zero, padding included
     larger = zeros.tensor(DTYPE, torch.Size((4096, 1024)))  # grows by a new mapping
     assert not larger.any() and not placeholder.any()
     child = subprocess.run([sys.executable, "-c", (

@@ -18,6 +18,18 @@ Note [glibc's thresholds]
     back on); `reused_heap` sets glibc's starting values again on exit (128 KiB each), which
     is where a process that never freed a large block stays anyway.  On a C library other
     than glibc both functions do nothing.
+
+Note [large blocks from the heap]
+    A replay's packed linear layers are larger than 32 MiB from a 1B model up (a gate and up
+    projection of 2048 x 16384 bf16 is 64 MiB), so each one's packing would be a fresh
+    mapping, faulted in page by page, and unmapped at once.  ``mallopt(M_MMAP_MAX, 0)`` makes
+    glibc serve every block from a heap instead, so the next layer's packing reuses the
+    pages: oneDNN packing a 2048 x 16384 placeholder took 32 ms with a fresh mapping and 9 ms
+    from the heap (`reused_heap(large_blocks=True)`).  Only the main arena can grow past
+    ``HEAP_MAX_SIZE``; where its ``brk`` cannot grow, glibc maps a block all the same
+    (``sysmalloc``'s fallback), and a thread's arena that cannot serve a block hands the
+    request to another.  A load that relies on large blocks being unmapped when freed
+    (`staging.py`, Note [moving a packed weight]) does not ask for it.
 """
 
 from __future__ import annotations
@@ -29,7 +41,8 @@ import os
 
 __all__ = ["MAPPED_BLOCK_BYTES", "PAGE_BYTES", "drop_pages", "reused_heap", "trim"]
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # malloc.h
+_DEFAULT_MMAP_MAX = 65536  # glibc's DEFAULT_MMAP_MAX
 _DEFAULT_THRESHOLD = 128 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MIN and DEFAULT_TRIM_THRESHOLD
 _MAX_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _NO_TRIM = 2**31 - 1  # mallopt takes an int
@@ -75,19 +88,24 @@ def trim() -> None:
 
 
 @contextlib.contextmanager
-def reused_heap():
+def reused_heap(large_blocks: bool = False):
     """Within the block, blocks up to 32 MiB come from the heap and freed ones stay there for
-    the next allocation (Note [glibc's thresholds]); on exit the thresholds go back to glibc's
-    starting values and the free pages to the kernel."""
+    the next allocation (Note [glibc's thresholds]); with ``large_blocks``, larger ones too
+    (Note [large blocks from the heap]).  On exit the thresholds go back to glibc's starting
+    values and the free pages to the kernel."""
     libc = _glibc()
     if libc is None:
         yield
         return
     libc.mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)
     libc.mallopt(_M_TRIM_THRESHOLD, _NO_TRIM)
+    if large_blocks:
+        libc.mallopt(_M_MMAP_MAX, 0)
     try:
         yield
     finally:
+        if large_blocks:
+            libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
         libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
         libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
         libc.malloc_trim(0)

@@ -21,12 +21,16 @@ Note [packed weights replayed]
     vLLM's CPU backend packs an unquantized linear weight into its oneDNN handler
     (``dispatch_cpu_unquantized_gemm``) and drops it; only the handler can run the layer, and
     only vLLM's post-processing makes one.  So a replay lets it: the layer's ``weight`` is a
-    view, of the layer's shape and row-major strides, into one anonymous private mapping,
-    mapped read-only (every page reads as the kernel's shared zero page: no memory, whatever the
-    size; every layer's placeholder views it, so a write would change what the next layer
-    packs: it faults instead), vLLM packs those zeros into a private buffer, and the segment holding the first
-    engine's packed bytes takes its place at once (`onednn.install`, which frees the buffer:
-    one layer's packed copy at a time is the peak).  The handler's layout must be the one the
+    view of the layer's shape whose rows all read the same row (stride 0 over the rows) of one
+    anonymous private mapping, mapped read-only (every page reads as the kernel's shared zero
+    page: no memory; every layer's placeholder views it, so a write would change what the next
+    layer packs: it faults instead), vLLM packs those zeros into a private buffer, and the
+    segment holding the first engine's packed bytes takes its place at once (`onednn.install`,
+    which frees the buffer: one layer's packed copy at a time is the peak).  The packed
+    layout does not depend on the source's strides: vLLM's handler asks oneDNN's matmul for
+    its weights' layout (``format_tag::any``, ``csrc/cpu/dnnl_helper.cpp``) and reorders the
+    source into it, and a broadcast row halves that reorder (19 ms against 35 ms for a
+    2048 x 8192 bf16 weight here, the rest being the buffer's writes).  The handler's layout must be the one the
     recipe's content key names (`packed.packed_dtype`), else the recipe is declined.  The zeros
     are never compared with the segment (they differ by design): the trust is the recipe's, as
     for every tensor mapped here.  A small packed weight (a router's gate) travels inline in the
@@ -165,23 +169,25 @@ def packed_keys(slots: list[PackedSlot]) -> list[ContentKey]:
 # replaying a recipe (Note [packed weights replayed]) ----------------------------------------
 class ZeroPages:
     """Placeholders that read zeros, over one anonymous private mapping mapped read-only (Note
-    [packed weights replayed]): every page is the kernel's shared zero page (no memory,
-    whatever the size), and a write faults (SIGSEGV) instead of changing what the next layer
-    packs from the same pages."""
+    [packed weights replayed]): every page is the kernel's shared zero page (no memory), and a
+    write faults (SIGSEGV) instead of changing what the next layer packs from the same pages."""
 
     def __init__(self):
         self._pages = None
 
     def tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        """A row-major tensor of ``shape`` and ``dtype`` over the zero pages (the mapping grows,
-        by a new one, when a larger tensor is asked for; the old stays while a tensor views it)."""
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        """A tensor of ``shape`` (2-D: ``[rows, columns]``) and ``dtype`` reading zeros: one row
+        of the zero pages, broadcast over the rows (strides ``(0, 1)``).  The mapping grows, by
+        a new one, when a longer row is asked for; the old stays while a tensor views it."""
+        rows, columns = shape
+        nbytes = columns * torch.empty((), dtype=dtype).element_size()
         if self._pages is None or len(self._pages) < nbytes:
             self._pages = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                                     prot=mmap.PROT_READ)
         with warnings.catch_warnings():  # torch warns that the buffer is not writable: the point
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+            row = torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype)
+        return row.expand(rows, columns)
 
 
 def packed_and_dropped(module, name: str) -> bool:

@@ -395,9 +395,9 @@ class Replay:
         packed = {name for name in mapped if self.match.recipe.modules[name].packed is not None}
 
         def before(name: str, module: nn.Module) -> None:
-            # An embedding's packing is larger than any block the heap holds, so glibc maps it
-            # on its own (Note [glibc's thresholds]): the heap's free pages, the linear layers'
-            # freed packings, go back to the kernel first rather than sit beside it.
+            # An embedding's packing is the largest block of all: the heap's free pages, the
+            # linear layers' freed packings, go back to the kernel first rather than sit
+            # beside it.
             if name in packed and keeps_weight(self.match.recipe.modules[name]):
                 trim()
 
@@ -406,8 +406,8 @@ class Replay:
                 self._install_packed(name, module, resident)
 
         # Each linear layer's zero-page packing is freed once the segment is installed: the next
-        # layer's reuses its pages (`heap.reused_heap`).
-        with reused_heap(), post_processing_hooks(mapped, after, pre_processed=True, before=before), \
+        # layer's reuses its pages, however large (`heap`, Note [large blocks from the heap]).
+        with reused_heap(large_blocks=True), post_processing_hooks(mapped, after, pre_processed=True, before=before), \
                 contextlib.ExitStack() as stack:
             if not self.match.unmatched:
                 stack.enter_context(weights_already_processed())

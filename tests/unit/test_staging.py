@@ -168,6 +168,10 @@ def _held() -> int:
 
 
 def test_a_large_packed_weight_is_moved_chunk_by_chunk():
+    # Staging asks whether a module is a linear layer: vLLM's linear module, imported in an
+    # engine long before, is imported here before the memory is sampled.
+    import vllm.model_executor.layers.linear  # noqa: F401
+
     # glibc raises its mmap threshold each time a mapped block is freed, so what earlier tests of
     # this worker freed decides whether the copy's chunks come from the heap and stay resident:
     # leaving `reused_heap` sets glibc's starting thresholds again, and trims.
@@ -198,6 +202,35 @@ def test_a_large_packed_weight_is_moved_chunk_by_chunk():
     # memory never held the weight twice: the source gave its pages back as the memfd filled (a
     # whole copy first would add packed.nbytes here)
     assert peak < packed.nbytes // 2, (peak, packed.nbytes)
+
+
+def test_a_linear_layers_large_packed_weight_is_copied_whole(monkeypatch):
+    """Note [moving a packed weight]: a linear layer drops the weight it packs, so its packing is
+    copied whole and its buffer keeps its pages for the next layer's (no chunked move)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    class BigLinear(LinearBase):  # only the class matters here; LinearBase's own state is not used
+        outputs = _Big.outputs
+
+        def __init__(self):
+            nn.Module.__init__(self)
+            big = _Big()
+            self.weight, self.handler = big.weight, big.handler
+
+    layer = BigLinear()
+    before = layer.outputs()
+    assert onednn.find_packed(layer.handler).nbytes >= MAPPED_BLOCK_BYTES
+
+    def refuse(*args):
+        raise AssertionError("a linear layer's packing was moved chunk by chunk")
+
+    monkeypatch.setattr(staging_module, "_moved", refuse)
+    staging = Staging(min_bytes=1)
+    staging.after_post_processing("proj", layer)
+    assert staging.failures == [] and staging.staged[0].owner
+    assert _address(layer) == staging.staged[0].tensor.data_ptr()
+    assert torch.equal(layer.outputs(), before)
+    staging.release()
 
 
 @pytest.mark.heavy

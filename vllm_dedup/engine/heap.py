@@ -28,8 +28,9 @@ Note [large blocks from the heap]
     from the heap (`reused_heap(large_blocks=True)`).  Only the main arena can grow past
     ``HEAP_MAX_SIZE``; where its ``brk`` cannot grow, glibc maps a block all the same
     (``sysmalloc``'s fallback), and a thread's arena that cannot serve a block hands the
-    request to another.  A load that relies on large blocks being unmapped when freed
-    (`staging.py`, Note [moving a packed weight]) does not ask for it.
+    request to another.  A staged load asks for it too: it gives the pages of the one large
+    buffer it must not hold twice (an embedding's) back as it copies them (`staging.py`, Note
+    [moving a packed weight]), and lets every other buffer's pages serve the next layer.
 """
 
 from __future__ import annotations

@@ -381,7 +381,8 @@ class _UsualLoad(BaseModelLoader):
         if self.staging is not None:  # vLLM's template post-processes next: stage as it goes
 
             modules = {n: m for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None}
-            self._hooks.enter_context(reused_heap())  # each layer's freed buffers serve the next
+            # each layer's freed buffers serve the next, however large (Note [large blocks from the heap])
+            self._hooks.enter_context(reused_heap(large_blocks=True))
             self._hooks.enter_context(post_processing_hooks(modules, self.staging.after_post_processing))
 
     def _load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:

@@ -44,14 +44,17 @@ Note [the heap while staging]
 Note [moving a packed weight]
     A vocabulary embedding's packed weight (hundreds of MB) is staged first, while every plain
     weight is still loaded: the moment of a plain load's peak.  Copying it whole would add its
-    size to that peak.  A buffer of at least `heap.MAPPED_BLOCK_BYTES` is one glibc maps and
-    unmaps on its own, so its pages are freed when oneDNN frees it anyway: it is copied in
-    chunks, and each chunk's whole pages are given back (`heap.drop_pages`) as soon as the
-    memfd holds them, so the copy adds one chunk.  Nobody reads the buffer meanwhile (the
-    handler is only used after post-processing); until `onednn.install` points the handler
-    at the segment, any failure copies the bytes back from the memfd first, so the handler
-    never reads a dropped page.  Smaller buffers sit in glibc's heap, where `reused_heap`
-    hands their pages to the next layer: dropping those would only fault them in again.
+    size to that peak.  So a packed weight of at least `heap.MAPPED_BLOCK_BYTES` of a module
+    that keeps the weight it packs (an embedding, a head) is copied in chunks, and each chunk's
+    whole pages are given back (`heap.drop_pages`) as soon as the memfd holds them: the copy
+    adds one chunk.  Nobody reads the buffer meanwhile (the handler is only used after
+    post-processing); until `onednn.install` points the handler at the segment, any failure
+    copies the bytes back from the memfd first, so the handler never reads a dropped page.
+    A linear layer's packing is made as vLLM drops its plain weight, so copying it whole
+    holds no more than vLLM's own post-processing of the layer held a moment before; its
+    buffer, whatever its size, then goes back to glibc's heap (`heap.reused_heap` with large
+    blocks, Note [large blocks from the heap]), which hands its pages to the next layer's
+    packing: dropping them would only fault them in again.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from ..log import init_logger
 from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal, write_all
 from . import onednn
 from .heap import MAPPED_BLOCK_BYTES, PAGE_BYTES, drop_pages, trim
-from .packed import PackedSlot, packed_key
+from .packed import PackedSlot, packed_and_dropped, packed_key
 
 __all__ = ["Staged", "Staging"]
 
@@ -132,9 +135,10 @@ class Staging:
             self._freed_since_trim = 0
 
     def _stage_all(self, name: str, module) -> None:
+        keeps_weight = not packed_and_dropped(module, "weight")  # Note [moving a packed weight]
         for handler in onednn.module_handlers(module):
             try:
-                self._stage(name, handler)
+                self._stage(name, handler, keeps_weight)
             except (PackedWeightError, SegmentError) as e:
                 if len(self.failures) < 3:
                     self.failures.append(f"{name}: {e}")
@@ -142,7 +146,7 @@ class Staging:
                 if len(self.failures) < 3:
                     self.failures.append(f"{name}: {type(e).__name__}: {e}")
 
-    def _stage(self, name: str, handler) -> None:
+    def _stage(self, name: str, handler, keeps_weight: bool = True) -> None:
         import torch
 
         packed = onednn.find_packed(handler)
@@ -160,7 +164,7 @@ class Staging:
             else:
                 self.staged.append(Staged(name, handler, key, twin.segment, twin.tensor, owner=False))
                 return
-        moved = packed.nbytes >= MAPPED_BLOCK_BYTES
+        moved = keeps_weight and packed.nbytes >= MAPPED_BLOCK_BYTES
         segment = _moved(packed, view) if moved else HostSegment.from_bytes(view, name=SEGMENT_MEMFD_NAME)
         self.created_bytes += segment.size
         tensor = segment.tensor(0, torch.uint8, (packed.nbytes,), (1,))
@@ -173,7 +177,7 @@ class Staging:
                 ctypes.memmove(packed.address, tensor.data_ptr(), packed.nbytes)
             self._drop(segment)
             raise
-        if not moved:  # a mapped block was unmapped by free(); this one stays in the heap
+        if not moved:  # its pages stay in the heap (a moved one's were given back)
             self._freed_since_trim += packed.nbytes
         entry = Staged(name, handler, key, segment, tensor, owner=True)
         self.staged.append(entry)

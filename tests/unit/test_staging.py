@@ -227,9 +227,49 @@ def test_a_linear_layers_large_packed_weight_is_copied_whole(monkeypatch):
     monkeypatch.setattr(staging_module, "_moved", refuse)
     staging = Staging(min_bytes=1)
     staging.after_post_processing("proj", layer)
+    staging.finish()  # its copy ran in the staging worker (Note [one copy in flight])
     assert staging.failures == [] and staging.staged[0].owner
     assert _address(layer) == staging.staged[0].tensor.data_ptr()
     assert torch.equal(layer.outputs(), before)
+    staging.release()
+
+
+def test_linear_layers_copy_one_at_a_time_beside_the_next_in_order(monkeypatch):
+    """Note [one copy in flight]: linear layers' copies run in the staging worker, adopted in
+    layer order; a twin finds the segment of the copy before it; a copy that fails leaves its
+    handler its own bytes and is named in ``failures``."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    class Linear(LinearBase):  # only the class matters here; LinearBase's own state is not used
+        def __init__(self, seed: int):
+            nn.Module.__init__(self)
+            self.handler = ops.create_onednn_mm(_weight(seed).t(), 32)
+
+    model = nn.Module()
+    for i, seed in enumerate((1, 2, 1, 3)):
+        model.add_module(f"layer{i}", Linear(seed))
+    before = _outputs(model)
+    install, calls, threads = onednn.install, [], []
+
+    def second_fails(packed, data, compare=True):
+        calls.append(compare)
+        threads.append(threading.current_thread().name)
+        if len(calls) == 2:
+            raise PackedWeightError("refused for the test")
+        return install(packed, data, compare)
+
+    monkeypatch.setattr(onednn, "install", second_fails)
+    staging = Staging(min_bytes=1)
+    _stage(model, staging)
+    staging.finish()
+    assert [(e.module, e.owner) for e in staging.staged] == [("layer0", True), ("layer2", False), ("layer3", True)]
+    assert staging.failures == ["layer1: PackedWeightError: refused for the test"]
+    assert calls == [False, False, True, False]  # copies, then the twin's exact compare
+    assert [t.startswith("vllm-dedup-staging") for t in threads] == [True, True, False, True]
+    assert _address(model.layer2) == _address(model.layer0) == staging.staged[0].tensor.data_ptr()
+    assert not onednn.find_packed(model.layer1.handler).shared
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model), before))
+    assert staging.created_bytes == 2 * onednn.find_packed(model.layer0.handler).nbytes
     staging.release()
 
 

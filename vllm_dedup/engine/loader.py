@@ -384,6 +384,7 @@ class _UsualLoad(BaseModelLoader):
             # each layer's freed buffers serve the next, however large (Note [large blocks from the heap])
             self._hooks.enter_context(reused_heap(large_blocks=True))
             self._hooks.enter_context(post_processing_hooks(modules, self.staging.after_post_processing))
+            self._hooks.callback(self.staging.finish)  # the last copy in flight, before the heap is trimmed
 
     def _load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         inner, recorded = self.outer.inner, self.recorded

@@ -12,9 +12,10 @@ layer's post-processing, while the next layers are still plain:
    it is tied to) is compared exactly and takes that segment: no second copy;
 3. otherwise they are copied once into a new sealed memfd (`HostSegment.create_packed`) and
    the handler is pointed at its read-only mapping (`onednn.install`), which frees oneDNN's
-   buffer at once.
+   buffer at once; a linear layer's copy runs beside the next layer's post-processing (Note
+   [one copy in flight]).
 
-So the load holds at most one layer's packed weight twice, never the model's; a large one
+So the load holds at most two layers' packed weights twice, never the model's; a large one
 (Note [moving a packed weight]) not even that.  The staged
 segments are this engine's own and not yet published: the sharing pass then acquires their
 keys like any other, maps another engine's copy where one is resident (compared exactly, and
@@ -31,6 +32,19 @@ Note [why the packed bytes are copied once]
     allocator hook, so the bytes cannot be born in a memfd; anonymous pages cannot become a
     memfd's either.  One copy per layer, right after packing while the bytes are warm, is the
     least that is left (``patches/0005`` would let the handler pack into a caller's buffer).
+
+Note [one copy in flight]
+    Copying a packed weight into a memfd is mostly the kernel allocating and filling shmem
+    pages (``pwrite``, the GIL released), which vLLM's packing of the next layer neither
+    reads nor waits for.  So a linear layer's copy and install run in one worker thread while
+    the load goes on with the next layer, and the next layer's staging waits for it first:
+    one copy in flight at a time, adopted in layer order, and a twin (a tied head) always
+    finds the segment it would share.  Nothing runs the handler meanwhile (vLLM runs none
+    before post-processing ends); the install frees oneDNN's buffer from the worker, and
+    glibc returns it to the heap it came from.  A module that keeps the weight it packs (an
+    embedding) is staged in the load's own thread, its chunks too (Note [moving a packed
+    weight]): it is the load's peak moment.  `finish` waits for the last copy when
+    post-processing ends (`loader._UsualLoad`).
 
 Note [the heap while staging]
     Post-processing runs inside `heap.reused_heap`, where glibc keeps every freed block for
@@ -62,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import PackedWeightError, SegmentError
@@ -125,6 +140,8 @@ class Staging:
         self.failures: list[str] = []
         self._by_key: dict[str, Staged] = {}  # key -> the entry owning a segment of those bytes
         self._freed_since_trim = 0  # bytes of oneDNN buffers freed into the heap since the last trim
+        self._copier: ThreadPoolExecutor | None = None  # Note [one copy in flight]
+        self._in_flight = None  # (future, module name, handler, key, bytes) of the copy running
 
     def after_post_processing(self, name: str, module) -> None:
         """Stage every packed weight ``module`` itself holds; called right after its
@@ -147,14 +164,13 @@ class Staging:
                     self.failures.append(f"{name}: {type(e).__name__}: {e}")
 
     def _stage(self, name: str, handler, keeps_weight: bool = True) -> None:
-        import torch
-
         packed = onednn.find_packed(handler)
         if packed.shared or packed.nbytes < self.min_bytes:
             return
         view = packed.view()
         (key,) = self.colliding([packed_key(packed, view)])
         key = str(key)
+        self._finish_copy()  # Note [one copy in flight]: in layer order, and a twin is found
         twin = self._by_key.get(key)
         if twin is not None:
             try:
@@ -164,29 +180,57 @@ class Staging:
             else:
                 self.staged.append(Staged(name, handler, key, twin.segment, twin.tensor, owner=False))
                 return
-        moved = keeps_weight and packed.nbytes >= MAPPED_BLOCK_BYTES
-        segment = _moved(packed, view) if moved else HostSegment.from_bytes(view, name=SEGMENT_MEMFD_NAME)
-        self.created_bytes += segment.size
-        tensor = segment.tensor(0, torch.uint8, (packed.nbytes,), (1,))
+        self.created_bytes += packed.nbytes  # from now on: the meter samples it while copying
+        if not keeps_weight:  # a linear layer: copied beside the next layer's post-processing
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-staging")
+            self._in_flight = (self._copier.submit(_copied, packed, view, False), name, handler, key, packed.nbytes)
+            return
+        moved = packed.nbytes >= MAPPED_BLOCK_BYTES
         try:
-            # The segment was copied from these very bytes a moment ago: comparing them again
-            # would be a second pass over the model for nothing.
-            onednn.install(packed, tensor, compare=False)
-        except PackedWeightError:
-            if moved:  # the handler keeps its own buffer: its dropped pages get their bytes back
-                ctypes.memmove(packed.address, tensor.data_ptr(), packed.nbytes)
-            self._drop(segment)
+            segment, tensor = _copied(packed, view, moved)
+        except BaseException:
+            self.created_bytes -= packed.nbytes
             raise
         if not moved:  # its pages stay in the heap (a moved one's were given back)
             self._freed_since_trim += packed.nbytes
+        self._adopt(name, handler, key, segment, tensor)
+
+    def _finish_copy(self) -> None:
+        """Wait for the copy in flight, if any, and adopt its segment (a failure: the handler
+        keeps its own buffer, and the reason is kept in ``failures``).  Never raises."""
+        if self._in_flight is None:
+            return
+        future, name, handler, key, nbytes = self._in_flight
+        self._in_flight = None
+        try:
+            segment, tensor = future.result()
+        except Exception as e:
+            self.created_bytes -= nbytes
+            if len(self.failures) < 3:
+                self.failures.append(f"{name}: {type(e).__name__}: {e}")
+            return
+        self._freed_since_trim += nbytes  # oneDNN's buffer went back to the heap, pages and all
+        self._adopt(name, handler, key, segment, tensor)
+
+    def _adopt(self, name: str, handler, key: str, segment: HostSegment, tensor) -> None:
         entry = Staged(name, handler, key, segment, tensor, owner=True)
         self.staged.append(entry)
         self._by_key.setdefault(key, entry)
+
+    def finish(self) -> None:
+        """Wait for the copy in flight and stop the worker thread (post-processing is over).
+        Idempotent; never raises."""
+        self._finish_copy()
+        if self._copier is not None:
+            self._copier.shutdown()
+            self._copier = None
 
     def slots(self) -> list[tuple[PackedSlot, str]]:
         """The staged packed weights as the sharing pass takes them: (slot, content key), the
         entry owning each segment first among equal keys.  A handler changed since it was
         staged (it no longer reads its segment) is left out."""
+        self.finish()
         out = []
         for entry in sorted(self.staged, key=lambda e: not e.owner):
             try:
@@ -203,6 +247,7 @@ class Staging:
         """Let go of every staged segment: a published one lives on in the handlers that read
         it (and the registry); one that was not (another engine's copy was mapped instead) is
         freed as its last mapping goes.  Idempotent."""
+        self.finish()
         in_use = {id(e.segment) for e in self.staged if _reads(e)}
         for entry in self.staged:
             if entry.owner and entry.segment.fileno() >= 0:  # never published: its descriptor is still ours
@@ -213,16 +258,38 @@ class Staging:
         self.staged.clear()
         self._by_key.clear()
 
-    def _drop(self, segment: HostSegment) -> None:
-        with contextlib.suppress(OSError):
-            segment.close_fd()
-        self.created_bytes -= segment.size
-
     def summary(self) -> str:
         """One line: how many packed weights were staged, in how many segments and bytes."""
         owned = [e for e in self.staged if e.owner]
         return (f"{len(self.staged)} packed weights staged in {len(owned)} segments "
                 f"({sum(e.segment.size for e in owned) / 1e6:.1f} MB)")
+
+
+def _copied(packed, view: memoryview, moved: bool):
+    """``packed``'s bytes (``view``) copied into a new sealed memfd segment, whole or moved
+    (Note [moving a packed weight]), and installed in its handler: ``(segment, tensor over
+    it)``.  Runs in the load's thread or in the staging worker (Note [one copy in flight]).
+
+    Raises:
+        SegmentError: the segment could not be made (the handler keeps its bytes).
+        PackedWeightError: the install failed (the handler keeps its bytes; the segment is
+            closed).
+    """
+    import torch
+
+    segment = _moved(packed, view) if moved else HostSegment.from_bytes(view, name=SEGMENT_MEMFD_NAME)
+    tensor = segment.tensor(0, torch.uint8, (packed.nbytes,), (1,))
+    try:
+        # The segment was copied from these very bytes a moment ago: comparing them again
+        # would be a second pass over the model for nothing.
+        onednn.install(packed, tensor, compare=False)
+    except PackedWeightError:
+        if moved:  # the handler keeps its own buffer: its dropped pages get their bytes back
+            ctypes.memmove(packed.address, tensor.data_ptr(), packed.nbytes)
+        with contextlib.suppress(OSError):
+            segment.close_fd()
+        raise
+    return segment, tensor
 
 
 def _moved(packed, view: memoryview) -> HostSegment:

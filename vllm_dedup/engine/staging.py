@@ -31,7 +31,8 @@ Note [why the packed bytes are copied once]
     oneDNN allocates a handler's packed buffer itself (``posix_memalign``) and offers no
     allocator hook, so the bytes cannot be born in a memfd; anonymous pages cannot become a
     memfd's either.  One copy per layer, right after packing while the bytes are warm, is the
-    least that is left (``patches/0005`` would let the handler pack into a caller's buffer).
+    least that is left.  (``patches/0005`` lets a handler read a caller's buffer, as
+    `onednn.install` does; a handler is still made by packing into oneDNN's own.)
 
 Note [one copy in flight]
     Copying a packed weight into a memfd is mostly the kernel allocating and filling shmem

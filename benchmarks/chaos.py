@@ -28,7 +28,6 @@ registry agreed with /proc after every cycle and the run was not interrupted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffo
 
 from harness.chaos import Soak  # noqa: E402
 from harness.machine import describe, machine  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from harness.procs import mark_session  # noqa: E402
 from harness.variants import smollm2_family  # noqa: E402
 
@@ -91,10 +91,7 @@ def main() -> int:
     if interrupted is not None:
         print(f"interrupted: {report['interrupted']}")
     result = {"machine": machine(), "args": vars(args), **report}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / "chaos.json", result, args.json)
     if soak.report.ok:
         shutil.rmtree(work, ignore_errors=True)
     else:

@@ -68,6 +68,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+from harness.results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = [
@@ -674,11 +675,8 @@ def main() -> int:
     print("\nmicrobenchmark, ms per call at M=1 (one thread):")
     for r in result["microbenchmark_ms_per_call_m1"]:
         print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
-    RESULTS.mkdir(exist_ok=True)
     suffix = "" if not args.quick else f"-quick-{args.dtype}-{args.isa or 'native'}"
-    (RESULTS / f"cpu_decode{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / f"cpu_decode{suffix}.json", result, args.json)
     return 0
 
 

@@ -24,7 +24,6 @@ dedup engine put into shareable segments.  Table to stdout; JSON to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import EngineProcess  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,10 +95,7 @@ def main() -> int:
         print(f"{row['case']:<24}{row['tokens_per_s']:>10.1f}{row['relative_to_plain']:>10.2f}{share:>12}"
               f"{str(row['outputs_match_plain']):>13}")
     result = {"model": str(args.model), "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_linear.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / "cpu_linear.json", result, args.json)
     return 0
 
 

@@ -54,7 +54,6 @@ engine's in the same position, or a process the run started outlived it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -66,6 +65,7 @@ sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffo
 
 from harness.engines import ServeProcess  # noqa: E402
 from harness.machine import describe, machine  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from harness.procs import descendants, pss_bytes, tree_pss_parts  # noqa: E402
 from harness.variants import cached_variant  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
@@ -448,9 +448,7 @@ def main() -> int:
     print_table(result)
     if result["leftover_pids"]:
         print(f"left running: pids {result['leftover_pids']}")
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(args.out / f"{name}.json", result, args.json)
     ok = not result["leftover_pids"] and all(all(m["same_text"]) for m in result["scenarios"].values())
     return 0 if ok else 1
 

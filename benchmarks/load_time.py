@@ -48,7 +48,6 @@ profile is written beside the JSON).  Prints the machine's CPU flags and a table
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -60,6 +59,7 @@ sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffo
 
 from harness.engines import PROFILE_ENV, PROMPTS, EngineProcess, ServeProcess  # noqa: E402
 from harness.machine import describe, machine  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from harness.oracle import differences  # noqa: E402
 from harness.variants import cached_variant  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
@@ -266,14 +266,11 @@ def main() -> int:
     extra = extra or None
     if args.isa:
         name = name.replace(".json", f"-{args.isa}.json")
-    RESULTS.mkdir(parents=True, exist_ok=True)
     profile = RESULTS / name.replace(".json", f".{args.profile}.prof") if args.profile else None
     result = run(args.model, args.dtype or "bfloat16", serve=not args.no_serve, profile=profile, extra=extra,
                  profiled=args.profile)
     print_table(result)
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / name, result, args.json)
     return 0 if all(r["same_tokens"] for r in result["engines"].values()) else 1
 
 

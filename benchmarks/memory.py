@@ -28,7 +28,6 @@ engines' greedy tokens equal the plain engines'.  The table goes to stdout; the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import EngineProcess  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from harness.variants import cached_variant  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
@@ -126,10 +126,7 @@ def main() -> int:
               f"{e['pss_plain_bytes'] / MB:>9.0f}MB{e['pss_apart_bytes'] / MB:>9.0f}MB{e['pss_dedup_bytes'] / MB:>9.0f}MB"
               f"{e['saved_bytes'] / MB:>8.0f}MB{e['saved_by_sharing_bytes'] / MB:>10.0f}MB{str(e['outputs_match']):>7}")
     result = {"model": str(args.model), "scenarios": entries}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / "memory.json", result, args.json)
     return 0 if all(e["outputs_match"] for e in entries) else 1
 
 

@@ -28,7 +28,6 @@ Prints the machine's CPU flags and a table; writes ``benchmarks/results/recipe_r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffo
 
 from harness.engines import EngineProcess  # noqa: E402
 from harness.machine import describe, machine  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from harness.oracle import differences  # noqa: E402
 from vllm_dedup.errors import RegistryUnavailable  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
@@ -124,11 +124,8 @@ def main() -> int:
         print(f"{name:<14}{r['path']:>8}{r['load_s']:>9.2f}{r['read_bytes'] / MB:>10.1f}{r['peak_bytes'] / MB:>10.1f}"
               f"{r['shared_bytes'] / MB:>11.1f}  {r['tensors_differing']}")
     print(f"a recipe saves {lost - kept:.2f} s of this load ({lost / max(kept, 1e-9):.1f}x)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = "recipe_restart.json" if preset == "smollm2" or args.model else f"recipe_restart-{preset}.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / name, result, args.json)
     return 0 if all(r["tensors_differing"] == 0 for r in rows.values()) else 1
 
 

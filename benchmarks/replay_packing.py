@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import mmap
 import sys
 import time
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.machine import describe, machine  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from harness.sample_models import LLAMA_1B_CONFIG  # noqa: E402
 from vllm_dedup.engine.heap import reused_heap  # noqa: E402
 from vllm_dedup.engine.packed import ZeroPages  # noqa: E402
@@ -128,10 +128,7 @@ def main() -> int:
         print(f"{describe()}\noneDNN cannot pack bfloat16 on this CPU ({e}); vLLM does not pack, nothing to measure")
         return 1
     print_table(result)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"replay_packing-{args.preset}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / f"replay_packing-{args.preset}.json", result, args.json)
     return 0
 
 

@@ -24,7 +24,6 @@ written to ``benchmarks/results/scan_throughput.json`` (and printed as the last 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.machine import describe, machine  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from vllm_dedup.checkpoint.manifest import ManifestCache, default_cache_dir  # noqa: E402
 from vllm_dedup.scan.files import scan_model  # noqa: E402
 
@@ -134,10 +134,7 @@ def main() -> None:
         hashed = "-" if r["hashed_bytes"] is None else str(r["hashed_bytes"])
         print(f"{r['case']:<26} {r['seconds']:>9.4f} {r['gb_per_s']:>8.2f} {r['ratio_to_raw']:>7.2f} {hashed:>14}")
     print(f"best warm scan / raw blake3 (1 thread): {result['warm_scan_over_raw']:.2f}  (target >= 0.5)")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "scan_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / "scan_throughput.json", result, args.json)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ line of stdout).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import sys
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.machine import describe, machine  # noqa: E402
+from harness.results import write_results  # noqa: E402
 from vllm_dedup.engine.in_place import InPlace  # noqa: E402
 from vllm_dedup.engine.slots import collect_slots  # noqa: E402
 from vllm_dedup.segments.host import HostSegment  # noqa: E402
@@ -134,10 +134,7 @@ def main() -> int:
     args = parser.parse_args()
     result = run(args.gb, args.segments, args.repeats)
     print_table(result)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "seal_cost.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
+    write_results(RESULTS / "seal_cost.json", result, args.json)
     return 0
 
 

@@ -220,8 +220,11 @@ class HostSegment(Segment):
             self._map = mapping
             return
         # MAP_POPULATE fills the page tables now: no page faults in the first forward passes,
-        # and the pages show in this process's PSS like a private copy's would.  An empty
-        # tensor still needs a (1-byte) mapping: mmap of length 0 is an error.
+        # and the pages show in this process's PSS like a private copy's would.  (Filling them
+        # in a thread beside the replay, madvise(MADV_POPULATE_READ) with the GIL released, was
+        # measured no faster: a vLLM CPU engine's threads are bound to its cores, which its
+        # packing keeps busy.)  An empty tensor still needs a (1-byte) mapping: mmap of length
+        # 0 is an error.
         try:
             self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
         except OSError as e:

@@ -22,7 +22,10 @@ bytes the engine read, as it reports; plain: the checkpoint's tensor bytes), ``p
 engine: the process's private memory plus the machine's shared memory, so the segments a dedup
 engine makes count from the moment they exist and the ones it maps from another engine do not;
 ``private_peak_bytes``: private memory alone; ``engine_peak_bytes``: a dedup engine's own
-figure, `vllm_dedup.engine.meter`) and whether its greedy tokens equal the plain engine's.  Then ``vllm serve`` time-to-ready for a restart: the server is started,
+figure, `vllm_dedup.engine.meter`), ``gc_s`` (the garbage collector's pauses within ``load_s``:
+vLLM's loader collects the heap once after loading the weights, which a dedup load does with
+the heap frozen, so the ``no gc`` column compares the loads without them) and whether its
+greedy tokens equal the plain engine's.  Then ``vllm serve`` time-to-ready for a restart: the server is started,
 stopped and started again, plain, then dedup with ``keep_warm_s`` (the second start maps).
 
 The second engine's final tensors are compared with the first's (`harness.oracle`: the first
@@ -96,7 +99,7 @@ ISA_ENV = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 def measure(engine: EngineProcess, reference: list | None, checkpoint_bytes: int) -> dict:
     stats = engine.load_stats()
     tokens = engine.generate()
-    row = {"load_s": stats["seconds"], "peak_bytes": stats["new_memory_peak_bytes"],
+    row = {"load_s": stats["seconds"], "gc_s": stats["gc_seconds"], "peak_bytes": stats["new_memory_peak_bytes"],
            "private_peak_bytes": stats["peak_bytes"], "read_bytes": checkpoint_bytes,
            "path": "-", "same_tokens": reference is None or tokens == reference}
     if engine.load_format == "dedup":
@@ -214,10 +217,13 @@ def print_table(result: dict) -> None:
     print(f"model {result['model']} ({result['dtype']}, {result['model_bytes'] / MB:.0f} MB of tensors); "
           f"dedup options {result.get('dedup_options') or 'default'}; "
           f"last-layers variant: {result['last_layers_unique_bytes'] / MB:.1f} MB of its own")
-    print(f"{'engine':<20}{'path':>8}{'load s':>9}{'vs plain':>10}{'read MB':>10}{'peak MB':>10}  same tokens")
-    plain_s = result["engines"]["plain"]["load_s"]
+    print(f"{'engine':<20}{'path':>8}{'load s':>9}{'vs plain':>10}{'gc s':>7}{'no gc':>8}{'read MB':>10}"
+          f"{'peak MB':>10}  same tokens")
+    plain = result["engines"]["plain"]
+    plain_s, plain_work = plain["load_s"], plain["load_s"] - plain["gc_s"]
     for name, r in result["engines"].items():
-        print(f"{name:<20}{r['path']:>8}{r['load_s']:>9.2f}{r['load_s'] / plain_s:>9.1%} {r['read_bytes'] / MB:>9.1f}"
+        print(f"{name:<20}{r['path']:>8}{r['load_s']:>9.2f}{r['load_s'] / plain_s:>9.1%} {r['gc_s']:>7.2f}"
+              f"{(r['load_s'] - r['gc_s']) / plain_work:>7.1%} {r['read_bytes'] / MB:>9.1f}"
               f"{r['peak_bytes'] / MB:>10.1f}  {r['same_tokens']}")
     for fmt, (cold, again) in result["serve_ready_s"].items():
         print(f"vllm serve {fmt:<6} ready in {cold:.1f} s, restarted ready in {again:.1f} s")

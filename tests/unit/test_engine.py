@@ -131,6 +131,33 @@ def test_write_witnesses_see_a_copy_over_a_large_tensor():
     assert write_witness(big) != before and write_witness(torch.empty(0)) == b""
 
 
+def test_a_witness_before_the_load_reads_no_page_not_written_yet():
+    """Note [reading a parameter before it is written]: the witness of fresh memory is the one
+    reading it gives, and it leaves the pages nobody wrote unmapped (its samples span 256 of
+    the 4096 pages here; two were written)."""
+    import mmap
+    import warnings
+
+    from vllm_dedup.engine.proc_maps import AnonymousRanges, present_runs
+
+    pages = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(pages, dtype=torch.uint8)
+    t = raw.view(torch.bfloat16)
+    sample = [i * (t.numel() - 1) // 255 * 2 for i in range(256)]  # byte offsets of write_witness's samples
+    raw[sample[255] + 1] = 7
+    raw[sample[3] + 1] = 5
+    unwritten = AnonymousRanges()
+    witness = write_witness(t, unwritten=unwritten)
+    present = sum(hi - lo for lo, hi in present_runs(t.data_ptr(), 16 << 20)) // 4096
+    assert present == 2
+    assert witness == write_witness(t)  # reading every sample gives the same value
+    assert sum(hi - lo for lo, hi in present_runs(t.data_ptr(), 16 << 20)) // 4096 > 200  # and maps the pages
+    raw[sample[128]] = 1  # a write where a sample lies is seen either way
+    assert write_witness(t, unwritten=unwritten) != witness
+
+
 def test_tied_weights_are_one_slot_and_a_swap_keeps_the_parameter_objects():
     model = Tiny()
     recorded_load(model, checkpoint())

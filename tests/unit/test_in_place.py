@@ -20,6 +20,7 @@ from vllm_dedup.config import DedupConfig
 from vllm_dedup.engine import in_place as in_place_module
 from vllm_dedup.engine.context import LoadContext
 from vllm_dedup.engine.in_place import InPlace
+from vllm_dedup.engine.proc_maps import AnonymousRanges, present_runs
 from vllm_dedup.engine.share import share_model
 from vllm_dedup.registry.client import RegistryClient, registry_stats
 from vllm_dedup.engine.slots import collect_slots
@@ -130,10 +131,10 @@ def test_only_written_pages_are_copied_and_the_rest_reads_zeros():
         t = torch.frombuffer(pages, dtype=torch.uint8)
     t[5 * 4096 + 7] = 3
     t[-1] = 9
-    runs = in_place_module._written_runs(t.data_ptr(), t.numel())
+    runs = present_runs(t.data_ptr(), t.numel())
     assert runs is not None and sum(hi - lo for lo, hi in runs) < 16 * 4096  # a few pages, not 16 MiB
     dst = torch.zeros_like(t)
-    in_place_module._copy_written(t, dst, in_place_module._AnonymousRanges())
+    in_place_module._copy_written(t, dst, AnonymousRanges())
     assert torch.equal(dst, t)  # unwritten pages of t read zeros too
 
 

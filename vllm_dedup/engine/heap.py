@@ -38,7 +38,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import os
+
+from .proc_maps import PAGE_BYTES
 
 __all__ = ["MAPPED_BLOCK_BYTES", "PAGE_BYTES", "drop_pages", "reused_heap", "trim"]
 
@@ -48,7 +49,6 @@ _DEFAULT_THRESHOLD = 128 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MIN and DEFAUL
 _MAX_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _NO_TRIM = 2**31 - 1  # mallopt takes an int
 _MADV_DONTNEED = 4  # asm-generic/mman-common.h
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 MAPPED_BLOCK_BYTES = _MAX_MMAP_THRESHOLD  # within `reused_heap`, blocks at least this large are mapped
 
 

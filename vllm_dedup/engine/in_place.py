@@ -83,7 +83,6 @@ Note [a descriptor that goes with its mapping]
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 import sys
@@ -91,15 +90,13 @@ import warnings
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..content.views import typed_view
 from ..errors import SegmentError
 from ..log import init_logger
 from ..segments.host import HostSegment, seal, seals_future_writes, writable_memfd
-from .heap import PAGE_BYTES
-from .proc_maps import mappings
+from .proc_maps import AnonymousRanges, present_runs
 from .slots import Slot, collect_slots, swap, swap_out
 
 __all__ = ["InPlace"]
@@ -162,7 +159,7 @@ class InPlace:
         Never raises: a storage that cannot be moved stays."""
         slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
         only = None if modules is None else {id(m) for m in modules}
-        anonymous = _AnonymousRanges()
+        anonymous = AnonymousRanges()
         room = _descriptor_room()
         for slot in slots:
             if any(self.skip(module, name) for module, name, _ in slot.refs):
@@ -181,7 +178,7 @@ class InPlace:
                 logger.info("in place: %d storages stay private (%s)", len(slots), e)
                 break
 
-    def _move(self, slot: Slot, anonymous: _AnonymousRanges) -> None:
+    def _move(self, slot: Slot, anonymous: AnonymousRanges) -> None:
         """Move one storage; or, where something outside the model's places still holds vLLM's
         storage (Note [a storage held elsewhere]), leave it where it is."""
         old, nbytes = slot.tensor, slot.nbytes
@@ -315,55 +312,14 @@ def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tens
         return typed_view(torch.frombuffer(buffer, dtype=torch.uint8), 0, dtype, shape, stride)
 
 
-class _AnonymousRanges:
-    """The private anonymous mappings of this process now (``/proc/self/maps``: no file, ``p``
-    permission), to tell whether an address range reads zeros where no page is present."""
-
-    def __init__(self):
-        self.starts, self.ends = [], []
-        try:
-            for m in mappings():
-                if not m.private_anonymous:
-                    continue
-                if self.ends and self.ends[-1] == m.start:  # adjacent: one range
-                    self.ends[-1] = m.end
-                else:
-                    self.starts.append(m.start)
-                    self.ends.append(m.end)
-        except OSError:
-            pass
-
-    def contains(self, address: int, nbytes: int) -> bool:
-        i = bisect.bisect_right(self.starts, address) - 1
-        return i >= 0 and address + nbytes <= self.ends[i]
-
-
-def _copy_written(src: torch.Tensor, dst: torch.Tensor, anonymous: _AnonymousRanges) -> None:
+def _copy_written(src: torch.Tensor, dst: torch.Tensor, anonymous: AnonymousRanges) -> None:
     """Copy ``src`` into ``dst`` (a fresh memfd's zeros, same dtype and shape, both contiguous),
     skipping the pages of ``src`` that read as zeros (Note [only written pages are copied])."""
     address, nbytes = src.data_ptr(), src.numel() * src.element_size()
-    runs = _written_runs(address, nbytes) if anonymous.contains(address, nbytes) else None
+    runs = present_runs(address, nbytes) if anonymous.contains(address, nbytes) else None
     if runs is None:
         dst.copy_(src)
         return
     src_bytes, dst_bytes = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
     for lo, hi in runs:
         dst_bytes[lo:hi].copy_(src_bytes[lo:hi])
-
-
-def _written_runs(address: int, nbytes: int) -> list[tuple[int, int]] | None:
-    """Byte ranges (from ``address``) of the pages in ``[address, address + nbytes)`` that are
-    present or swapped out (``/proc/self/pagemap``); None where it cannot be read."""
-    first, last = address // PAGE_BYTES, (address + nbytes - 1) // PAGE_BYTES
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            pagemap.seek(first * 8)
-            raw = pagemap.read((last - first + 1) * 8)
-    except OSError:
-        return None
-    if len(raw) != (last - first + 1) * 8:
-        return None
-    written = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(62)) != 0
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], written.astype(np.int8), [0]))))
-    return [(max(address, (first + a) * PAGE_BYTES) - address, min(address + nbytes, (first + b) * PAGE_BYTES) - address)
-            for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist())]

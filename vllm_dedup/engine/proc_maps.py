@@ -1,13 +1,24 @@
-"""This process's memory mappings as the kernel lists them (``/proc/self/maps``, proc(5)): one
-parser for every reader (the oneDNN library's extension and code ranges, in place's private
-anonymous ranges)."""
+"""This process's memory as the kernel lists it (proc(5)): its mappings (``/proc/self/maps``),
+one parser for every reader (the oneDNN library's extension and code ranges, the private
+anonymous ranges), and which pages of a range are present (``/proc/self/pagemap``).
+
+A page of a private anonymous mapping that is neither present nor swapped out reads as zeros:
+publishing in place copies only the others (`in_place`, Note [only written pages are copied]),
+and a write witness does not read them (`sources.write_witness`).
+"""
 
 from __future__ import annotations
 
+import bisect
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Mapping", "mappings"]
+import numpy as np
+
+__all__ = ["AnonymousRanges", "Mapping", "mappings", "present_runs"]
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -42,3 +53,47 @@ def mappings() -> Iterator[Mapping]:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             path = fields[5].rstrip("\n") if len(fields) > 5 else ""
             yield Mapping(start, end, fields[1], int(fields[2], 16), fields[3], int(fields[4]), path)
+
+
+class AnonymousRanges:
+    """The private anonymous mappings of this process now (`mappings`), to tell whether an
+    address range reads zeros where no page is present."""
+
+    def __init__(self):
+        self.starts, self.ends = [], []
+        try:
+            for m in mappings():
+                if not m.private_anonymous:
+                    continue
+                if self.ends and self.ends[-1] == m.start:  # adjacent: one range
+                    self.ends[-1] = m.end
+                else:
+                    self.starts.append(m.start)
+                    self.ends.append(m.end)
+        except OSError:
+            pass
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        """Whether ``[address, address + nbytes)`` lies within one private anonymous range."""
+        i = bisect.bisect_right(self.starts, address) - 1
+        return i >= 0 and address + nbytes <= self.ends[i]
+
+
+def present_runs(address: int, nbytes: int) -> list[tuple[int, int]] | None:
+    """Byte ranges (offsets from ``address``) of the pages in ``[address, address + nbytes)``
+    that are present or swapped out (``/proc/self/pagemap``, bits 63 and 62); None where it
+    cannot be read.  In a private anonymous range (`AnonymousRanges`) every other byte reads
+    as zero."""
+    first, last = address // PAGE_BYTES, (address + nbytes - 1) // PAGE_BYTES
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            raw = pagemap.read((last - first + 1) * 8)
+    except OSError:
+        return None
+    if len(raw) != (last - first + 1) * 8:
+        return None
+    present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(62)) != 0
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], present.astype(np.int8), [0]))))
+    return [(max(address, (first + a) * PAGE_BYTES) - address, min(address + nbytes, (first + b) * PAGE_BYTES) - address)
+            for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist())]

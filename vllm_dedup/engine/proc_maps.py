@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["AnonymousRanges", "Mapping", "mappings", "present_runs"]
+__all__ = ["PAGE_BYTES", "AnonymousRanges", "Mapping", "mappings", "present_runs"]
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 

@@ -272,6 +272,7 @@ def main() -> int:
     extra = extra or None
     if args.isa:
         name = name.replace(".json", f"-{args.isa}.json")
+    RESULTS.mkdir(parents=True, exist_ok=True)  # the profiled engine writes its profile there
     profile = RESULTS / name.replace(".json", f".{args.profile}.prof") if args.profile else None
     result = run(args.model, args.dtype or "bfloat16", serve=not args.no_serve, profile=profile, extra=extra,
                  profiled=args.profile)

@@ -96,7 +96,7 @@ from ..content.views import typed_view
 from ..errors import SegmentError
 from ..log import init_logger
 from ..segments.host import HostSegment, seal, seals_future_writes, writable_memfd
-from .proc_maps import AnonymousRanges, present_runs
+from .proc_maps import AnonymousRanges
 from .slots import Slot, collect_slots, swap, swap_out
 
 __all__ = ["InPlace"]
@@ -316,7 +316,7 @@ def _copy_written(src: torch.Tensor, dst: torch.Tensor, anonymous: AnonymousRang
     """Copy ``src`` into ``dst`` (a fresh memfd's zeros, same dtype and shape, both contiguous),
     skipping the pages of ``src`` that read as zeros (Note [only written pages are copied])."""
     address, nbytes = src.data_ptr(), src.numel() * src.element_size()
-    runs = present_runs(address, nbytes) if anonymous.contains(address, nbytes) else None
+    runs = anonymous.written_runs(address, nbytes)
     if runs is None:
         dst.copy_(src)
         return

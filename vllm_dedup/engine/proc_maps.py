@@ -78,6 +78,12 @@ class AnonymousRanges:
         i = bisect.bisect_right(self.starts, address) - 1
         return i >= 0 and address + nbytes <= self.ends[i]
 
+    def written_runs(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """`present_runs` of ``[address, address + nbytes)`` where that range lies in one
+        private anonymous range, so every byte outside the runs reads as zero; None where it
+        does not, or pagemap cannot be read (then any byte may be written)."""
+        return present_runs(address, nbytes) if self.contains(address, nbytes) else None
+
 
 def present_runs(address: int, nbytes: int) -> list[tuple[int, int]] | None:
     """Byte ranges (offsets from ``address``) of the pages in ``[address, address + nbytes)``

@@ -40,7 +40,7 @@ import xxhash
 
 from ..content.keys import source_key
 from ..content.views import dtype_name, tensor_bytes
-from .proc_maps import AnonymousRanges, present_runs
+from .proc_maps import AnonymousRanges
 from .provenance import Provenance
 
 __all__ = ["SourceRecorder", "write_witness"]
@@ -304,11 +304,9 @@ def _samples(t, flat, idx, unwritten: AnonymousRanges | None):
     ``unwritten`` says they read as zeros (Note [reading a parameter before it is written])."""
     import torch
 
-    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    if (unwritten is None or t.device.type != "cpu" or not t.is_contiguous()
-            or not unwritten.contains(address, nbytes)):
+    if unwritten is None or t.device.type != "cpu" or not t.is_contiguous():
         return flat[idx]
-    runs = present_runs(address, nbytes)
+    runs = unwritten.written_runs(t.data_ptr(), t.numel() * t.element_size())
     if runs is None:
         return flat[idx]
     out = torch.zeros(len(idx), dtype=flat.dtype)

@@ -163,6 +163,29 @@ def test_segment_in_place_gives_identical_results_and_frees_the_private_copy(n, 
     assert onednn.install(again, _segment_tensor(bytes(again.view()))) == 0  # no double free
 
 
+def test_a_handler_is_checked_once_and_found_again_after_install(monkeypatch):
+    """Note [a handler found once]: a second look reads nothing through /proc/self/mem, `install`
+    leaves the new address behind, and a data handle changed by anyone else means a full check."""
+    handler = ops.create_onednn_mm(_weight(576, 1536).t(), 32)
+    packed = onednn.find_packed(handler)
+    lib = onednn_library.library()
+    reads = []
+    words = lib.words
+    monkeypatch.setattr(lib, "words", lambda *a: reads.append(a) or words(*a))
+    assert onednn.find_packed(handler) is packed and not reads
+    data = _segment_tensor(bytes(packed.view()))
+    onednn.install(packed, data)
+    again = onednn.find_packed(handler)
+    assert again.address == data.data_ptr() and again.shared and not reads
+    checked = onednn.find_packed(types.SimpleNamespace(handler_tensor=handler.handler_tensor, n=576, k=1536))
+    assert reads and (checked.memory, checked.address, checked.layout) == (again.memory, again.address, again.layout)
+    other = _segment_tensor(bytes(again.view()))  # behind find_packed's back: the kept one is stale
+    assert lib.set_data_handle(again.memory, other.data_ptr()) == onednn_library.SUCCESS
+    reads.clear()
+    assert onednn.find_packed(handler).address == other.data_ptr() and reads
+    setattr(handler, onednn.handler.HOLDS, [other])  # what install would have kept, so the mapping outlives it
+
+
 def test_the_kernel_reads_the_segment():
     """A segment holding another weight's packing (same layout) changes the results to that
     weight's: the kernel reads the new address, not a stale one."""

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_a_handler_is_checked_once_and_found_again_after_install(monkeypatch):
     reads = []
     words = lib.words
     monkeypatch.setattr(lib, "words", lambda *a: reads.append(a) or words(*a))
-    assert onednn.find_packed(handler) is packed and not reads
+    assert onednn.find_packed(handler) == packed and not reads
     data = _segment_tensor(bytes(packed.view()))
     onednn.install(packed, data)
     again = onednn.find_packed(handler)
@@ -184,6 +185,9 @@ def test_a_handler_is_checked_once_and_found_again_after_install(monkeypatch):
     reads.clear()
     assert onednn.find_packed(handler).address == other.data_ptr() and reads
     setattr(handler, onednn.handler.HOLDS, [other])  # what install would have kept, so the mapping outlives it
+    held = weakref.ref(handler)  # no reference cycle through what is kept: dropped, it goes at once
+    del handler, packed, again, checked
+    assert held() is None
 
 
 def test_the_kernel_reads_the_segment():

@@ -40,10 +40,13 @@ Note [a handler found once]
     A first engine asks for each handler's packed weight five times (staging it, installing its
     segment, recording the recipe, the sharing pass, and checking which segments it reads), and
     the full check (above) reads some forty words through ``/proc/self/mem`` and queries oneDNN
-    for the layout: 0.12-0.15 s of a 1.2B model's load over its 91 handlers.  So the
-    `PackedWeight` found is kept on the Python handler (``_FOUND``) with the C++ handler's
-    address and the handler tensor it came from, and returned again while both are the same and
-    oneDNN still reports the same data handle for the weights' memory (one C call).  What the
+    for the layout: 0.12-0.15 s of a 1.2B model's load over its 91 handlers.  So what was found
+    (the weights' memory, its address and layout) is kept on the Python handler (``_FOUND``)
+    with the C++ handler's address and the handler tensor it came from, and given again while
+    both are the same and oneDNN still reports the same data handle for the weights' memory (one
+    C call).  Not the `PackedWeight` itself: it refers to the handler, and a reference cycle
+    would keep a dropped handler, and the packed buffer or segment its ``__del__`` frees, alive
+    until a garbage collection.  What the
     full check validated cannot have changed meanwhile: the Python handler owns its C++ handler
     (``CPUDNNLGEMMHandler.__del__`` deletes it), vLLM builds the handler's memory map once in the
     constructor, and the only writer of the weights' data handle after that is `install`, which
@@ -53,7 +56,6 @@ Note [a handler found once]
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 from dataclasses import dataclass
 
 from ...errors import PackedWeightError
@@ -158,19 +160,18 @@ def find_packed(handler) -> PackedWeight:
         raise PackedWeightError(f"the packed weight's address {address:#x} is not {C.ALIGNMENT}-byte aligned")
     lib.read(address, 1)
     lib.read(address + layout.nbytes - 1, 1)
-    packed = PackedWeight(handler, memory, address, layout)
-    setattr(handler, _FOUND, (tensor, h, packed))
-    return packed
+    setattr(handler, _FOUND, (tensor, h, memory, address, layout))
+    return PackedWeight(handler, memory, address, layout)
 
 
 def _found_before(lib: C.Library, handler, tensor, h: int) -> PackedWeight | None:
-    """The `PackedWeight` kept on ``handler`` if it still describes it (Note [a handler found
+    """What was found of ``handler`` before, if it still describes it (Note [a handler found
     once]): the same handler tensor and C++ handler, and the weights' data handle unchanged."""
     kept = getattr(handler, _FOUND, None)
     if kept is None or kept[0] is not tensor or kept[1] != h:
         return None
-    packed = kept[2]
-    return packed if lib.data_handle(packed.memory) == packed.address else None
+    _, _, memory, address, layout = kept
+    return PackedWeight(handler, memory, address, layout) if lib.data_handle(memory) == address else None
 
 
 def _map_entries(lib: C.Library, table: int) -> dict[int, int]:
@@ -237,8 +238,8 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
     # staged, `staging.py`) is let go of here, and freed with its last mapping.
     setattr(packed.handler, HOLDS, [data])
     kept = getattr(packed.handler, _FOUND, None)
-    if kept is not None and kept[2].memory == packed.memory:  # Note [a handler found once]
-        setattr(packed.handler, _FOUND, (*kept[:2], dataclasses.replace(packed, address=address)))
+    if kept is not None and kept[2] == packed.memory:  # Note [a handler found once]
+        setattr(packed.handler, _FOUND, (*kept[:3], address, kept[4]))
     return packed.nbytes if was_private else 0
 
 

@@ -46,17 +46,17 @@ Note [a handler found once]
     both are the same and oneDNN still reports the same data handle for the weights' memory (one
     C call).  Not the `PackedWeight` itself: it refers to the handler, and a reference cycle
     would keep a dropped handler, and the packed buffer or segment its ``__del__`` frees, alive
-    until a garbage collection.  What the
-    full check validated cannot have changed meanwhile: the Python handler owns its C++ handler
-    (``CPUDNNLGEMMHandler.__del__`` deletes it), vLLM builds the handler's memory map once in the
-    constructor, and the only writer of the weights' data handle after that is `install`, which
-    keeps the `PackedWeight` it leaves behind.
+    until a garbage collection.  What the full check validated cannot have changed meanwhile:
+    the Python handler owns its C++ handler (``CPUDNNLGEMMHandler.__del__`` deletes it), vLLM
+    builds the handler's memory map once in the constructor, and the only writer of the
+    weights' data handle after that is `install`, which keeps the new address.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...errors import PackedWeightError
 from . import library as C
@@ -73,7 +73,19 @@ _RUNTIME_PTRS = 8                   # runtime_memory_ptrs_(8) in the constructor
 _MAX_MAP_ENTRIES = 16
 
 HOLDS = "_vllm_dedup_segments"     # attribute of the Python handler: the mappings it reads
-_FOUND = "_vllm_dedup_found"       # attribute of the Python handler: Note [a handler found once]
+_FOUND = "_vllm_dedup_found"       # attribute of the Python handler: a `_Found` (Note [a handler found once])
+
+
+class _Found(NamedTuple):
+    """What `find_packed` found of one handler, kept on it (Note [a handler found once]): the
+    handler tensor and the C++ handler's address it came from, the weights' ``dnnl_memory``, the
+    packed bytes' address and their layout."""
+
+    tensor: object
+    handle: int
+    memory: int
+    address: int
+    layout: PackedLayout
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,7 @@ def find_packed(handler) -> PackedWeight:
         raise PackedWeightError(f"the packed weight's address {address:#x} is not {C.ALIGNMENT}-byte aligned")
     lib.read(address, 1)
     lib.read(address + layout.nbytes - 1, 1)
-    setattr(handler, _FOUND, (tensor, h, memory, address, layout))
+    setattr(handler, _FOUND, _Found(tensor, h, memory, address, layout))
     return PackedWeight(handler, memory, address, layout)
 
 
@@ -168,10 +180,9 @@ def _found_before(lib: C.Library, handler, tensor, h: int) -> PackedWeight | Non
     """What was found of ``handler`` before, if it still describes it (Note [a handler found
     once]): the same handler tensor and C++ handler, and the weights' data handle unchanged."""
     kept = getattr(handler, _FOUND, None)
-    if kept is None or kept[0] is not tensor or kept[1] != h:
+    if kept is None or kept.tensor is not tensor or kept.handle != h or lib.data_handle(kept.memory) != kept.address:
         return None
-    _, _, memory, address, layout = kept
-    return PackedWeight(handler, memory, address, layout) if lib.data_handle(memory) == address else None
+    return PackedWeight(handler, kept.memory, kept.address, kept.layout)
 
 
 def _map_entries(lib: C.Library, table: int) -> dict[int, int]:
@@ -238,8 +249,8 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
     # staged, `staging.py`) is let go of here, and freed with its last mapping.
     setattr(packed.handler, HOLDS, [data])
     kept = getattr(packed.handler, _FOUND, None)
-    if kept is not None and kept[2] == packed.memory:  # Note [a handler found once]
-        setattr(packed.handler, _FOUND, (*kept[:3], address, kept[4]))
+    if kept is not None and kept.memory == packed.memory:  # Note [a handler found once]
+        setattr(packed.handler, _FOUND, kept._replace(address=address))
     return packed.nbytes if was_private else 0
 
 

@@ -43,7 +43,9 @@ random-weight Llama of 1.17B parameters (bfloat16, 2.34 GB in three shards,
 warm for every engine (the checkpoints are read once before the plain engine starts): the
 plain figures are a plain load's best case.  ``--no-serve`` leaves out the ``vllm serve`` restarts; ``--profile [first|second]``
 runs that dedup engine's ``get_model`` (the second's by default) under cProfile and prints where its time goes (the whole
-profile is written beside the JSON).  Prints the machine's CPU flags and a table; writes
+profile is written beside the JSON).  Prints the machine's CPU flags, how its kernel hands out
+memory and how fast fresh memory was before the engines started (`harness.machine`, Note [fresh
+memory]: load times move with it between days), and a table; writes
 ``benchmarks/results/load_time.json`` (``load_time-<preset>.json`` for another preset;
 ``--json``: also the last line of stdout).
 """
@@ -61,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import PROFILE_ENV, PROMPTS, EngineProcess, ServeProcess  # noqa: E402
-from harness.machine import describe, machine  # noqa: E402
+from harness.machine import describe, fresh_memory, machine  # noqa: E402
 from harness.results import write_results  # noqa: E402
 from harness.oracle import differences  # noqa: E402
 from harness.variants import cached_variant  # noqa: E402
@@ -154,6 +156,7 @@ def warm_page_cache(*folders: Path) -> None:
 
 def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None, extra: dict | None = None,
         profiled: str | None = None) -> dict:
+    fresh = fresh_memory()  # before any engine: how fast this machine gives out new pages today
     tuned = cached_variant(model, "last-layers")
     cache = ManifestCache(default_cache_dir())
     scans = [scan_model(m, cache=cache, progress=False) for m in (model, tuned)]  # the variant's keys cached
@@ -203,15 +206,20 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
         "second engine's final tensors are the first's": rows["dedup second"]["tensors_differing"] == 0,
         "last-layers reads <= its unique bytes + 5%": rows["dedup last-layers"]["read_bytes"] <= 1.05 * tuned_unique,
     }
-    return {"machine": machine(), "engine_env": ENGINE_ENV, "model": str(model), "dtype": dtype,
+    return {"machine": machine(), "fresh_memory": fresh, "engine_env": ENGINE_ENV, "model": str(model), "dtype": dtype,
             "dedup_options": extra or {},
             "model_bytes": model_bytes,
             "last_layers_unique_bytes": tuned_unique, "engines": rows, "serve_ready_s": serve, "targets": targets,
-            "profile": profile_summary(profile) if profile else []}
+            "profiled": profiled if profile else None, "profile": profile_summary(profile) if profile else []}
 
 
 def print_table(result: dict) -> None:
     print(describe())
+    if result.get("fresh_memory"):  # harness.machine, Note [fresh memory]
+        fresh = result["fresh_memory"]
+        print(f"fresh memory before the engines: {fresh['memfd_gb_s']:.2f} GB/s into a memfd, "
+              f"{fresh['anonymous_gb_s']:.2f} GB/s anonymous (median of {fresh['rounds']} fills of "
+              f"{fresh['bytes'] >> 20} MiB)")
     if result.get("engine_env"):
         print("every engine's environment:", " ".join(f"{k}={v}" for k, v in result["engine_env"].items()))
     print(f"model {result['model']} ({result['dtype']}, {result['model_bytes'] / MB:.0f} MB of tensors); "
@@ -230,7 +238,7 @@ def print_table(result: dict) -> None:
     for target, ok in result["targets"].items():
         print(f"[{'met' if ok else 'MISSED'}] {target}")
     if result["profile"]:
-        print("second engine's get_model, by cumulative time (cProfile):")
+        print(f"{result.get('profiled') or 'second'} dedup engine's get_model, by cumulative time (cProfile):")
         print("\n".join(result["profile"]))
 
 

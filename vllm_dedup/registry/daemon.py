@@ -38,7 +38,8 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
     descendant of the engine that started it: vLLM's shutdown kills its process tree, and the
     registry must outlive any one engine.  It exits after ``idle_exit_s`` seconds with no
     engine connected and no segment held.  Two engines starting at once race harmlessly: the
-    daemon takes a lock, the loser exits.
+    daemon takes a lock, the loser exits.  It runs on the CPUs of this process's parent, not
+    on the one CPU vLLM bound this worker's main thread to (Note [the daemon's CPUs]).
 
     Raises:
         RegistryUnavailable: it did not answer within ``timeout_s``.
@@ -46,10 +47,12 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
     ensure_private_dir(path.parent)
     # The daemon's stderr goes to an unlinked temporary file: nothing is left behind, and if
     # it dies before answering, its last words are still readable through our descriptor.
+    cpus = _launch_cpus()
     with tempfile.TemporaryFile(dir=path.parent) as err:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "vllm_dedup.registry.daemon", "--detach", "--socket", str(path),
-             "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s)],
+             "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s),
+             *(["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else [])],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
             start_new_session=True, close_fds=True,
         )
@@ -70,6 +73,35 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
                         f"the registry daemon for {path} did not start: {tail or 'no answer'}"
                     ) from None
                 time.sleep(0.05)
+
+
+def _launch_cpus() -> set[int] | None:
+    """The CPUs a daemon started from this process runs on (Note [the daemon's CPUs]): this
+    process's parent's; None where they cannot be read (the parent has exited)."""
+    try:
+        return os.sched_getaffinity(os.getppid())
+    except OSError:
+        return None
+
+
+# Note [the daemon's CPUs]
+#     vLLM binds a CPU worker's OpenMP threads one per CPU of the worker's list (libgomp's
+#     ``GOMP_CPU_AFFINITY``, Intel OpenMP's ``KMP_AFFINITY=...,explicit,proclist=[...]``, set in
+#     ``vllm/utils/ompmultiprocessing.py`` before the worker starts), the main thread to the
+#     first, and a new process gets the affinity of the thread that makes it.  So a daemon the
+#     first engine's worker started stayed on that worker's first CPU, beside the thread that
+#     leads every one of its OpenMP regions, for as long as it ran, after that engine had gone
+#     too (seen with ``vllm serve`` given both CPUs of this 2-core machine,
+#     ``VLLM_CPU_OMP_THREADS_BIND=0-1``: the daemon was allowed CPU 0 alone).  It serves every
+#     engine on the machine, so it runs where vLLM's processes that are not workers run: on the
+#     CPUs of the process that started the worker (the engine core, which vLLM does not bind;
+#     for an engine in the user's own process, whatever started that process), which keep any
+#     ``taskset`` the user gave ``vllm serve``.  The engine passes them as ``--cpus``.  (Letting
+#     the load's own helper threads, the hashing and copying ones, onto the worker's other CPUs
+#     the same way was measured and gained nothing: the 1.2B model's first engine under
+#     ``vllm serve`` with both CPUs took 4.03 to 4.31 s against 3.82 to 4.00 s as born, three
+#     loads each, alternating.  vLLM's OpenMP threads keep those CPUs busy through a load's
+#     parallel copies and packing.)
 
 
 # Note [a launcher that returns when ready]
@@ -97,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-warm-s", type=float, default=0.0)
     parser.add_argument("--idle-exit-s", type=float, default=None, help="exit when idle this long (default: never)")
     parser.add_argument("--detach", action="store_true", help="fork into the background and return at once")
+    parser.add_argument("--cpus", default=None,
+                        help="run on these CPUs, e.g. 0,1,2 (default: those it was started on)")
     parser.add_argument("--reclaim-grace-s", type=float, default=None,
                         help="seconds a daemon that replaced a dead one grants only reclaimed locks "
                              f"(default: ${RECLAIM_GRACE_ENV}, else {RECLAIM_GRACE_S:g})")
@@ -108,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
             grace_s = float(value)
         except ValueError:
             parser.error(f"${RECLAIM_GRACE_ENV}={value!r} is not a number of seconds; unset it or give e.g. 10")
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        except ValueError:
+            parser.error(f"--cpus {args.cpus!r}: give CPU numbers separated by commas, e.g. 0,1,2")
+        except OSError:
+            pass  # none of them is allowed here (a narrower cpuset): stay where it started
     ready = None  # the write end of a pipe the launcher waits on (Note [a launcher that returns when ready])
     if args.detach:
         read_end, ready = os.pipe()

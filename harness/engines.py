@@ -180,7 +180,11 @@ class EngineProcess(PeerProcess):
         load_format: ``auto``, ``dedup``, ...
         extra: ``model_loader_extra_config``.
         env: extra environment for the child.
-        core: CPU core for its OpenMP threads.
+        core: sets ``VLLM_CPU_OMP_THREADS_BIND`` to this core.  vLLM binds only the worker
+            processes it starts, and this engine's worker runs in the child itself
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its threads are not bound: they run on
+            every CPU (checked in its ``/proc/PID/task/*/status``).  The value still enters
+            vLLM's compile-cache key (`tests/e2e/test_compiled.py`).
         kv_cache_bytes: the KV cache's size in bytes.
         rlimits: resource limits for the engine's process (`PeerProcess`).
         dtype: the engine's dtype (``bfloat16``; ``float32`` serves a float32 checkpoint as is).
@@ -291,7 +295,8 @@ class EngineProcess(PeerProcess):
 
 def start_engines(specs: list[dict]) -> list[EngineProcess]:
     """Start engines one after another (each waits for the previous: the first publishes, the
-    next ones map), each bound to its own core.  ``specs``: `EngineProcess` arguments."""
+    next ones map), each given its own core (which binds nothing: `EngineProcess`).  ``specs``:
+    `EngineProcess` arguments."""
     engines = []
     try:
         for i, spec in enumerate(specs):

@@ -37,9 +37,10 @@ def _key_dir(artifact: Path) -> Path:
 
 
 def _start(model, env: dict, **extra) -> EngineProcess:
-    """A compiled dedup engine with ``extra`` as its loader options, bound to core 0 as every
+    """A compiled dedup engine with ``extra`` as its loader options, given core 0 as every
     engine here is: vLLM's compile-cache key hashes its environment variables, the core binding
-    (``VLLM_CPU_OMP_THREADS_BIND``) among them, so engines on other cores never share artifacts."""
+    (``VLLM_CPU_OMP_THREADS_BIND``) among them, so engines given other cores never share
+    artifacts (whether or not vLLM binds the engine: `harness.engines.EngineProcess`)."""
     return EngineProcess(model, env=env, core=0, compiled=True, **({"extra": extra} if extra else {}))
 
 

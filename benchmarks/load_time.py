@@ -215,11 +215,10 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
 
 def print_table(result: dict) -> None:
     print(describe())
-    if result.get("fresh_memory"):  # harness.machine, Note [fresh memory]
-        fresh = result["fresh_memory"]
-        print(f"fresh memory before the engines: {fresh['memfd_gb_s']:.2f} GB/s into a memfd, "
-              f"{fresh['anonymous_gb_s']:.2f} GB/s anonymous (median of {fresh['rounds']} fills of "
-              f"{fresh['bytes'] >> 20} MiB)")
+    fresh = result["fresh_memory"]  # harness.machine, Note [fresh memory]
+    print(f"fresh memory before the engines: {fresh['memfd_gb_s']:.2f} GB/s into a memfd, "
+          f"{fresh['anonymous_gb_s']:.2f} GB/s anonymous (median of {fresh['rounds']} fills of "
+          f"{fresh['bytes'] >> 20} MiB)")
     if result.get("engine_env"):
         print("every engine's environment:", " ".join(f"{k}={v}" for k, v in result["engine_env"].items()))
     print(f"model {result['model']} ({result['dtype']}, {result['model_bytes'] / MB:.0f} MB of tensors); "
@@ -238,7 +237,7 @@ def print_table(result: dict) -> None:
     for target, ok in result["targets"].items():
         print(f"[{'met' if ok else 'MISSED'}] {target}")
     if result["profile"]:
-        print(f"{result.get('profiled') or 'second'} dedup engine's get_model, by cumulative time (cProfile):")
+        print(f"{result['profiled']} dedup engine's get_model, by cumulative time (cProfile):")
         print("\n".join(result["profile"]))
 
 

@@ -9,6 +9,9 @@
 #
 # Tests run in two pytest-xdist workers (`VLLM_DEDUP_TEST_WORKERS`, 0 for one process): most of
 # an engine's start-up is single-threaded Python, so one worker leaves a 2-core machine half idle.
+# Three are slower there: the tests took 31:40 against two workers' 29:02, back to back on one
+# 2-core VM (engines' OpenMP threads and imports contend), and two workers' shares of the work
+# came out even (1729 and 1720 s of tests each), so the order of the tests is not the cost.
 # Each worker is a test session of its own (tests/conftest.py): its own Ray cluster, registry
 # daemons and leak checks; a test that reads machine-wide state (the page cache) uses files of
 # its own.

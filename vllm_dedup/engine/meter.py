@@ -6,7 +6,9 @@ process's private memory above its level when the load began: ``RssAnon`` (anony
 pages) on the CPU backend, torch's allocated device memory on a GPU.  Pages of a segment mapped
 from another engine are not private and do not count; segments this engine creates are new
 memory and are added *in the same sample*, as they exist at that moment (``live``): a private
-copy freed once its segment is made is not counted twice.
+copy freed once its segment is made is not counted twice.  A sample reads private memory first
+and ``live`` second, so bytes moved into a segment between the two reads count twice: the peak
+can err high by what moves in that instant, never low.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def _held() -> int:
     """
     import os
 
-    from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME
+    from vllm_dedup.segments.host import SEGMENT_MEMFD_NAME, HostSegment
 
     blocks = {}  # inode -> its blocks: a memfd and its dup are one file
     for fd in os.listdir("/proc/self/fd"):
@@ -168,9 +168,7 @@ def _held() -> int:
                 blocks[(st.st_dev, st.st_ino)] = st.st_blocks
         except OSError:  # closed meanwhile
             pass
-    with open("/proc/self/status") as f:
-        private = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-    return sum(blocks.values()) * 512 + private
+    return sum(blocks.values()) * 512 + HostSegment.private_bytes()
 
 
 def test_a_large_packed_weight_is_moved_chunk_by_chunk():

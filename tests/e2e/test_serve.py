@@ -6,8 +6,9 @@ replica's process.  There each model is an application of its own (``serve.run``
 application gives every deployment in it a new code version, so Serve would restart them all).
 The two are first deployed in one ``serve.run_many``: ``serve.run`` returns only once its
 application runs, so two calls would start the second replica after the first is up (75 s to
-the first answers, against 63 s together: the test alone took 188 s and 169 s, 2-core machine).  Loading together,
-the engine that reaches the sharing pass second maps the other's tensors (the publish lock).
+the first answers, against 63 s together: the test alone took 188 s and 169 s, 2-core
+machine).  Loading together, the engine that reaches the sharing pass second maps the other's
+tensors (the publish lock).
 """
 
 from __future__ import annotations

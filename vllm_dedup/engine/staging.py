@@ -40,7 +40,15 @@ Note [why the packed bytes are copied once]
     equal vLLM's for every shape tried, bfloat16 and float32, but 16 linear weights of the
     1.2B model (0.35 GB, one thread) took 0.47-0.51 s that way against 0.41-0.47 s packed
     and copied: the kernel allocating shmem pages is the cost either way, and the copy
-    keeps the packing's writes in pages the heap already has.
+    keeps the packing's writes in pages the heap already has.  Copying into the memfd the
+    dropped plain weight was loaded in (linear weights loaded in place too, each memfd
+    claimed before its layer's post-processing and written once vLLM dropped the weight)
+    was built and measured as well: the copy then allocates no pages, but the weight
+    loaders fault a memfd's pages instead of anonymous ones, which costs more per page (0.37
+    against 0.25 s per GiB here), while ``pwrite`` into a new memfd allocates pages without
+    zeroing them.  The 1.2B model's first engine, six rounds side by side: 4.35 s and 7.24 s
+    of CPU time with it, 4.40 s and 7.45 s without (plain 3.11 s), within this VM's noise.
+    Not kept.
 
 Note [one copy in flight]
     Copying a packed weight into a memfd is mostly the kernel allocating and filling shmem

@@ -1,7 +1,8 @@
 """What loading costs, plain vs dedup, in one run: the N-th engine of a model and a fine-tune.
 
     .venv/bin/python benchmarks/load_time.py [--model DIR | --preset {smollm2,smollm2-fp32,llama-1.2b}]
-                                             [--no-serve] [--profile] [--cpu-linear MODE] [--no-in-place] [--isa avx2] [--json]
+                                             [--no-serve] [--profile] [--cpu-linear MODE] [--no-in-place] [--isa avx2]
+                                             [--rounds N] [--json]
 
 Engines (real vLLM engines on the CPU backend, one process each, started in turn):
 
@@ -30,6 +31,11 @@ stopped and started again, plain, then dedup with ``keep_warm_s`` (the second st
 
 The second engine's final tensors are compared with the first's (`harness.oracle`: the first
 dedup engine, alone in its group, loads as a plain load with the same options does).
+
+``--rounds N`` measures ``plain`` and ``dedup first`` N times, alternating which starts first
+(each first engine alone, with a new registry), and reports their medians, each round's figures
+beside them in the JSON (``load_s_rounds``, ``gc_s_rounds``, ``peak_bytes_rounds``): on a VM whose
+fresh memory comes from its host, one pair's ratio moves by 10-20% from run to run.
 
 ``--isa avx2`` starts every engine with oneDNN and torch held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``,
 ``ATEN_CPU_CAPABILITY=avx2``), the branch an AVX2-only machine takes: there vLLM's bfloat16
@@ -154,8 +160,35 @@ def warm_page_cache(*folders: Path) -> None:
                     pass
 
 
+def more_rounds(model: Path, dtype: str, extra: dict | None, rows: dict, reference: list, rounds: int) -> None:
+    """Measure ``plain`` and ``dedup first`` ``rounds - 1`` more times (odd rounds start the dedup
+    engine first), and make their ``load_s``, ``gc_s`` and ``peak_bytes`` the medians of all rounds,
+    keeping each round's in ``<figure>_rounds``."""
+    import statistics
+
+    figures = ("load_s", "gc_s", "peak_bytes")
+    for name in ("plain", "dedup first"):
+        for f in figures:
+            rows[name][f"{f}_rounds"] = [rows[name][f]]
+    for i in range(1, rounds):
+        for name in (("dedup first", "plain") if i % 2 else ("plain", "dedup first")):
+            engine = start(model, "auto" if name == "plain" else "dedup", dtype, 0,
+                           None if name == "plain" else extra)
+            try:
+                row = measure(engine, reference, 0)
+            finally:
+                engine.stop()
+                shutdown_registry()  # the next dedup engine is a first one again: no recipe, nothing resident
+            rows[name]["same_tokens"] = rows[name]["same_tokens"] and row["same_tokens"]
+            for f in figures:
+                rows[name][f"{f}_rounds"].append(row[f])
+    for name in ("plain", "dedup first"):
+        for f in figures:
+            rows[name][f] = statistics.median(rows[name][f"{f}_rounds"])
+
+
 def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None, extra: dict | None = None,
-        profiled: str | None = None) -> dict:
+        profiled: str | None = None, rounds: int = 1) -> dict:
     fresh = fresh_memory()  # before any engine: how fast this machine gives out new pages today
     tuned = cached_variant(model, "last-layers")
     cache = ManifestCache(default_cache_dir())
@@ -190,6 +223,8 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
     finally:
         first.stop()
         shutdown_registry()
+    if rounds > 1:
+        more_rounds(model, dtype, extra, rows, reference, rounds)
     for row in rows.values():
         row.pop("tokens", None)
     serve = {}
@@ -207,7 +242,7 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
         "last-layers reads <= its unique bytes + 5%": rows["dedup last-layers"]["read_bytes"] <= 1.05 * tuned_unique,
     }
     return {"machine": machine(), "fresh_memory": fresh, "engine_env": ENGINE_ENV, "model": str(model), "dtype": dtype,
-            "dedup_options": extra or {},
+            "dedup_options": extra or {}, "rounds": rounds,
             "model_bytes": model_bytes,
             "last_layers_unique_bytes": tuned_unique, "engines": rows, "serve_ready_s": serve, "targets": targets,
             "profiled": profiled if profile else None, "profile": profile_summary(profile) if profile else []}
@@ -232,6 +267,12 @@ def print_table(result: dict) -> None:
         print(f"{name:<20}{r['path']:>8}{r['load_s']:>9.2f}{r['load_s'] / plain_s:>9.1%} {r['gc_s']:>7.2f}"
               f"{(r['load_s'] - r['gc_s']) / plain_work:>7.1%} {r['read_bytes'] / MB:>9.1f}"
               f"{r['peak_bytes'] / MB:>10.1f}  {r['same_tokens']}")
+    if result.get("rounds", 1) > 1:
+        for name in ("plain", "dedup first"):
+            r = result["engines"][name]
+            print(f"{name}: median of {result['rounds']} rounds; load s "
+                  + " ".join(f"{s:.2f}" for s in r["load_s_rounds"]) + "; peak MB "
+                  + " ".join(f"{b / MB:.0f}" for b in r["peak_bytes_rounds"]))
     for fmt, (cold, again) in result["serve_ready_s"].items():
         print(f"vllm serve {fmt:<6} ready in {cold:.1f} s, restarted ready in {again:.1f} s")
     for target, ok in result["targets"].items():
@@ -256,8 +297,12 @@ def main() -> int:
                         help="the dedup engines load into private memory and copy into segments (in_place: false)")
     parser.add_argument("--isa", choices=tuple(ISA_ENV), default=None,
                         help="hold every engine's oneDNN and torch to this ISA (the branch such a CPU takes)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure plain and the first dedup engine this many times; report medians")
     parser.add_argument("--json", action="store_true", help="also print the JSON result as the last line")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     ENGINE_ENV.update(ISA_ENV.get(args.isa, {}))
     if args.model is not None and args.preset is not None:
         parser.error("give --model or --preset, not both")
@@ -282,7 +327,7 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)  # the profiled engine writes its profile there
     profile = RESULTS / name.replace(".json", f".{args.profile}.prof") if args.profile else None
     result = run(args.model, args.dtype or "bfloat16", serve=not args.no_serve, profile=profile, extra=extra,
-                 profiled=args.profile)
+                 profiled=args.profile, rounds=args.rounds)
     print_table(result)
     write_results(RESULTS / name, result, args.json)
     return 0 if all(r["same_tokens"] for r in result["engines"].values()) else 1

@@ -20,6 +20,9 @@ def test_one_dedup_engine_publishes_answers_and_leaves_nothing(smollm2, registry
         assert len(ids) == len(PROMPTS) and all(len(i) == 8 for i in ids)
         load = registry.engine_loads()[engine.pid]
         assert load["load_path"] == "none" and load["collisions"] == 0
+        # It started the registry and connected once it needed it: no recipe asked of an empty
+        # registry (Note [a lease on a registry still starting] in vllm_dedup/registry/lease.py).
+        assert "loading from the checkpoint: no recipe yet: this engine started the registry" in engine.log()
         assert load["published_bytes"] > 0.95 * 269e6  # all of SmolLM2's weights but small tensors
         assert registry.stats().engine(engine.pid).segments > 0, "the registry knows no segment of the engine's"
         reply = engine.rpc("reset_weights")

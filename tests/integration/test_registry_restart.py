@@ -14,7 +14,10 @@ from harness.procs import PeerProcess, memfd_holders, processes_matching
 from helpers import PEERS, run_cli, wait_for
 from vllm_dedup.errors import RegistryUnavailable
 from vllm_dedup.registry.client import RegistryClient, registry_stats, shutdown_registry
-from vllm_dedup.registry.daemon import start_daemon
+from vllm_dedup.config import DedupConfig
+from vllm_dedup.engine.session import EngineSession
+from vllm_dedup.registry.daemon import RECLAIM_GRACE_ENV, launch_daemon, start_daemon
+from vllm_dedup.registry.lease import Lease
 from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 
 PEER = PEERS / "lease_peer.py"
@@ -270,6 +273,77 @@ def test_a_daemon_slower_to_start_than_asked_is_a_registry_unavailable_not_a_cra
     assert wait_for(lambda: _answers(sock), 30)
     shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 30)
+
+
+# --- a lease on a registry still starting (Note [a lease on a registry still starting]) ----------
+def test_a_lease_given_a_daemon_launch_says_hello_on_its_first_call(tmp_path):
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    lease = Lease(launch_daemon(sock, idle_exit_s=5.0), "model-a", "cpu", "default", "sig", timeout_s=10)
+    try:
+        assert lease.launching and lease.engine_id is None
+        assert wait_for(lambda: _answers(sock), 30)
+        assert registry_stats(sock).engines == []  # the daemon serves; the lease has not said hello
+        assert lease.get_recipes("sig") == []
+        assert not lease.launching and lease.engine_id is not None
+        (engine,) = registry_stats(sock).engines
+        assert (engine.pid, engine.model) == (os.getpid(), "model-a")
+        lease.report({"load_path": "none"})  # the same connection serves every later call
+        assert [e.load for e in registry_stats(sock).engines] == [{"load_path": "none"}]
+        assert lease.reregistrations == 0
+    finally:
+        lease.close()
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 30)
+
+
+def test_a_daemon_that_cannot_start_fails_the_leases_first_call_at_once_with_its_words(tmp_path, monkeypatch):
+    """The daemon refuses its environment: the launcher's exit status says so, and the lease's
+    first call fails with the daemon's message instead of waiting out its timeout; the calls
+    after it fail at once too (Note [a launcher that returns when ready])."""
+    monkeypatch.setenv(RECLAIM_GRACE_ENV, "soon")
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    lease = Lease(launch_daemon(sock), "model-a", "cpu", "default", "sig", timeout_s=10)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RegistryUnavailable, match="(?s)did not start.*'soon' is not a number of seconds"):
+            lease.get_recipes("sig")
+        assert time.monotonic() - start < 10  # the daemon's 30 s wait was not waited out
+        assert not lease.launching
+        start = time.monotonic()
+        with pytest.raises(RegistryUnavailable):
+            lease.report({"load_path": "none"})
+        assert time.monotonic() - start < 2
+    finally:
+        lease.close()
+    assert not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode())
+
+
+@pytest.mark.parametrize("on_error", ["fallback", "fail"])
+def test_an_engine_that_starts_the_daemon_waits_for_it_only_when_failures_stop_it(tmp_path, monkeypatch, on_error):
+    """`EngineSession.connect`: the lease of the engine that starts the daemon connects on first
+    use; under ``on_registry_error="fail"`` it has connected already, and a daemon that cannot
+    start stops the engine there, before it loads anything."""
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "no-ray"))
+    config = DedupConfig(on_registry_error=on_error, registry_address="local")
+    lease = EngineSession().connect(config, "model-a", "cpu", "sig")
+    try:
+        assert lease.launching == (on_error == "fallback")
+        assert lease.get_recipes("sig") == [] and not lease.launching
+    finally:
+        lease.close()
+        shutdown_registry(lease.path)
+    monkeypatch.setenv(RECLAIM_GRACE_ENV, "soon")
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(tmp_path / "run-2"))
+    if on_error == "fail":
+        with pytest.raises(RegistryUnavailable, match="(?s)cannot reach the weight registry.*'soon' is not a number"):
+            EngineSession().connect(config, "model-a", "cpu", "sig")
+    else:
+        lease = EngineSession().connect(config, "model-a", "cpu", "sig")
+        with pytest.raises(RegistryUnavailable, match="'soon' is not a number"):
+            lease.get_recipes("sig")
+        lease.close()
 
 
 def _all_threads_stopped(pid: int) -> bool:

@@ -250,7 +250,9 @@ class DedupModelLoader(BaseModelLoader):
 
         files, why = fast_path_files(ctx, self.inner)
         decision = None
-        if files:
+        if files and getattr(ctx.lease, "launching", False):  # a daemon this engine started: empty
+            why = "no recipe yet: this engine started the registry"
+        elif files:
             decision = decide(ctx, files)
             report.checkpoint_bytes_read += decision.bytes_hashed
             why = decision.why

@@ -115,7 +115,9 @@ class EngineSession:
     # the registry connection -------------------------------------------------------------
     def connect(self, config: DedupConfig, model: str, device_key: str, signature: str) -> Lease | None:
         """A registry connection that has said hello for this engine: the one `begin_startup`
-        opened for this device and signature, else a new one.  None: no registry (fallback).
+        opened for this device and signature, else a new one; where this call had to start the
+        daemon, one that connects and says hello on first use (Note [a lease on a registry still
+        starting] in `registry/lease.py`).  None: no registry (fallback).
 
         Raises:
             RegistryUnavailable: the registry cannot be reached and ``on_registry_error`` is
@@ -125,20 +127,26 @@ class EngineSession:
             return self.startup_client
         import functools
 
-        from ..registry.daemon import is_daemon, start_daemon
-        from ..registry.discovery import connect_registry
+        from ..registry.daemon import DaemonLaunch, is_daemon, start_daemon
+        from ..registry.discovery import open_registry
 
         try:
-            client = connect_registry(config.registry_namespace, config.registry_address, config.keep_warm_s,
-                                      reply_timeout_s=config.registry_timeout_s)
+            found = open_registry(config.registry_namespace, config.registry_address, config.keep_warm_s,
+                                  reply_timeout_s=config.registry_timeout_s)
             # Come back the way it came: a daemon is started again by whichever engine
             # notices first; a Ray actor by whoever created it (a new engine, the Serve helper).
             # A registry that does not answer costs one `registry_timeout_s` (RegistryTimeout).
-            restart = (functools.partial(start_daemon, keep_warm_s=config.keep_warm_s)
-                       if is_daemon(client.stats().registry_pid) else None)
-            return Lease(client, model, device_key, config.share_group, signature, restart,
+            restart = functools.partial(start_daemon, keep_warm_s=config.keep_warm_s)
+            if isinstance(found, DaemonLaunch):
+                if config.on_registry_error != "fail":  # Note [a lease on a registry still starting]
+                    return Lease(found, model, device_key, config.share_group, signature, restart,
+                                 timeout_s=config.registry_timeout_s)
+                found = found.connect()
+            elif not is_daemon(found.stats().registry_pid):
+                restart = None
+            return Lease(found, model, device_key, config.share_group, signature, restart,
                          timeout_s=config.registry_timeout_s)
-        except RegistryUnavailable as e:
+        except (RegistryUnavailable, OSError) as e:
             fail_or_fall_back(config, RegistryUnavailable(
                 f"vllm-dedup: cannot reach the weight registry ({e}). Start it or fix registry_address, or set "
                 "on_registry_error='fallback' to load without sharing"), "loading without sharing")

@@ -1,7 +1,8 @@
 """The standalone registry daemon, for machines without Ray (``python -m vllm_dedup.registry.daemon``).
 
-The first engine that finds no registry starts one (`start_daemon`, called by
-`discovery.connect_registry`); nobody starts it by hand.  It serves a `state.Registry` with the
+The first engine that finds no registry starts one (`launch_daemon`, called by
+`discovery.open_registry`; its lease connects once it needs the registry: Note [a lease on a
+registry still starting] in `lease.py`); nobody starts it by hand.  It serves a `state.Registry` with the
 same `server.RegistryServer` the Ray actor uses, outlives the engine that started it, and exits
 when nothing has been connected or held for a while.
 """
@@ -25,14 +26,25 @@ from .server import RegistryServer
 from .state import RECLAIM_GRACE_S, Registry
 from .wire import ensure_private_dir, socket_path
 
-__all__ = ["RECLAIM_GRACE_ENV", "is_daemon", "main", "start_daemon"]
+__all__ = ["RECLAIM_GRACE_ENV", "DaemonLaunch", "is_daemon", "launch_daemon", "main", "start_daemon"]
 
 # The daemons an engine's lease starts inherit its environment: this sets their reclaim period.
 RECLAIM_GRACE_ENV = "VLLM_DEDUP_RECLAIM_GRACE_S"
 
 
 def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0, timeout_s: float = 30.0) -> None:
-    """Start a standalone registry daemon for ``path`` (if none runs) and wait until it answers.
+    """Start a standalone registry daemon for ``path`` (if none runs) and wait until it answers
+    (`launch_daemon`, then `DaemonLaunch.wait`).
+
+    Raises:
+        RegistryUnavailable: it did not answer within ``timeout_s``.
+    """
+    launch_daemon(path, keep_warm_s, idle_exit_s).wait(timeout_s)
+
+
+def launch_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0,
+                  reply_timeout_s: float = 30.0) -> DaemonLaunch:
+    """Start a standalone registry daemon for ``path`` (if none runs), without waiting for it.
 
     The daemon detaches (forks once more and starts its own session), so it is no longer a
     descendant of the engine that started it: vLLM's shutdown kills its process tree, and the
@@ -41,14 +53,22 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
     daemon takes a lock, the loser exits.  It runs on the CPUs of this process's parent, not
     on the one CPU vLLM bound this worker's main thread to (Note [the daemon's CPUs]).
 
+    Args:
+        reply_timeout_s: each reply's timeout on the connection `DaemonLaunch.connect` makes.
+
+    Returns:
+        The launch: `DaemonLaunch.wait` waits until the daemon answers, `DaemonLaunch.connect`
+        connects to it.
+
     Raises:
-        RegistryUnavailable: it did not answer within ``timeout_s``.
+        OSError: the launcher process cannot be started.
     """
     ensure_private_dir(path.parent)
     # The daemon's stderr goes to an unlinked temporary file: nothing is left behind, and if
     # it dies before answering, its last words are still readable through our descriptor.
     cpus = _launch_cpus()
-    with tempfile.TemporaryFile(dir=path.parent) as err:
+    err = tempfile.TemporaryFile(dir=path.parent)
+    try:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "vllm_dedup.registry.daemon", "--detach", "--socket", str(path),
              "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s),
@@ -56,22 +76,67 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
             start_new_session=True, close_fds=True,
         )
+    except BaseException:
+        err.close()
+        raise
+    return DaemonLaunch(path, launcher, err, reply_timeout_s)
+
+
+class DaemonLaunch:
+    """A standalone registry daemon this process started (`launch_daemon`), until it answers.
+
+    Attributes:
+        path: the daemon's socket.
+        timeout_s: each reply's timeout on the connection `connect` makes (as
+            `client.RegistryClient.timeout_s`).
+    """
+
+    def __init__(self, path: Path, launcher: subprocess.Popen, err, timeout_s: float):
+        self.path, self.timeout_s = Path(path), timeout_s
+        self._launcher, self._err = launcher, err
+        self._outcome: RegistryUnavailable | None | bool = False  # False: not waited for yet
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        """Wait until the daemon answers on ``path`` (or one another engine started there).
+        A second call returns (or raises) what the first did.
+
+        Raises:
+            RegistryUnavailable: nothing answered within ``timeout_s``; the message has the
+                daemon's last words.
+        """
+        if self._outcome is False:
+            try:
+                self._outcome = self._answered(timeout_s)
+            finally:
+                self._err.close()
+        if self._outcome is not None:
+            raise self._outcome
+
+    def connect(self, timeout_s: float = 30.0) -> RegistryClient:
+        """`wait`, then a connection to the daemon (not yet said hello).
+
+        Raises:
+            RegistryUnavailable: as `wait`, or the daemon went away meanwhile.
+        """
+        self.wait(timeout_s)
+        return RegistryClient(self.path, self.timeout_s)
+
+    def _answered(self, timeout_s: float) -> RegistryUnavailable | None:
         deadline = time.monotonic() + timeout_s
         try:
-            launcher.wait(timeout=timeout_s)  # returns once the daemon serves (or has exited)
+            failed = self._launcher.wait(timeout=timeout_s) != 0  # once the daemon serves, or has exited
         except subprocess.TimeoutExpired:
-            pass  # a busy machine: the launcher may still start it; the deadline below decides
+            failed = False  # a busy machine: the launcher may still start it; the deadline below decides
         while True:
             try:
-                RegistryClient(path, timeout_s=5).close()
-                return
+                RegistryClient(self.path, timeout_s=5).close()
+                return None
             except RegistryUnavailable:
-                if time.monotonic() > deadline:
-                    err.seek(0)
-                    tail = err.read()[-2000:].decode(errors="replace").strip()
-                    raise RegistryUnavailable(
-                        f"the registry daemon for {path} did not start: {tail or 'no answer'}"
-                    ) from None
+                if failed or time.monotonic() > deadline:  # Note [a launcher that returns when ready]
+                    self._err.seek(0)
+                    tail = self._err.read()[-2000:].decode(errors="replace").strip()
+                    return RegistryUnavailable(f"the registry daemon for {self.path} did not start: "
+                                               f"{tail or 'no answer'}")
                 time.sleep(0.05)
 
 
@@ -105,11 +170,15 @@ def _launch_cpus() -> set[int] | None:
 
 
 # Note [a launcher that returns when ready]
-#     ``--detach`` forks, and the parent (the launcher `start_daemon` waits for) exits only once
+#     ``--detach`` forks, and the parent (the launcher `DaemonLaunch.wait` waits for) exits only once
 #     the daemon's socket is listening, or the daemon has exited (another one owns the socket):
 #     it reads one byte from a pipe whose write end only the daemon holds, and end of file when
 #     the daemon is gone.  So the engine's first connection right after `launcher.wait` is
-#     answered, instead of polling for a daemon still starting.
+#     answered, instead of polling for a daemon still starting.  A daemon gone before serving
+#     either found another one owning the socket (it exits 0, and the launcher with it) or
+#     failed: the launcher then exits 1, as it does when its own arguments or environment are
+#     wrong (2, argparse's), and `DaemonLaunch.wait` says so at once, with the daemon's last
+#     words, instead of polling the socket until its timeout.
 
 
 def is_daemon(pid: int) -> bool:
@@ -152,10 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     ready = None  # the write end of a pipe the launcher waits on (Note [a launcher that returns when ready])
     if args.detach:
         read_end, ready = os.pipe()
-        if os.fork() > 0:
+        child = os.fork()
+        if child > 0:
             os.close(ready)
-            os.read(read_end, 1)  # a byte: serving; end of file: the daemon exited first
-            os._exit(0)  # the launcher returns; the daemon is re-parented away from its engine
+            if os.read(read_end, 1):  # a byte: serving; end of file: the daemon exited first
+                os._exit(0)  # the launcher returns; the daemon is re-parented away from its engine
+            _, status = os.waitpid(child, 0)  # 0: another daemon owns the socket; else it failed
+            os._exit(0 if os.waitstatus_to_exitcode(status) == 0 else 1)
         os.close(read_end)
         os.setsid()
     path = args.socket or socket_path()

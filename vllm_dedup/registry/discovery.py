@@ -1,4 +1,4 @@
-"""How an engine finds its node's registry, or starts one (`connect_registry`).
+"""How an engine finds its node's registry, or starts one (`open_registry`, `connect_registry`).
 
 In this order:
 
@@ -20,12 +20,12 @@ from pathlib import Path
 
 from ..errors import RegistryUnavailable
 from .client import RegistryClient
-from .daemon import start_daemon
+from .daemon import DaemonLaunch, launch_daemon
 from .nodes import NODE_ID_ENV, node_socket_path
 from .ray_actor import ensure_actor
 from .wire import socket_path
 
-__all__ = ["connect_registry"]
+__all__ = ["connect_registry", "open_registry"]
 
 
 def _ray_cluster_hint(address: str | None) -> bool:
@@ -45,18 +45,41 @@ def _ray_cluster_hint(address: str | None) -> bool:
 
 def connect_registry(namespace: str, address: str | None = None, keep_warm_s: float = 0.0,
                      timeout_s: float = 60.0, reply_timeout_s: float = 30.0) -> RegistryClient:
-    """A connection to this node's registry for ``namespace``, starting one if needed.
+    """A connection to this node's registry for ``namespace``, starting one if needed and
+    waiting until it answers (`open_registry`, then `daemon.DaemonLaunch.wait`).
+
+    Args:
+        namespace, address, keep_warm_s, reply_timeout_s: as `open_registry`.
+        timeout_s: seconds to wait for a registry this call starts to answer.
+
+    Raises:
+        RegistryUnavailable: no registry could be reached or started.
+    """
+    found = open_registry(namespace, address, keep_warm_s, timeout_s, reply_timeout_s)
+    if isinstance(found, RegistryClient):
+        return found
+    found.wait()
+    return _connect_within(found.path, timeout_s, reply_timeout_s)
+
+
+def open_registry(namespace: str, address: str | None = None, keep_warm_s: float = 0.0,
+                  timeout_s: float = 60.0, reply_timeout_s: float = 30.0) -> RegistryClient | DaemonLaunch:
+    """A connection to this node's registry for ``namespace``; or, where none answers and the
+    standalone daemon is the one to start, that daemon's launch, not waited for (an engine's
+    lease connects when it first needs the registry: Note [a lease on a registry still
+    starting] in `lease.py`).
 
     Args:
         namespace: the registry namespace (one registry, one socket per namespace and node).
         address: ``None`` (decide as the module docstring says), ``"local"`` (standalone
             daemon, no Ray) or a Ray address (``"auto"``, ``"host:port"``).
         keep_warm_s: for a registry this call starts: seconds an unheld segment stays.
-        timeout_s: seconds to wait for a registry this call starts to answer.
+        timeout_s: seconds to wait for a Ray actor this call creates to answer.
         reply_timeout_s: the connection's timeout for any one reply (`RegistryClient`).
 
     Raises:
-        RegistryUnavailable: no registry could be reached or started.
+        RegistryUnavailable: no registry could be reached, or an actor created.
+        OSError: the daemon's launcher cannot be started.
     """
     socket_path(namespace)  # a bad namespace is the caller's error (ValueError), not a missing registry
     try:
@@ -70,9 +93,12 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     if address != "local" and _ray_cluster_hint(address):  # an explicit Ray address always lands here
         # An actor that already exists serves the path its creator chose (its environment may
         # differ from ours, e.g. another VLLM_DEDUP_RUNTIME_DIR): connect there.
-        path = Path(ensure_actor(namespace, keep_warm_s, address))
-    else:
-        start_daemon(path, keep_warm_s=keep_warm_s)
+        return _connect_within(Path(ensure_actor(namespace, keep_warm_s, address)), timeout_s, reply_timeout_s)
+    return launch_daemon(path, keep_warm_s=keep_warm_s, reply_timeout_s=reply_timeout_s)
+
+
+def _connect_within(path: Path, timeout_s: float, reply_timeout_s: float) -> RegistryClient:
+    """A connection to the registry at ``path``, trying for ``timeout_s`` seconds."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:

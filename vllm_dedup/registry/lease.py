@@ -33,6 +33,18 @@ lost: until the engine gives it back (``unlock``, the end of its ``locked`` bloc
 and `publish` fail with `RegistryUnavailable`, so what the lock protected stays private rather
 than published twice.
 
+Note [a lease on a registry still starting]
+    The first engine on a node finds no registry and starts the daemon (0.11-0.17 s until it
+    answers, on the 2-core machine of the README's figures), and a load needs the registry
+    only in its sharing pass, seconds later: a new daemon holds nothing and no recipe, so the
+    fast paths have nothing to find in it.  So the lease may be given the daemon's launch
+    (`daemon.DaemonLaunch`) instead of a connection: ``launching`` says so (the loader then
+    skips asking for recipes), and the first call waits for the daemon, connects and says
+    hello (`_connection`).  A daemon that does not start fails that call, as a registry that
+    died would; the calls after it try the socket once each, and the watcher connects later
+    if a registry comes.  Under ``on_registry_error="fail"`` the engine waits at once instead
+    (`engine.session.EngineSession.connect`), so that it fails before loading.
+
 `Lease` offers the `client.RegistryClient` methods the engine side uses, and records what they
 hold as they go.  Segment ids it returns (in hits, from `publish`) are its own and stay valid
 across registry restarts; `release` takes them.
@@ -55,6 +67,7 @@ from typing import Callable
 from ..errors import RegistryUnavailable, SegmentError
 from ..log import init_logger
 from .client import RegistryClient, SegmentHits
+from .daemon import DaemonLaunch
 from .state import RegistryStats
 
 __all__ = ["STOP_AFTER_PUBLISHES_ENV", "Lease"]
@@ -86,7 +99,9 @@ class Lease:
     """This engine's registry connection and what it holds (module docstring).
 
     Args:
-        client: a connected `RegistryClient` (not yet said hello).
+        client: a connected `RegistryClient` (not yet said hello), or the launch of a daemon
+            this engine started, which the lease connects to when the engine first calls it
+            (Note [a lease on a registry still starting]).
         model, device, group, signature: what the engine says in ``hello``.
         start_daemon: a function that starts the standalone registry daemon on the client's
             socket (used when reconnecting finds nothing there and the engine's registry was
@@ -101,14 +116,20 @@ class Lease:
     Raises (the constructor): RegistryUnavailable, as `RegistryClient.hello`.
     """
 
-    def __init__(self, client: RegistryClient, model: str, device: str, group: str, signature: str = "",
-                 start_daemon: Callable[..., None] | None = None, timeout_s: float | None = None):
+    def __init__(self, client: RegistryClient | DaemonLaunch, model: str, device: str, group: str,
+                 signature: str = "", start_daemon: Callable[..., None] | None = None, timeout_s: float | None = None):
         self._hello = (model, device, group, signature)
         self._start_daemon = start_daemon
         self._timeout_s = client.timeout_s if timeout_s is None else timeout_s
         self._lock = threading.RLock()  # the one lock: every field below, and the connection
-        self._client = client
-        self.engine_id = client.hello(*self._hello)
+        self._launch: DaemonLaunch | None = None  # a daemon started, not yet connected to
+        self._client: RegistryClient | None = None  # None: not connected yet (`_connection`)
+        self.engine_id: int | None = None
+        if isinstance(client, DaemonLaunch):
+            self._launch = client
+        else:
+            self._client = client
+            self.engine_id = client.hello(*self._hello)
         self.group, self.path = group, client.path
         self._held: dict[int, _Held] = {}  # this lease's segment id -> what re-registering it needs
         self._by_uid: dict[str, int] = {}  # segment uid -> this lease's id
@@ -124,6 +145,12 @@ class Lease:
         self._watcher: threading.Thread | None = None
 
     # what the engine side calls --------------------------------------------------------------
+    @property
+    def launching(self) -> bool:
+        """Whether the registry is a daemon this engine started and has not called yet: one
+        that holds nothing (Note [a lease on a registry still starting])."""
+        return self._launch is not None
+
     def acquire(self, keys: list[str], uids: list[str] | None = None) -> list[SegmentHits]:
         """`RegistryClient.acquire`; each segment's id (and its hits') is this lease's id of it
         (`release`, `uid_of`).
@@ -240,7 +267,7 @@ class Lease:
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
-                client = self._client
+                client = self._connection()
             try:  # polls: never hold the lease's lock meanwhile
                 client.lock(names, owner, max(0.0, deadline - time.monotonic()), poll_s)
             except RegistryUnavailable:
@@ -262,7 +289,8 @@ class Lease:
                 self._locks.pop(name, None)
                 self._lost_locks.discard(name)
             client = self._client
-        client.unlock(names)
+        if client is not None:  # else never connected: nothing held
+            client.unlock(names)
 
     @contextlib.contextmanager
     def locked(self, names, owner: str | None = None, timeout_s: float = 600.0, poll_s: float = 0.05):
@@ -281,8 +309,12 @@ class Lease:
     def _call(self, fn, again: bool = True):
         """``fn(connection)``; when it fails because the registry closed the connection (it
         died), re-register with the next one (`_recover`) and, with ``again``, call ``fn`` once
-        more there.  The caller holds ``self._lock``."""
-        client = self._client
+        more there.  The caller holds ``self._lock``.
+
+        Raises:
+            RegistryUnavailable: as ``fn``, as `_recover`, or as `_connection`.
+        """
+        client = self._connection()
         try:
             return fn(client)
         except RegistryUnavailable:
@@ -305,7 +337,8 @@ class Lease:
         """Stop watching, close the connection and every descriptor kept."""
         self._stop.set()
         with self._lock:
-            self._client.close()
+            if self._client is not None:
+                self._client.close()
             for held in self._held.values():
                 if held.fd >= 0:
                     os.close(held.fd)
@@ -337,6 +370,8 @@ class Lease:
         side after the registry did not answer in time."""
         poller = select.poll()
         with self._lock:
+            if self._client is None:  # never connected: the watcher connects
+                return True
             sock = self._client._sock
             if sock.fileno() < 0:
                 return True
@@ -391,8 +426,9 @@ class Lease:
         self._by_registry = {seg: lease_id for lease_id, seg in registry_ids.items()}
         old, self._client = self._client, client
         self.engine_id = client.engine_id
-        self.reregistrations += 1
-        old.close()
+        if old is not None:  # else this lease's first registration
+            self.reregistrations += 1
+            old.close()
         for name in lost:
             self._locks.pop(name, None)
             self._lost_locks.add(name)
@@ -416,11 +452,35 @@ class Lease:
                 lost.update(names)
         return lost
 
-    def _reopen(self, timeout_s: float) -> RegistryClient:
+    def _connection(self) -> RegistryClient:
+        """The connection, made and said hello on first use where the lease was given a
+        daemon's launch (Note [a lease on a registry still starting]).  The caller holds
+        ``self._lock``.
+
+        Raises:
+            RegistryUnavailable: the daemon did not start, or no registry answers.
+        """
+        if self._client is None:
+            client = self._reopen(self._timeout_s, start=False)
+            try:
+                self.engine_id = client.hello(*self._hello)
+            except BaseException:
+                client.close()
+                raise
+            self._client = client
+        return self._client
+
+    def _reopen(self, timeout_s: float, start: bool = True) -> RegistryClient:
+        """A new connection to ``self.path``: to the daemon this lease was given the launch of
+        (waited for once), else to whatever answers there, else, with ``start``, to a daemon
+        started now where that is what served this engine."""
+        launch, self._launch = self._launch, None
+        if launch is not None:
+            return launch.connect()
         try:
             return RegistryClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
         except RegistryUnavailable:
-            if self._start_daemon is None:
+            if self._start_daemon is None or not start:
                 raise
         self._start_daemon(self.path, timeout_s=timeout_s)
         return RegistryClient(self.path, timeout_s=min(timeout_s, self._timeout_s))

@@ -25,8 +25,11 @@ engine makes count from the moment they exist and the ones it maps from another 
 ``private_peak_bytes``: private memory alone; ``engine_peak_bytes``: a dedup engine's own
 figure, `vllm_dedup.engine.meter`), ``gc_s`` (the garbage collector's pauses within ``load_s``:
 vLLM's loader collects the heap once after loading the weights, which a dedup load does with
-the heap frozen, so the ``no gc`` column compares the loads without them) and whether its
-greedy tokens equal the plain engine's.  Then ``vllm serve`` time-to-ready for a restart: the server is started,
+the heap frozen, so the ``no gc`` column compares the loads without them), ``user_s`` and
+``system_s`` (the CPU time of the engine's threads within ``load_s``, in user space and in the
+kernel: page faults and shared memory filled show in the latter; a registry daemon the first
+dedup engine starts is another process and is not counted) and whether its greedy tokens equal
+the plain engine's.  Then ``vllm serve`` time-to-ready for a restart: the server is started,
 stopped and started again, plain, then dedup with ``keep_warm_s`` (the second start maps).
 
 The second engine's final tensors are compared with the first's (`harness.oracle`: the first
@@ -34,7 +37,8 @@ dedup engine, alone in its group, loads as a plain load with the same options do
 
 ``--rounds N`` measures ``plain`` and ``dedup first`` N times, alternating which starts first
 (each first engine alone, with a new registry), and reports their medians, each round's figures
-beside them in the JSON (``load_s_rounds``, ``gc_s_rounds``, ``peak_bytes_rounds``): on a VM whose
+beside them in the JSON (``load_s_rounds``, ``gc_s_rounds``, ``peak_bytes_rounds``, ``user_s_rounds``,
+``system_s_rounds``): on a VM whose
 fresh memory comes from its host, one pair's ratio moves by 10-20% from run to run.
 
 ``--isa avx2`` starts every engine with oneDNN and torch held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``,
@@ -108,6 +112,7 @@ def measure(engine: EngineProcess, reference: list | None, checkpoint_bytes: int
     stats = engine.load_stats()
     tokens = engine.generate()
     row = {"load_s": stats["seconds"], "gc_s": stats["gc_seconds"], "peak_bytes": stats["new_memory_peak_bytes"],
+           "user_s": stats["user_seconds"], "system_s": stats["system_seconds"],
            "private_peak_bytes": stats["peak_bytes"], "read_bytes": checkpoint_bytes,
            "path": "-", "same_tokens": reference is None or tokens == reference}
     if engine.load_format == "dedup":
@@ -166,7 +171,7 @@ def more_rounds(model: Path, dtype: str, extra: dict | None, rows: dict, referen
     keeping each round's in ``<figure>_rounds``."""
     import statistics
 
-    figures = ("load_s", "gc_s", "peak_bytes")
+    figures = ("load_s", "gc_s", "peak_bytes", "user_s", "system_s")
     for name in ("plain", "dedup first"):
         for f in figures:
             rows[name][f"{f}_rounds"] = [rows[name][f]]
@@ -259,13 +264,14 @@ def print_table(result: dict) -> None:
     print(f"model {result['model']} ({result['dtype']}, {result['model_bytes'] / MB:.0f} MB of tensors); "
           f"dedup options {result.get('dedup_options') or 'default'}; "
           f"last-layers variant: {result['last_layers_unique_bytes'] / MB:.1f} MB of its own")
-    print(f"{'engine':<20}{'path':>8}{'load s':>9}{'vs plain':>10}{'gc s':>7}{'no gc':>8}{'read MB':>10}"
-          f"{'peak MB':>10}  same tokens")
+    print(f"{'engine':<20}{'path':>8}{'load s':>9}{'vs plain':>10}{'gc s':>7}{'no gc':>8}{'user s':>8}{'sys s':>7}"
+          f"{'read MB':>10}{'peak MB':>10}  same tokens")
     plain = result["engines"]["plain"]
     plain_s, plain_work = plain["load_s"], plain["load_s"] - plain["gc_s"]
     for name, r in result["engines"].items():
         print(f"{name:<20}{r['path']:>8}{r['load_s']:>9.2f}{r['load_s'] / plain_s:>9.1%} {r['gc_s']:>7.2f}"
-              f"{(r['load_s'] - r['gc_s']) / plain_work:>7.1%} {r['read_bytes'] / MB:>9.1f}"
+              f"{(r['load_s'] - r['gc_s']) / plain_work:>7.1%} {r['user_s']:>7.2f}{r['system_s']:>7.2f}"
+              f"{r['read_bytes'] / MB:>10.1f}"
               f"{r['peak_bytes'] / MB:>10.1f}  {r['same_tokens']}")
     if result.get("rounds", 1) > 1:
         for name in ("plain", "dedup first"):

@@ -238,7 +238,10 @@ class EngineProcess(PeerProcess):
         """``{"seconds": wall time of vLLM's get_model (the loader's load_model), "peak_bytes":
         the largest growth of the process's private memory (RssAnon) during it,
         "new_memory_peak_bytes": the largest growth of that plus the machine's shared memory
-        (``Shmem`` of /proc/meminfo: segments made meanwhile, by anyone), "gc_seconds" and
+        (``Shmem`` of /proc/meminfo: segments made meanwhile, by anyone), "user_seconds" and
+        "system_seconds": the CPU time of every thread of the engine's process during it, in
+        user space and in the kernel (page faults, shared memory filled; not other processes',
+        such as a registry daemon the load starts), "gc_seconds" and
         "gc_collections": the garbage collector's pauses during it}``."""
         self.send({"load_stats": True})
         return self.read_json("LOADSTATS ", 60)
@@ -412,6 +415,7 @@ def _meter_get_model() -> dict:
                 pauses.append(time.perf_counter() - begun[0])
 
         gc.callbacks.append(on_gc)
+        cpu = os.times()  # every thread of this process (engine core and worker run here)
         try:
             with LoadMeter("cpu") as meter, LoadMeter("cpu", live=_machine_shmem_bytes) as with_shmem:
                 if profiler is not None:
@@ -420,11 +424,13 @@ def _meter_get_model() -> dict:
                 if profiler is not None:
                     profiler.disable()
         finally:
+            end = os.times()
             gc.callbacks.remove(on_gc)
         if profiler is not None:
             profiler.dump_stats(profile_path)
         stats.update(seconds=meter.seconds, peak_bytes=max(meter.peak_growth, 0),
                      new_memory_peak_bytes=max(with_shmem.peak_growth, 0),
+                     user_seconds=end.user - cpu.user, system_seconds=end.system - cpu.system,
                      gc_seconds=sum(pauses),
                      gc_collections=len(pauses))
         return model

@@ -61,7 +61,11 @@ Note [one copy in flight]
     glibc returns it to the heap it came from.  A module that keeps the weight it packs (an
     embedding) is staged in the load's own thread, its chunks too (Note [moving a packed
     weight]): it is the load's peak moment.  `finish` waits for the last copy when
-    post-processing ends (`loader._UsualLoad`).
+    post-processing ends (`loader._UsualLoad`).  More copies in flight were measured and not
+    kept (1.2B model, first engine, five rounds each, alternating, 2026-11-27): two copies
+    queued for the one worker took 4.13 s against 4.22 s for one (plain 3.38 s) and held
+    92 MB more at the peak; two or three queued for two workers took 4.37 and 4.99 s against
+    4.59 s for one (plain 3.28 s), all within single rounds' spread (3.9 to 5.3 s).
 
 Note [the heap while staging]
     Post-processing runs inside `heap.reused_heap`, where glibc keeps every freed block for

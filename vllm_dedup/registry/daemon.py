@@ -93,8 +93,8 @@ class DaemonLaunch:
 
     def __init__(self, path: Path, launcher: subprocess.Popen, err, timeout_s: float):
         self.path, self.timeout_s = Path(path), timeout_s
-        self._launcher, self._err = launcher, err
-        self._outcome: RegistryUnavailable | None | bool = False  # False: not waited for yet
+        self._launcher, self._err = launcher, err  # `_err` is closed once waited for
+        self._outcome: RegistryUnavailable | None = None  # what waiting found (None: it answered)
 
     def wait(self, timeout_s: float = 30.0) -> None:
         """Wait until the daemon answers on ``path`` (or one another engine started there).
@@ -104,7 +104,7 @@ class DaemonLaunch:
             RegistryUnavailable: nothing answered within ``timeout_s``; the message has the
                 daemon's last words.
         """
-        if self._outcome is False:
+        if not self._err.closed:
             try:
                 self._outcome = self._answered(timeout_s)
             finally:

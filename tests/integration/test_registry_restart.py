@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -313,9 +315,45 @@ def test_a_daemon_that_cannot_start_fails_the_leases_first_call_at_once_with_its
         with pytest.raises(RegistryUnavailable):
             lease.report({"load_path": "none"})
         assert time.monotonic() - start < 2
+        lease.watch()  # holds nothing: no watcher starting the daemon again and again
+        assert lease._watcher is None
     finally:
         lease.close()
     assert not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode())
+
+
+def test_a_daemon_waits_for_the_engine_that_started_it_however_long_its_load(tmp_path):
+    """Note [the engine a daemon waits for]: the engine that starts the daemon says hello when
+    its load first needs the registry, which may be long after the daemon's idle period.  The
+    daemon stays until then; once that engine has said hello and gone, or has exited without
+    a word, it is idle as before.  A lease closed before its first call leaves no descriptor."""
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    launch = launch_daemon(sock, idle_exit_s=0.5, awaited_pid=os.getpid())
+    lease = Lease(launch, "model-a", "cpu", "default", "sig", timeout_s=10)
+    try:
+        assert wait_for(lambda: _answers(sock), 30)
+        time.sleep(3)  # six idle periods, with nothing connected: this engine is still "loading"
+        assert _answers(sock)
+        assert lease.get_recipes("sig") == []
+    finally:
+        lease.close()
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+
+    other = tmp_path / "run-2" / "vllm-dedup.sock"
+    loading = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        closed = Lease(launch_daemon(other, idle_exit_s=0.5, awaited_pid=loading.pid), "model-b", "cpu", "default",
+                       "sig", timeout_s=10)
+        closed.close()  # before its first call
+        assert closed._launch is None
+        assert wait_for(lambda: _answers(other), 30)
+        time.sleep(3)
+        assert _answers(other)
+    finally:
+        loading.kill()  # not reaped yet: a zombie has exited too
+        gone = wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(other).encode()), 15)
+        loading.wait()
+    assert gone
 
 
 @pytest.mark.parametrize("on_error", ["fallback", "fail"])
@@ -343,6 +381,29 @@ def test_an_engine_that_starts_the_daemon_waits_for_it_only_when_failures_stop_i
         lease = EngineSession().connect(config, "model-a", "cpu", "sig")
         with pytest.raises(RegistryUnavailable, match="'soon' is not a number"):
             lease.get_recipes("sig")
+        lease.close()
+
+
+@pytest.mark.parametrize("on_error", ["fallback", "fail"])
+def test_a_start_up_lock_on_a_daemon_that_cannot_start_never_stops_a_fallback_engine(tmp_path, monkeypatch,
+                                                                                     on_error):
+    """A GPU engine's first registry call is its start-up lock: a daemon it started that cannot
+    start is a warning under ``fallback`` (no lock, the start-up connection dropped), and stops
+    the engine only under ``fail``."""
+    monkeypatch.setenv(RECLAIM_GRACE_ENV, "soon")
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    session = EngineSession()
+    lease = Lease(launch_daemon(sock), "model-a", "cuda:GPU-0", "default", "sig", timeout_s=10)
+    session.startup_client = lease
+    config = DedupConfig(on_registry_error=on_error, startup_lock_timeout_s=5)
+    try:
+        if on_error == "fail":
+            with pytest.raises(RegistryUnavailable, match="(?s)start-up lock.*'soon' is not a number"):
+                session.take_startup_locks(config, lease, ["startup:cuda:GPU-0"], "vllm-instance:a")
+        else:
+            assert not session.take_startup_locks(config, lease, ["startup:cuda:GPU-0"], "vllm-instance:a")
+            assert session.startup_client is None and session.locks == []
+    finally:
         lease.close()
 
 

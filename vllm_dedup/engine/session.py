@@ -201,6 +201,34 @@ class EngineSession:
         return report
 
     # the GPU start-up ----------------------------------------------------------------------
+    def take_startup_locks(self, config: DedupConfig, client: Lease, names: list[str], owner: str) -> bool:
+        """Take the start-up locks ``names`` for ``owner`` through ``client``, waiting up to
+        ``startup_lock_timeout_s``; whether they are held (``locks``) now.  A registry that
+        cannot be reached (a daemon this engine started that did not start) drops ``client``
+        as the start-up connection.
+
+        Raises (only with ``on_registry_error="fail"``, `fallback.fail_or_fall_back`):
+            RegistryUnavailable: the registry cannot be reached.
+            LockTimeout: another engine held a lock past the timeout.
+        """
+        try:
+            client.lock(names, owner=owner, timeout_s=config.startup_lock_timeout_s)
+        except RegistryUnavailable as e:
+            client.close()
+            if self.startup_client is client:
+                self.startup_client = self.startup_device = self.startup_signature = None
+            fail_or_fall_back(config, RegistryUnavailable(
+                f"vllm-dedup: cannot reach the weight registry for the start-up lock ({e}). Set "
+                "on_registry_error='fallback' to load without sharing"), "starting without the start-up lock")
+            return False
+        except TimeoutError as e:
+            fail_or_fall_back(config, LockTimeout(f"vllm-dedup: {e}"),
+                              "starting without the start-up lock: if another engine is starting on this GPU now, "
+                              "both KV cache sizes may be off")
+            return False
+        self.locks = names
+        return True
+
     def begin_startup(self, config: DedupConfig, vllm_config) -> int:
         """Take the start-up lock(s) and predict the external weight bytes (GPU workers only).
 
@@ -235,16 +263,8 @@ class EngineSession:
         if client is None:
             return 0
         self.startup_client, self.startup_device, self.startup_signature = client, device, signature
-        try:
-            client.lock(names, owner=f"vllm-instance:{vllm_config.instance_id}",
-                        timeout_s=config.startup_lock_timeout_s)
-        except TimeoutError as e:
-            fail_or_fall_back(config, LockTimeout(f"vllm-dedup: {e}"),
-                              "starting without the start-up lock: if another engine is starting on this GPU now, "
-                              "both KV cache sizes may be off")
+        if not self.take_startup_locks(config, client, names, f"vllm-instance:{vllm_config.instance_id}"):
             return 0
-        self.locks = names
-
         if private_reason(vllm_config):  # the loader will keep this engine's weights private
             return 0
         try:

@@ -43,7 +43,7 @@ def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0
 
 
 def launch_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0,
-                  reply_timeout_s: float = 30.0) -> DaemonLaunch:
+                  reply_timeout_s: float = 30.0, awaited_pid: int | None = None) -> DaemonLaunch:
     """Start a standalone registry daemon for ``path`` (if none runs), without waiting for it.
 
     The daemon detaches (forks once more and starts its own session), so it is no longer a
@@ -55,6 +55,9 @@ def launch_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.
 
     Args:
         reply_timeout_s: each reply's timeout on the connection `DaemonLaunch.connect` makes.
+        awaited_pid: a process that will say hello when it first needs the registry (this
+            engine, `discovery.open_registry`): the daemon is not idle before it has (Note [the
+            engine a daemon waits for]).
 
     Returns:
         The launch: `DaemonLaunch.wait` waits until the daemon answers, `DaemonLaunch.connect`
@@ -72,7 +75,8 @@ def launch_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.
         launcher = subprocess.Popen(
             [sys.executable, "-m", "vllm_dedup.registry.daemon", "--detach", "--socket", str(path),
              "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s),
-             *(["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else [])],
+             *(["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else []),
+             *(["--awaits-pid", str(awaited_pid)] if awaited_pid is not None else [])],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
             start_new_session=True, close_fds=True,
         )
@@ -105,12 +109,23 @@ class DaemonLaunch:
                 daemon's last words.
         """
         if not self._err.closed:
+            # What a wait cut short (an interrupt) leaves for the next call: not an answer.
+            self._outcome = RegistryUnavailable(f"waiting for the registry daemon for {self.path} was interrupted")
             try:
                 self._outcome = self._answered(timeout_s)
             finally:
                 self._err.close()
         if self._outcome is not None:
             raise self._outcome
+
+    def close(self) -> None:
+        """Give up on the daemon without waiting: its log is closed, and its launcher reaped if
+        it has exited (else at Python's next ``Popen``).  The daemon itself is left running: it
+        serves the node's other engines and exits when idle."""
+        if not self._err.closed:
+            self._outcome = RegistryUnavailable(f"the launch of the registry daemon for {self.path} was closed")
+            self._err.close()
+        self._launcher.poll()
 
     def connect(self, timeout_s: float = 30.0) -> RegistryClient:
         """`wait`, then a connection to the daemon (not yet said hello).
@@ -181,6 +196,17 @@ def _launch_cpus() -> set[int] | None:
 #     words, instead of polling the socket until its timeout.
 
 
+# Note [the engine a daemon waits for]
+#     The engine that starts the daemon does not wait for it: its lease connects when the load
+#     first needs the registry (Note [a lease on a registry still starting] in `lease.py`), on
+#     the CPU backend after the whole checkpoint is read, which takes minutes for a large model
+#     on a cold disk.  A daemon that counted that time as idle would exit after
+#     ``--idle-exit-s``, and the engine would find nobody to publish to.  So the engine gives
+#     its pid (``--awaits-pid``), and the daemon is not idle before that process has said
+#     hello or exited (a pidfd, `server._exit_watch`); from then on it is idle as before,
+#     when nothing is connected or held.
+
+
 def is_daemon(pid: int) -> bool:
     """Whether process ``pid`` (of this node) is a standalone registry daemon."""
     try:
@@ -198,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-warm-s", type=float, default=0.0)
     parser.add_argument("--idle-exit-s", type=float, default=None, help="exit when idle this long (default: never)")
     parser.add_argument("--detach", action="store_true", help="fork into the background and return at once")
+    parser.add_argument("--awaits-pid", type=int, default=None,
+                        help="not idle before this process has said hello or exited (the engine that started it)")
     parser.add_argument("--cpus", default=None,
                         help="run on these CPUs, e.g. 0,1,2 (default: those it was started on)")
     parser.add_argument("--reclaim-grace-s", type=float, default=None,
@@ -244,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         os.write(ready, b"1")
         os.close(ready)
     try:
-        server.wait(args.idle_exit_s)
+        server.wait(args.idle_exit_s, args.awaits_pid)
     finally:
         server.stop()
         Path(f"{path}.lock").unlink(missing_ok=True)

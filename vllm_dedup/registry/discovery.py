@@ -55,15 +55,16 @@ def connect_registry(namespace: str, address: str | None = None, keep_warm_s: fl
     Raises:
         RegistryUnavailable: no registry could be reached or started.
     """
-    found = open_registry(namespace, address, keep_warm_s, timeout_s, reply_timeout_s)
+    found = open_registry(namespace, address, keep_warm_s, timeout_s, reply_timeout_s, awaits_hello=False)
     if isinstance(found, RegistryClient):
         return found
-    found.wait()
+    found.wait(timeout_s)
     return _connect_within(found.path, timeout_s, reply_timeout_s)
 
 
 def open_registry(namespace: str, address: str | None = None, keep_warm_s: float = 0.0,
-                  timeout_s: float = 60.0, reply_timeout_s: float = 30.0) -> RegistryClient | DaemonLaunch:
+                  timeout_s: float = 60.0, reply_timeout_s: float = 30.0, awaits_hello: bool = True
+                  ) -> RegistryClient | DaemonLaunch:
     """A connection to this node's registry for ``namespace``; or, where none answers and the
     standalone daemon is the one to start, that daemon's launch, not waited for (an engine's
     lease connects when it first needs the registry: Note [a lease on a registry still
@@ -76,6 +77,9 @@ def open_registry(namespace: str, address: str | None = None, keep_warm_s: float
         keep_warm_s: for a registry this call starts: seconds an unheld segment stays.
         timeout_s: seconds to wait for a Ray actor this call creates to answer.
         reply_timeout_s: the connection's timeout for any one reply (`RegistryClient`).
+        awaits_hello: this process will say hello to a daemon it starts, however long that
+            takes: the daemon is not idle before (Note [the engine a daemon waits for] in
+            `daemon.py`).
 
     Raises:
         RegistryUnavailable: no registry could be reached, or an actor created.
@@ -94,7 +98,8 @@ def open_registry(namespace: str, address: str | None = None, keep_warm_s: float
         # An actor that already exists serves the path its creator chose (its environment may
         # differ from ours, e.g. another VLLM_DEDUP_RUNTIME_DIR): connect there.
         return _connect_within(Path(ensure_actor(namespace, keep_warm_s, address)), timeout_s, reply_timeout_s)
-    return launch_daemon(path, keep_warm_s=keep_warm_s, reply_timeout_s=reply_timeout_s)
+    return launch_daemon(path, keep_warm_s=keep_warm_s, reply_timeout_s=reply_timeout_s,
+                         awaited_pid=os.getpid() if awaits_hello else None)
 
 
 def _connect_within(path: Path, timeout_s: float, reply_timeout_s: float) -> RegistryClient:

@@ -328,7 +328,12 @@ class Lease:
 
     # the registry coming back ------------------------------------------------------------------
     def watch(self) -> None:
-        """Start the background thread that re-registers with a registry that comes back."""
+        """Start the background thread that re-registers with a registry that comes back.  A
+        lease that never connected (its daemon did not start) holds nothing to re-register:
+        no thread, and no daemon started again and again on a machine where it cannot start."""
+        with self._lock:
+            if self._client is None:
+                return
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="vllm-dedup-lease", daemon=True)
             self._watcher.start()
@@ -337,6 +342,9 @@ class Lease:
         """Stop watching, close the connection and every descriptor kept."""
         self._stop.set()
         with self._lock:
+            if self._launch is not None:  # never connected: the launcher is reaped, its log closed
+                self._launch.close()
+                self._launch = None
             if self._client is not None:
                 self._client.close()
             for held in self._held.values():
@@ -370,7 +378,7 @@ class Lease:
         side after the registry did not answer in time."""
         poller = select.poll()
         with self._lock:
-            if self._client is None:  # never connected: the watcher connects
+            if self._client is None:  # never connected (`watch` starts no watcher then)
                 return True
             sock = self._client._sock
             if sock.fileno() < 0:

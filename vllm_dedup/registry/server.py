@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import selectors
 import socket
 import threading
@@ -99,6 +100,7 @@ class RegistryServer:
         self._mutex = threading.Lock()
         self._thread: threading.Thread | None = None
         self.idle_since = time.monotonic()
+        self.awaited_pid: int | None = None  # `wait`'s: cleared by that process's hello
         self.refused_uids: list[int] = []
         # request type -> handler(conn, engine id or None, request, descriptors) -> (reply, descriptors)
         self._handlers = {
@@ -160,10 +162,18 @@ class RegistryServer:
         with self._mutex:
             return self.registry.stats()
 
-    def wait(self, idle_exit_s: float | None = None) -> None:
-        """Block until stopped, or until nothing was connected or held for ``idle_exit_s``."""
+    def wait(self, idle_exit_s: float | None = None, awaited_pid: int | None = None) -> None:
+        """Block until stopped, or until nothing was connected or held for ``idle_exit_s``.
+
+        ``awaited_pid``: the engine that launched this registry, which connects only once its
+        load needs it (Note [the engine a daemon waits for] in `daemon.py`): the registry is not
+        idle before that process has said hello or exited.
+        """
+        self.awaited_pid = awaited_pid
+        exited = _exit_watch(awaited_pid) if awaited_pid is not None else None
         while not self._stop.wait(0.5):
-            busy = self._connections or self.registry.segments
+            awaiting = self.awaited_pid is not None and not exited()
+            busy = self._connections or self.registry.segments or awaiting
             if busy:
                 self.idle_since = time.monotonic()
             elif idle_exit_s is not None and time.monotonic() - self.idle_since >= idle_exit_s:
@@ -353,6 +363,8 @@ class RegistryServer:
             raise ValueError("hello sent twice")
         self._connections[conn] = self.registry.add_engine(req.pid, wire.peer_uid(conn), req.model, req.device,
                                                            req.group, req.signature)
+        if req.pid == self.awaited_pid:
+            self.awaited_pid = None
         return m.HelloReply(self._connections[conn]), []
 
     def _acquire(self, conn, engine, req: m.Acquire, fds):
@@ -447,3 +459,28 @@ def _dup_all(fds: list[int]) -> list[int]:
         _close(out)
         raise
     return out
+
+
+def _exit_watch(pid: int):
+    """A function that says whether process ``pid`` has exited (a zombie counts as exited).
+
+    A pidfd (Linux 5.3) reads as ready once the process has terminated, and unlike a pid it
+    can never name a newer process that reused the number; where there is none, ``kill(pid,
+    0)`` tells whether the pid exists at all."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return lambda: True
+    except (OSError, AttributeError):  # no pidfd on this kernel or Python
+        def gone() -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # exists, another user's
+                return False
+            return False
+        return gone
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return lambda: bool(poller.poll(0))

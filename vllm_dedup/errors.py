@@ -60,7 +60,9 @@ class PackedWeightError(DedupError):
 
 
 class SharedWeightsError(DedupError, RuntimeError):
-    """An operation that writes weights in place was asked of an engine with shared weights."""
+    """An operation that writes weights in place was asked of an engine with shared weights;
+    or a weight moved into shared memory could not be put back after a failure, so the engine
+    would read a wrong one (the load stops)."""
 
 
 class CheckpointError(DedupError):

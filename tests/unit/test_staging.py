@@ -24,7 +24,7 @@ from vllm_dedup.engine.share import share_model
 from vllm_dedup.engine import staging as staging_module
 from vllm_dedup.engine.heap import MAPPED_BLOCK_BYTES, reused_heap
 from vllm_dedup.engine.staging import Staging
-from vllm_dedup.errors import PackedWeightError
+from vllm_dedup.errors import PackedWeightError, SharedWeightsError
 from vllm_dedup.registry.client import RegistryClient, registry_stats
 from vllm_dedup.registry.lease import Lease
 
@@ -278,14 +278,16 @@ def test_linear_layers_copy_one_at_a_time_beside_the_next_in_order(monkeypatch):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("fail", ["install", "seal"])
+@pytest.mark.parametrize("fail", ["install", "install-bug", "seal"])
 def test_a_move_that_fails_leaves_the_handler_its_bytes(monkeypatch, fail):
+    """Whatever fails after the first chunk was moved (oneDNN refusing, a bug raising anything
+    else, the kernel refusing a seal), every dropped page gets its bytes back."""
     big = _Big()
     before = big.outputs()
     packed = onednn.find_packed(big.handler)
-    if fail == "install":
+    if fail.startswith("install"):
         def refuse(*args, **kwargs):
-            raise PackedWeightError("refused for the test")
+            raise PackedWeightError("refused for the test") if fail == "install" else RuntimeError("a bug")
 
         monkeypatch.setattr(onednn, "install", refuse)
     else:
@@ -299,6 +301,25 @@ def test_a_move_that_fails_leaves_the_handler_its_bytes(monkeypatch, fail):
     assert _address(big) == packed.address and not onednn.find_packed(big.handler).shared
     assert torch.equal(big.outputs(), before)  # every dropped page got its bytes back
     onednn.check_packing(onednn.find_packed(big.handler), big.weight.t(), sample=None)
+
+
+@pytest.mark.heavy
+def test_a_move_whose_bytes_cannot_be_put_back_stops_the_load(monkeypatch):
+    """The move failed and the bytes cannot be read back from the memfd: the handler would read
+    zero pages, so staging raises instead of leaving it to the load (never a wrong weight)."""
+    big = _Big()
+
+    def no_seal(fd):
+        raise OSError(errno.EPERM, "sealing refused for the test")
+
+    def no_read(*args):
+        raise OSError(errno.EIO, "read refused for the test")
+
+    monkeypatch.setattr(staging_module, "seal", no_seal)
+    monkeypatch.setattr(os, "preadv", no_read)
+    staging = Staging(min_bytes=1)
+    with pytest.raises(SharedWeightsError, match="could not be restored.*the load stops"):
+        staging.after_post_processing("embed", big)
 
 
 def _context(sock, name: str) -> LoadContext:

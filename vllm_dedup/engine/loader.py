@@ -31,7 +31,8 @@ On vLLM's CPU backend, linear layers follow ``cpu_linear``.  ``packed`` (the def
 vLLM's own oneDNN path as it is: vLLM packs each linear weight into oneDNN memory, and the
 sharing pass shares those packed weights (`packed.py`, `onednn/`), so every engine runs
 vLLM's kernels, with a plain engine's numerics.  Where that cannot work here (`onednn.probe`)
-the engine runs ``plain`` and says why once.  ``plain`` keeps linear weights and the output
+the engine runs ``private`` (``plain`` where vLLM itself runs ``F.linear`` for the dtype) and
+says why once.  ``plain`` keeps linear weights and the output
 head plain (``F.linear``), shared as any tensor: vLLM's own ``_cpu_skip_gemm_dispatch`` mark
 for linear layers, and for the vocabulary embeddings a post-processing that does not pack.
 That changes the model's graph, so it enters vLLM's compile-cache key (`compile_cache`): a
@@ -276,7 +277,7 @@ class DedupModelLoader(BaseModelLoader):
             except (CheckpointError, OSError) as e:
                 logger.info("%s: this load leaves no recipe (%s)", ctx.model_name, e)
         model = self._load_as_usual(ctx.vllm_config, ctx.model_config, ctx.prefix, recorded, staging, in_place)
-        if staging is not None and staging.staged:
+        if staging is not None and (staging.staged or staging.failures):
             logger.info("%s: %s while post-processing%s", ctx.model_name, staging.summary(),
                         f"; some stay with oneDNN ({staging.failures[0]})" if staging.failures else "")
         if recorded is not None:

@@ -10,7 +10,8 @@ layer's post-processing, while the next layers are still plain:
 1. the handler's packed bytes are keyed (XXH3-128, `packed.packed_key`) where they lie;
 2. a packed weight equal to one staged earlier in this model (a tied head packs the embedding
    it is tied to) is compared exactly and takes that segment: no second copy;
-3. otherwise they are copied once into a new sealed memfd (`HostSegment.create_packed`) and
+3. otherwise they are copied once into a new sealed memfd (`HostSegment.from_bytes`; a large
+   one chunk by chunk, Note [moving a packed weight]) and
    the handler is pointed at its read-only mapping (`onednn.install`), which frees oneDNN's
    buffer at once; a linear layer's copy runs beside the next layer's post-processing (Note
    [one copy in flight]).
@@ -54,9 +55,11 @@ Note [one copy in flight]
     Copying a packed weight into a memfd is mostly the kernel allocating and filling shmem
     pages (``pwrite``, the GIL released), which vLLM's packing of the next layer neither
     reads nor waits for.  So a linear layer's copy and install run in one worker thread while
-    the load goes on with the next layer, and the next layer's staging waits for it first:
-    one copy in flight at a time, adopted in layer order, and a twin (a tied head) always
-    finds the segment it would share.  Nothing runs the handler meanwhile (vLLM runs none
+    the load goes on with the next layer, and the next layer's staging waits for it once it
+    has keyed its own bytes, before it looks for a twin: one copy in flight at a time, adopted
+    in layer order, and a twin (a tied head) always finds the segment it would share.  (A
+    module without a packed weight to stage waits for nothing: the heap may be trimmed
+    meanwhile, which touches only free blocks.)  Nothing runs the handler meanwhile (vLLM runs none
     before post-processing ends); the install frees oneDNN's buffer from the worker, and
     glibc returns it to the heap it came from.  A module that keeps the weight it packs (an
     embedding) is staged in the load's own thread, its chunks too (Note [moving a packed
@@ -100,7 +103,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import PackedWeightError, SegmentError
+from ..errors import PackedWeightError, SegmentError, SharedWeightsError
 from ..log import init_logger
 from ..segments.host import SEGMENT_MEMFD_NAME, HostSegment, seal, write_all
 from . import onednn
@@ -180,11 +183,15 @@ class Staging:
             except (PackedWeightError, SegmentError) as e:
                 if len(self.failures) < 3:
                     self.failures.append(f"{name}: {e}")
+            except SharedWeightsError:  # its handler would read a wrong weight: stop the load
+                raise
             except Exception as e:  # never stop a load that vLLM itself completes
                 if len(self.failures) < 3:
                     self.failures.append(f"{name}: {type(e).__name__}: {e}")
 
     def _stage(self, name: str, handler, keeps_weight: bool = True) -> None:
+        if self._in_flight is not None and self._in_flight[2] is handler:  # met again: its buffer is being freed
+            self._finish_copy()
         packed = onednn.find_packed(handler)
         if packed.shared or packed.nbytes < self.min_bytes:
             return
@@ -205,7 +212,12 @@ class Staging:
         if not keeps_weight:  # a linear layer: copied beside the next layer's post-processing
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-staging")
-            self._in_flight = (self._copier.submit(_copied, packed, view, False), name, handler, key, packed.nbytes)
+            try:
+                future = self._copier.submit(_copied, packed, view, False)
+            except BaseException:  # no thread: the handler keeps its buffer
+                self.created_bytes -= packed.nbytes
+                raise
+            self._in_flight = (future, name, handler, key, packed.nbytes)
             return
         moved = packed.nbytes >= MAPPED_BLOCK_BYTES
         try:
@@ -299,14 +311,14 @@ def _copied(packed, view: memoryview, moved: bool):
     import torch
 
     segment = _moved(packed, view) if moved else HostSegment.from_bytes(view, name=SEGMENT_MEMFD_NAME)
-    tensor = segment.tensor(0, torch.uint8, (packed.nbytes,), (1,))
     try:
+        tensor = segment.tensor(0, torch.uint8, (packed.nbytes,), (1,))
         # The segment was copied from these very bytes a moment ago: comparing them again
         # would be a second pass over the model for nothing.
         onednn.install(packed, tensor, compare=False)
-    except PackedWeightError:
-        if moved:  # the handler keeps its own buffer: its dropped pages get their bytes back
-            ctypes.memmove(packed.address, tensor.data_ptr(), packed.nbytes)
+    except BaseException:
+        if moved and packed.reads_own_buffer():  # its dropped pages get their bytes back
+            _copy_back(packed, segment.fileno(), packed.nbytes)
         with contextlib.suppress(OSError):
             segment.close_fd()
         raise
@@ -337,15 +349,37 @@ def _moved(packed, view: memoryview) -> HostSegment:
             low = max(low, (packed.address + end) // PAGE_BYTES * PAGE_BYTES)
         seal(fd)
         return HostSegment(os.dup(fd), nbytes)  # closes that descriptor if it cannot be mapped
-    except (OSError, SegmentError) as e:
+    except BaseException as e:
         if written:  # the pages dropped so far are in the memfd
-            source = (ctypes.c_uint8 * written).from_address(packed.address)
-            done = 0
-            while done < written:
-                done += os.preadv(fd, [memoryview(source)[done:]], done)
-        raise SegmentError(f"cannot fill a {nbytes}-byte memfd segment: {e}") from None
+            _copy_back(packed, fd, written)
+        if isinstance(e, (OSError, SegmentError)):
+            raise SegmentError(f"cannot fill a {nbytes}-byte memfd segment: {e}") from None
+        raise
     finally:
         os.close(fd)
+
+
+def _copy_back(packed, fd: int, nbytes: int) -> None:
+    """Read the first ``nbytes`` of the memfd ``fd`` back into ``packed``'s own buffer, whose
+    pages were dropped as the memfd took them (Note [moving a packed weight]).  The handler
+    reads that buffer again after a failed move; if its bytes cannot be brought back, the
+    load must not go on with the zeros it would read.
+
+    Raises:
+        SharedWeightsError: the bytes could not be read back (the load stops: a wrong weight
+            otherwise).
+    """
+    source = memoryview((ctypes.c_uint8 * nbytes).from_address(packed.address))
+    done = 0
+    try:
+        while done < nbytes:
+            got = os.preadv(fd, [source[done:]], done)
+            if got <= 0:
+                raise OSError(f"end of the memfd at byte {done}")
+            done += got
+    except OSError as e:
+        raise SharedWeightsError(f"a packed weight moved into shared memory could not be restored after a failed "
+                                 f"move ({e}); its handler would read zeros, so the load stops") from None
 
 
 def _reads(entry: Staged) -> bool:

@@ -119,6 +119,11 @@ class PackedWeight:
             raise PackedWeightError("the handler's packed weight moved since it was found")
         return memoryview((ctypes.c_uint8 * self.nbytes).from_address(self.address)).toreadonly()
 
+    def reads_own_buffer(self) -> bool:
+        """Whether the handler still reads the buffer at ``address`` (no `install` since this
+        was found, nor one that oneDNN took before it failed)."""
+        return C.library().data_handle(self.memory) == self.address
+
     @property
     def shared(self) -> bool:
         """Whether `install` put a segment's bytes in this handler."""
@@ -218,15 +223,19 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
         packed: from `find_packed`, for a handler nothing runs on meanwhile.
         data: the segment's bytes; 64-byte aligned.
         compare: first check that ``data`` holds exactly the handler's current bytes (never a
-            wrong weight).  ``False`` only for a handler built from placeholder bytes (e.g. zero
-            pages) whose segment was matched by content key.
+            wrong weight).  ``False`` only where that is known already: a handler built from
+            placeholder bytes (zero pages) whose segment was matched by content key, or bytes
+            just copied from the handler's own (`staging.py`) or compared before
+            (`packed.PackedSlot.install`).
 
     Returns:
         The bytes of private memory given back (0 if the handler already read a segment).
 
     Raises:
         PackedWeightError: ``data`` does not fit (size, alignment, device), differs from the
-            packed bytes, or oneDNN refused; the handler is unchanged.
+            packed bytes, or oneDNN refused; the handler is unchanged, except where oneDNN
+            took the new handle and then reads neither (`PackedWeight.reads_own_buffer` says
+            which; ``data`` is kept on the handler then, whatever it reads).
     """
     import torch
 
@@ -243,11 +252,14 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
     if compare and C.memcmp(current, address, packed.nbytes) != 0:
         raise PackedWeightError("the replacement's bytes differ from the handler's packed weight")
     was_private = not packed.shared
-    if lib.set_data_handle(packed.memory, address) != C.SUCCESS or lib.data_handle(packed.memory) != address:
+    if lib.set_data_handle(packed.memory, address) != C.SUCCESS:
         raise PackedWeightError("oneDNN refused the new data handle")
     # The handler reads ``data`` alone from now on: a segment it read before (one this engine
-    # staged, `staging.py`) is let go of here, and freed with its last mapping.
+    # staged, `staging.py`) is let go of here, and freed with its last mapping.  Kept before
+    # the check below, so that its mapping outlives any handler that took it.
     setattr(packed.handler, HOLDS, [data])
+    if lib.data_handle(packed.memory) != address:
+        raise PackedWeightError("oneDNN took the new data handle but reads another")
     kept = getattr(packed.handler, _FOUND, None)
     if kept is not None and kept.memory == packed.memory:  # Note [a handler found once]
         setattr(packed.handler, _FOUND, kept._replace(address=address))

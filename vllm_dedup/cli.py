@@ -1,6 +1,7 @@
 """The ``vllm-dedup`` command.
 
-    vllm-dedup scan PATH... [--json] [--min-bytes N] [--keep-going] [--no-cache] [--plot FILE.png]
+    vllm-dedup scan PATH... [--json] [--min-bytes N] [--top N] [--threads N] [--keep-going] [--no-cache]
+                           [--plot FILE.png]
     vllm-dedup status [--json | --watch [SECONDS]] [--namespace NS] [--all-nodes [--address ADDR]]
 
 scan exit codes: 0 success; 1 some models could not be read (``--keep-going``: the rest are

@@ -342,10 +342,9 @@ def test_a_daemon_waits_for_the_engine_that_started_it_however_long_its_load(tmp
     other = tmp_path / "run-2" / "vllm-dedup.sock"
     loading = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        closed = Lease(launch_daemon(other, idle_exit_s=0.5, awaited_pid=loading.pid), "model-b", "cpu", "default",
-                       "sig", timeout_s=10)
-        closed.close()  # before its first call
-        assert closed._launch is None
+        launch = launch_daemon(other, idle_exit_s=0.5, awaited_pid=loading.pid)
+        Lease(launch, "model-b", "cpu", "default", "sig", timeout_s=10).close()  # before its first call
+        assert launch._err.closed
         assert wait_for(lambda: _answers(other), 30)
         time.sleep(3)
         assert _answers(other)

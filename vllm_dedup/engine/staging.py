@@ -169,7 +169,12 @@ class Staging:
 
     def after_post_processing(self, name: str, module) -> None:
         """Stage every packed weight ``module`` itself holds; called right after its
-        post-processing.  Never raises: what cannot be staged stays with oneDNN."""
+        post-processing.  What cannot be staged stays with oneDNN.
+
+        Raises:
+            SharedWeightsError: a failed move could not give the handler its bytes back (the
+                load must stop: `_copy_back`); nothing else.
+        """
         self._stage_all(name, module)
         if self._freed_since_trim >= _TRIM_EVERY_BYTES:  # Note [the heap while staging]
             trim()
@@ -204,7 +209,8 @@ class Staging:
             try:
                 onednn.install(packed, twin.tensor, compare=True)  # equal bytes only: else it stays
             except PackedWeightError:
-                pass
+                if not packed.reads_own_buffer():  # oneDNN took the handle, then read another: leave it
+                    raise
             else:
                 self.staged.append(Staged(name, handler, key, twin.segment, twin.tensor, owner=False))
                 return
@@ -307,6 +313,7 @@ def _copied(packed, view: memoryview, moved: bool):
         SegmentError: the segment could not be made (the handler keeps its bytes).
         PackedWeightError: the install failed (the handler keeps its bytes; the segment is
             closed).
+        SharedWeightsError: a moved buffer's bytes could not be put back (`_copy_back`).
     """
     import torch
 
@@ -317,10 +324,12 @@ def _copied(packed, view: memoryview, moved: bool):
         # would be a second pass over the model for nothing.
         onednn.install(packed, tensor, compare=False)
     except BaseException:
-        if moved and packed.reads_own_buffer():  # its dropped pages get their bytes back
-            _copy_back(packed, segment.fileno(), packed.nbytes)
-        with contextlib.suppress(OSError):
-            segment.close_fd()
+        try:
+            if moved and packed.reads_own_buffer():  # its dropped pages get their bytes back
+                _copy_back(packed, segment.fileno(), packed.nbytes)
+        finally:
+            with contextlib.suppress(OSError):
+                segment.close_fd()
         raise
     return segment, tensor
 

@@ -203,8 +203,12 @@ def _launch_cpus() -> set[int] | None:
 #     on a cold disk.  A daemon that counted that time as idle would exit after
 #     ``--idle-exit-s``, and the engine would find nobody to publish to.  So the engine gives
 #     its pid (``--awaits-pid``), and the daemon is not idle before that process has said
-#     hello or exited (a pidfd, `server._exit_watch`); from then on it is idle as before,
-#     when nothing is connected or held.
+#     hello (the pid the kernel gives for the connection, ``SO_PEERCRED``) or exited (a pidfd,
+#     `server._ExitWatch`); from then on it is idle as before, when nothing is connected or
+#     held.  An engine that never says hello (its lease closed unused) keeps the daemon for
+#     as long as it lives, no longer.  Where two engines launch a daemon at once, the one
+#     that serves waits for its own launcher only; the other engine's load can still outlast
+#     the idle period if the first engine leaves before it (rare: both are loading).
 
 
 def is_daemon(pid: int) -> bool:
@@ -267,12 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return 0  # another daemon owns this socket
         raise
-    server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s).start()
+    server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s,
+                            awaited_pid=args.awaits_pid).start()
     if ready is not None:
         os.write(ready, b"1")
         os.close(ready)
     try:
-        server.wait(args.idle_exit_s, args.awaits_pid)
+        server.wait(args.idle_exit_s)
     finally:
         server.stop()
         Path(f"{path}.lock").unlink(missing_ok=True)

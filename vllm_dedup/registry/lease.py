@@ -41,8 +41,8 @@ Note [a lease on a registry still starting]
     (`daemon.DaemonLaunch`) instead of a connection: ``launching`` says so (the loader then
     skips asking for recipes), and the first call waits for the daemon, connects and says
     hello (`_connection`).  A daemon that does not start fails that call, as a registry that
-    died would; the calls after it try the socket once each, and the watcher connects later
-    if a registry comes.  Under ``on_registry_error="fail"`` the engine waits at once instead
+    died would; the calls after it try the socket once each (a lease that never connected
+    holds nothing, and `watch` starts no watcher for it).  Under ``on_registry_error="fail"`` the engine waits at once instead
     (`engine.session.EngineSession.connect`), so that it fails before loading.
 
 `Lease` offers the `client.RegistryClient` methods the engine side uses, and records what they

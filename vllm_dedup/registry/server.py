@@ -84,7 +84,7 @@ class RegistryServer:
     """
 
     def __init__(self, registry: Registry, path: Path, max_connections: int | None = None,
-                 reclaim_grace_s: float = RECLAIM_GRACE_S):
+                 reclaim_grace_s: float = RECLAIM_GRACE_S, awaited_pid: int | None = None):
         self.registry = registry
         self.path = Path(path)
         self.reclaim_grace_s = reclaim_grace_s
@@ -100,7 +100,10 @@ class RegistryServer:
         self._mutex = threading.Lock()
         self._thread: threading.Thread | None = None
         self.idle_since = time.monotonic()
-        self.awaited_pid: int | None = None  # `wait`'s: cleared by that process's hello
+        # The engine that launched this registry: not idle before its hello (cleared then) or
+        # its exit (`wait`; Note [the engine a daemon waits for] in `daemon.py`).  Set before
+        # serving starts, so that no hello can come before it.
+        self.awaited_pid = awaited_pid
         self.refused_uids: list[int] = []
         # request type -> handler(conn, engine id or None, request, descriptors) -> (reply, descriptors)
         self._handlers = {
@@ -162,22 +165,23 @@ class RegistryServer:
         with self._mutex:
             return self.registry.stats()
 
-    def wait(self, idle_exit_s: float | None = None, awaited_pid: int | None = None) -> None:
-        """Block until stopped, or until nothing was connected or held for ``idle_exit_s``.
-
-        ``awaited_pid``: the engine that launched this registry, which connects only once its
-        load needs it (Note [the engine a daemon waits for] in `daemon.py`): the registry is not
-        idle before that process has said hello or exited.
-        """
-        self.awaited_pid = awaited_pid
-        exited = _exit_watch(awaited_pid) if awaited_pid is not None else None
-        while not self._stop.wait(0.5):
-            awaiting = self.awaited_pid is not None and not exited()
-            busy = self._connections or self.registry.segments or awaiting
-            if busy:
-                self.idle_since = time.monotonic()
-            elif idle_exit_s is not None and time.monotonic() - self.idle_since >= idle_exit_s:
-                self.stop()
+    def wait(self, idle_exit_s: float | None = None) -> None:
+        """Block until stopped, or until nothing was connected or held for ``idle_exit_s``,
+        nor is ``awaited_pid`` still to say hello (Note [the engine a daemon waits for] in
+        `daemon.py`)."""
+        awaited = self.awaited_pid
+        watch = _ExitWatch(awaited) if awaited is not None else None
+        try:
+            while not self._stop.wait(0.5):
+                awaiting = self.awaited_pid is not None and not watch.exited()
+                busy = self._connections or self.registry.segments or awaiting
+                if busy:
+                    self.idle_since = time.monotonic()
+                elif idle_exit_s is not None and time.monotonic() - self.idle_since >= idle_exit_s:
+                    self.stop()
+        finally:
+            if watch is not None:
+                watch.close()
 
     # the socket --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -363,7 +367,7 @@ class RegistryServer:
             raise ValueError("hello sent twice")
         self._connections[conn] = self.registry.add_engine(req.pid, wire.peer_uid(conn), req.model, req.device,
                                                            req.group, req.signature)
-        if req.pid == self.awaited_pid:
+        if self.awaited_pid is not None and wire.peer_pid(conn) == self.awaited_pid:  # the kernel's pid, not the claim
             self.awaited_pid = None
         return m.HelloReply(self._connections[conn]), []
 
@@ -461,26 +465,39 @@ def _dup_all(fds: list[int]) -> list[int]:
     return out
 
 
-def _exit_watch(pid: int):
-    """A function that says whether process ``pid`` has exited (a zombie counts as exited).
+class _ExitWatch:
+    """Whether process ``pid`` has exited (a zombie, not yet reaped, has).
 
     A pidfd (Linux 5.3) reads as ready once the process has terminated, and unlike a pid it
-    can never name a newer process that reused the number; where there is none, ``kill(pid,
-    0)`` tells whether the pid exists at all."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return lambda: True
-    except (OSError, AttributeError):  # no pidfd on this kernel or Python
-        def gone() -> bool:
+    never names a newer process that reused the number.  Where there is none (an older kernel,
+    a seccomp profile refusing ``pidfd_open``), the process's state in ``/proc/PID/stat``: gone
+    or ``Z``; a pid reused meanwhile then reads as alive.
+    """
+
+    def __init__(self, pid: int):
+        self.pid, self._fd, self._gone = pid, -1, False
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+        except (OSError, AttributeError):  # no pidfd here: /proc
+            pass
+
+    def exited(self) -> bool:
+        if self._gone:
+            return True
+        if self._fd >= 0:
+            ready, _, _ = select.select([self._fd], [], [], 0)
+            self._gone = bool(ready)
+        else:
             try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:  # exists, another user's
-                return False
-            return False
-        return gone
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return lambda: bool(poller.poll(0))
+                stat = Path(f"/proc/{self.pid}/stat").read_text()
+                self._gone = stat.rsplit(")", 1)[1].split()[0] == "Z"
+            except (OSError, IndexError):
+                self._gone = True
+        return self._gone
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

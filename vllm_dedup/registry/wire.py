@@ -101,6 +101,14 @@ def peer_uid(sock: socket.socket) -> int:
     return struct.unpack("3i", creds)[1]
 
 
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a Unix socket when it connected
+    (``SO_PEERCRED``), in this process's pid namespace (the kernel translates it; 0 where that
+    process is not visible from here)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
 # framing -----------------------------------------------------------------------------------
 def frame(obj: dict, limit: int = MAX_MESSAGE) -> tuple[bytes, int | None]:
     """The datagram of one message, and the sealed memfd carrying its JSON when that is over

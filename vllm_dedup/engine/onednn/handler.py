@@ -252,14 +252,17 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
     if compare and C.memcmp(current, address, packed.nbytes) != 0:
         raise PackedWeightError("the replacement's bytes differ from the handler's packed weight")
     was_private = not packed.shared
+    before = getattr(packed.handler, HOLDS, None) or []
     if lib.set_data_handle(packed.memory, address) != C.SUCCESS:
         raise PackedWeightError("oneDNN refused the new data handle")
-    # The handler reads ``data`` alone from now on: a segment it read before (one this engine
-    # staged, `staging.py`) is let go of here, and freed with its last mapping.  Kept before
-    # the check below, so that its mapping outlives any handler that took it.
-    setattr(packed.handler, HOLDS, [data])
+    # Both kept until it is sure which one the handler reads: a mapping must outlive any
+    # handler that took it.
+    setattr(packed.handler, HOLDS, [*before, data])
     if lib.data_handle(packed.memory) != address:
         raise PackedWeightError("oneDNN took the new data handle but reads another")
+    # The handler reads ``data`` alone from now on: a segment it read before (one this engine
+    # staged, `staging.py`) is let go of here, and freed with its last mapping.
+    setattr(packed.handler, HOLDS, [data])
     kept = getattr(packed.handler, _FOUND, None)
     if kept is not None and kept.memory == packed.memory:  # Note [a handler found once]
         setattr(packed.handler, _FOUND, kept._replace(address=address))

@@ -6,7 +6,6 @@ through a read-only mapping), and chosen tensors read without touching the other
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -14,9 +13,9 @@ from pathlib import Path
 from ..errors import CheckpointError
 from ..log import init_logger
 from .manifest import FileIdentity, Manifest, ManifestCache, file_manifest
-from .readers import SafetensorsFile
+from .readers import SafetensorsFile, index_shards
 
-__all__ = ["checkpoint_files", "checkpoint_keys", "read_tensors", "write_manifests"]
+__all__ = ["changed_files", "checkpoint_files", "checkpoint_keys", "read_tensors", "write_manifests"]
 
 logger = init_logger(__name__)
 
@@ -32,36 +31,55 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path] | None:
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
     if files and index.is_file():
-        try:
-            named = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError):
+        named = index_shards(index)
+        if named is None:
             return None
         files = [f for f in files if f.name in named]
     return files or None
 
 
-def checkpoint_keys(files: list[Path], cache: ManifestCache) -> tuple[dict[str, str], dict[str, Path], int]:
+def checkpoint_keys(files: list[Path], cache: ManifestCache
+                    ) -> tuple[dict[str, str], dict[str, Path], int, dict[Path, FileIdentity]]:
     """Source keys of every tensor of ``files``, from the manifest cache where it knows them,
     else by hashing the files (read through a read-only mapping: nothing is allocated).
 
     Returns:
-        (tensor name -> source key as a string, tensor name -> its file, tensor bytes hashed).
+        (tensor name -> source key as a string, tensor name -> its file, tensor bytes hashed,
+        file -> its identity the keys describe: `changed_files` tells whether it still is).
 
     Raises:
         CheckpointError: a file cannot be read, or two files hold a tensor of the same name.
     """
     keys: dict[str, str] = {}
     where: dict[str, Path] = {}
+    identities: dict[Path, FileIdentity] = {}
     hashed = 0
     for path in files:
         manifest, n = file_manifest(path, cache)
         hashed += n
+        identities[path] = manifest.identity
         for entry, key in zip(manifest.entries, manifest.keys):
             if entry.name in keys:
                 raise CheckpointError(path, f"tensor {entry.name!r} is also in {where[entry.name]}")
             keys[entry.name] = str(key)
             where[entry.name] = path
-    return keys, where, hashed
+    return keys, where, hashed, identities
+
+
+def changed_files(identities: dict[Path, FileIdentity]) -> list[Path]:
+    """The files whose identity (`FileIdentity`: inode, size, times, header) is no longer the
+    one given: rewritten, replaced or gone since.  What was read from them may be neither
+    version, so no recipe may say it came from the keys taken before."""
+    changed = []
+    for path, before in identities.items():
+        try:
+            with SafetensorsFile(path) as f:
+                same = FileIdentity.of(path, f.header()) == before
+        except (CheckpointError, OSError):
+            same = False
+        if not same:
+            changed.append(path)
+    return changed
 
 
 def read_tensors(names: Iterable[str], where: dict[str, Path]) -> Iterator[tuple[str, object]]:

@@ -33,6 +33,7 @@ from pathlib import Path
 import xxhash
 
 from ..content.keys import ContentKey, content_keys, source_key
+from ..errors import CheckpointError
 from ..log import init_logger
 from .readers import TensorEntry, open_weight_file
 
@@ -139,7 +140,7 @@ class ManifestCache:
             return None
         try:
             manifest = Manifest.from_json(text)
-        except (ValueError, KeyError, TypeError, IndexError):
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             self.rejected += 1
             return None
         if manifest.identity != identity:
@@ -179,7 +180,8 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
         (manifest, tensor bytes hashed: 0 when the cache had it).
 
     Raises:
-        CheckpointError: the file cannot be read.
+        CheckpointError: the file cannot be read, or changed while it was (its size, times or
+            inode: a write within the same timestamp tick as the first look goes unseen).
     """
     with open_weight_file(path) as wf:
         identity = FileIdentity.of(path, wf.header())
@@ -198,6 +200,8 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
 
         done = (lambda i: progress.update(entries[i].nbytes)) if progress is not None else None
         keys = content_keys([key_of(e) for e in entries], threads=threads, on_done=done)
+        if FileIdentity.of(path, wf.header()) != identity:  # written meanwhile: keys of neither version
+            raise CheckpointError(path, "the file changed while it was read; read it again once it is written")
     manifest = Manifest(identity, tuple(entries), tuple(keys))
     cache.put(manifest)
     return manifest, sum(e.nbytes for e in entries)

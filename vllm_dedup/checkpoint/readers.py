@@ -23,7 +23,7 @@ from pathlib import Path
 from ..content.views import dtype_name, tensor_bytes
 from ..errors import CheckpointError
 
-__all__ = ["TensorEntry", "WeightFile", "open_weight_file", "register_reader", "WEIGHT_SUFFIXES"]
+__all__ = ["TensorEntry", "WeightFile", "index_shards", "open_weight_file", "register_reader", "WEIGHT_SUFFIXES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,7 @@ class SafetensorsFile(WeightFile):
 
     format = "safetensors"
     MAX_HEADER = 100 << 20  # bytes; safetensors' own limit
+    MAX_RANK = 64  # dimensions of one tensor: far above any model's, and a shape's product stays cheap
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -136,29 +137,56 @@ class SafetensorsFile(WeightFile):
         return header
 
     def _check_layout(self, data_bytes: int) -> dict[str, dict]:
-        """name -> {"dtype", "shape", "data_offsets"}, checked: known dtypes, offsets inside the
-        data section and matching each tensor's size."""
+        """name -> {"dtype", "shape", "data_offsets"}, checked as the format requires: a JSON
+        object without repeated names; each entry a known dtype, a shape of at most `MAX_RANK`
+        non-negative integers and two integer offsets inside the data section whose distance is
+        the shape's size; no two tensors' bytes overlapping.  The checked values are what is
+        kept (a string or a float where an integer belongs is refused, never converted)."""
         from safetensors.torch import _getdtype
 
+        def unique(pairs):
+            names = [k for k, _ in pairs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"a name is repeated ({sorted(n for n in names if names.count(n) > 1)[0]!r})")
+            return dict(pairs)
+
         try:
-            layout = json.loads(self._header)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise self._corrupt(f"its header is not JSON: {e}") from None
-        if not isinstance(layout, dict):
+            raw = json.loads(self._header, object_pairs_hook=unique)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise self._corrupt(f"its header is not a JSON object safetensors can read: {e}") from None
+        if not isinstance(raw, dict):
             raise self._corrupt("its header is not a JSON object")
-        layout.pop("__metadata__", None)
-        for name, info in layout.items():
+        raw.pop("__metadata__", None)
+        layout: dict[str, dict] = {}
+        for name, info in raw.items():
             try:
+                if not isinstance(info, dict):
+                    raise TypeError("not an object")
                 itemsize = _getdtype(info["dtype"]).itemsize
-                begin, end = (int(x) for x in info["data_offsets"])
-                numel = 1
-                for dim in info["shape"]:
-                    numel *= int(dim)
+                shape, offsets = info["shape"], info["data_offsets"]
+                if not isinstance(shape, list) or len(shape) > self.MAX_RANK or not _naturals(shape):
+                    raise ValueError(f"shape {str(shape)[:80]} is not a list of at most {self.MAX_RANK} "
+                                     "non-negative integers")
+                if not isinstance(offsets, list) or len(offsets) != 2 or not _naturals(offsets):
+                    raise ValueError(f"data_offsets {str(offsets)[:80]} are not two non-negative integers")
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise self._corrupt(f"header entry {name!r} is malformed ({type(e).__name__}: {e})") from None
-            if not 0 <= begin <= end <= data_bytes or end - begin != numel * itemsize:
+            begin, end = offsets
+            numel = 1
+            for dim in shape:
+                numel *= dim
+                if numel > data_bytes:  # a huge shape never costs a huge product
+                    break
+            if not begin <= end <= data_bytes or end - begin != numel * itemsize:
                 raise self._corrupt(f"tensor {name!r} at bytes {begin}..{end} does not fit its shape or the "
                                     f"{data_bytes}-byte data section")
+            layout[name] = {"dtype": info["dtype"], "shape": list(shape), "data_offsets": (begin, end)}
+        reach, last = 0, None  # the furthest end so far, and whose
+        for (begin, end), name in sorted((info["data_offsets"], name) for name, info in layout.items()):
+            if begin < reach:
+                raise self._corrupt(f"tensors {last!r} and {name!r} overlap")
+            if end > reach:
+                reach, last = end, name
         return layout
 
     def header(self) -> bytes:
@@ -182,8 +210,14 @@ class SafetensorsFile(WeightFile):
     def data(self, name: str) -> memoryview:
         start, end = self._layout[name]["data_offsets"]
         if self._map is None:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            try:
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as e:  # ValueError: an empty file now
+                raise CheckpointError(self.path, f"cannot map the file: {e}") from None
+        if len(self._map) < self._data_start + end:  # shortened since its header was read
+            raise self._corrupt(f"tensor {name!r} ends at byte {self._data_start + end}, past the file's "
+                                f"{len(self._map)} bytes now")
         return memoryview(self._map)[self._data_start + start : self._data_start + end]
 
     def close(self) -> None:
@@ -193,6 +227,30 @@ class SafetensorsFile(WeightFile):
             except BufferError:  # a view is still alive: the map goes when it does
                 pass
             self._map = None
+
+
+def index_shards(index: Path) -> set[str] | None:
+    """The shard file names a ``*.index.json`` lists (its ``weight_map``'s values), or None
+    where it cannot be read or is not such an index: not JSON, no ``weight_map`` object, or a
+    value that is not the plain name of a file beside it (a path elsewhere, ``..``).  An index
+    is untrusted input like the weights: it never makes a reader open a file outside the
+    model's folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
+        return None
+    if not isinstance(weight_map, dict):
+        return None
+    names = set(weight_map.values())
+    if not all(isinstance(n, str) and n and n not in (".", "..") and "/" not in n and "\\" not in n
+               for n in names):
+        return None
+    return names
+
+
+def _naturals(values: list) -> bool:
+    """Whether every value is a non-negative JSON integer (not a bool, float or string)."""
+    return all(type(v) is int and v >= 0 for v in values)
 
 
 @register_reader(".gguf")
@@ -277,6 +335,10 @@ class TorchFile(WeightFile):
         self._tensors: dict[str, object] = {}
         seen: set[tuple[int, int]] = set()
         for name, t in _flatten(obj):
+            nbytes = t.numel() * t.element_size()
+            if nbytes > t.untyped_storage().nbytes():  # an expanded view: contiguous() would allocate it all
+                raise CheckpointError(path, f"tensor {name!r} views {nbytes} bytes of a "
+                                            f"{t.untyped_storage().nbytes()}-byte storage; re-save it contiguous")
             t = t.contiguous()
             alias = (t.data_ptr(), t.numel() * t.element_size())
             if alias in seen and alias[1] > 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.loading import checkpoint_files, checkpoint_keys, write_manifests
+from ..checkpoint.loading import changed_files, checkpoint_files, checkpoint_keys, write_manifests
 from ..checkpoint.manifest import FileIdentity, ManifestCache, default_cache_dir
 from ..checkpoint.readers import SafetensorsFile
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
@@ -48,6 +48,8 @@ class Decision:
         recipe_bytes: the chosen recipe as the registry gave it (kept by the lease, to give a
             registry that comes back).
         bytes_hashed: checkpoint bytes read to learn source keys the cache did not have.
+        identities: each file's identity that ``checkpoint`` describes (a replay that loads
+            modules checks it again before leaving a recipe: `leave_recipe`).
     """
 
     match: Match | None = None
@@ -56,6 +58,7 @@ class Decision:
     where: dict = field(default_factory=dict)
     recipe_bytes: bytes = b""
     bytes_hashed: int = 0
+    identities: dict = field(default_factory=dict)
 
 
 def fast_path_files(ctx: LoadContext, inner) -> tuple[list[Path] | None, str]:
@@ -99,7 +102,7 @@ def decide(ctx: LoadContext, files: list[Path], cache: ManifestCache | None = No
         decision.why = decision.why or "no recipe for this load signature yet"
         return decision
     try:
-        decision.checkpoint, decision.where, decision.bytes_hashed = checkpoint_keys(files, cache)
+        decision.checkpoint, decision.where, decision.bytes_hashed, decision.identities = checkpoint_keys(files, cache)
     except (CheckpointError, OSError) as e:
         decision.why = f"the checkpoint's keys cannot be had ({e})"
         return decision
@@ -143,15 +146,10 @@ class RecordedLoad:
         came from the cache and whose identity changed during the load leaves no keys: what
         was read from it may be neither version, so no recipe comes of this load."""
         self.keys = self.recorder.finish()
-        for path in self.cached:
-            try:
-                with SafetensorsFile(path) as f:
-                    same = FileIdentity.of(path, f.header()) == self.identities[path]
-            except (CheckpointError, OSError):
-                same = False
-            if not same:
-                self.recorder.unhashable.append(str(path))
-                self.keys = {}
+        changed = changed_files({p: self.identities[p] for p in self.cached})
+        if changed:
+            self.recorder.unhashable.extend(map(str, changed))
+            self.keys = {}
         uncached = [p for p in self.files if p not in self.cached]
         write_manifests(uncached, self.identities, self.keys, self.cache)
 
@@ -167,6 +165,11 @@ def leave_recipe(ctx: LoadContext, model, report: LoadReport, recorded: Recorded
             if not decision.match.unmatched:
                 return
             match = decision.match
+            changed = changed_files(decision.identities)
+            if changed:  # the modules loaded may hold bytes the keys taken before do not describe
+                logger.warning("%s: %s changed during the load; this load leaves no recipe", ctx.model_name,
+                               changed[0])
+                return
             sources, recording = decision.checkpoint, replay.recorder
             inherited = {m: match.recipe.modules[m] for m in match.matched}
             attrs_before = {k: v for k, v in model_attrs(model).items() if k not in match.recipe.attrs}

@@ -9,7 +9,6 @@ manifest cache where it can (`manifest.file_manifest`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.manifest import ManifestCache, file_manifest
-from ..checkpoint.readers import WEIGHT_SUFFIXES, TensorEntry
+from ..checkpoint.readers import WEIGHT_SUFFIXES, TensorEntry, index_shards
 from ..content.keys import ContentKey
 from ..errors import CheckpointError
 
@@ -109,11 +108,10 @@ def _weights_in_folder(folder: Path) -> list[Path]:
 
 def _indexed_files(folder: Path, names: list[Path], group: tuple[str, ...]) -> list[Path] | None:
     for index in (p for p in names if p.name.endswith(".index.json")):
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
+        named = index_shards(index)
+        if named is None:
             continue
-        shards = sorted({folder / f for f in weight_map.values()})
+        shards = sorted(folder / f for f in named)
         if shards and all(p.suffix.lower() in group for p in shards):
             missing = [p.name for p in shards if not p.exists()]
             if missing:

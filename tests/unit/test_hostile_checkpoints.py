@@ -1,0 +1,159 @@
+"""A checkpoint is untrusted input: a crafted or broken safetensors file, index or pickle gives
+`CheckpointError` naming the file and what is wrong, never another exception (which would stop
+an engine that could load as usual), never bytes outside a tensor's own range, never unbounded
+memory.  Real files on disk; Hypothesis writes headers of every shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_dedup.checkpoint.loading import changed_files, checkpoint_files, checkpoint_keys
+from vllm_dedup.checkpoint.manifest import ManifestCache, file_manifest
+from vllm_dedup.checkpoint import manifest as manifest_module
+from vllm_dedup.checkpoint.readers import SafetensorsFile, TorchFile, index_shards
+from vllm_dedup.errors import CheckpointError
+
+
+def _write(path, header, data: bytes = b"\0" * 64) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _entry(begin=0, end=8, shape=(2,), dtype="F32"):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+
+
+CRAFTED = {
+    "a float offset": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]}}, "data_offsets"),
+    "string offsets": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}}, "data_offsets"),
+    "a string dimension": ({"w": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}}, "shape"),
+    "negative dimensions": ({"w": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}}, "shape"),
+    "a boolean dimension": ({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, "shape"),
+    "shape not a list": ({"w": {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}}, "shape"),
+    "three offsets": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 9]}}, "data_offsets"),
+    "entry not an object": ({"w": [1, 2]}, "malformed"),
+    "unknown dtype": ({"w": _entry(dtype="F13")}, "malformed"),
+    "end before begin": ({"w": _entry(8, 0)}, "does not fit"),
+    "past the data": ({"w": _entry(60, 68)}, "does not fit"),
+    "size not the shape's": ({"w": _entry(0, 12)}, "does not fit"),
+    "overlapping tensors": ({"a": _entry(0, 16, (4,)), "b": _entry(8, 24, (4,))}, "overlap"),
+    "a tensor inside another": ({"a": _entry(0, 32, (8,)), "b": _entry(8, 16, (2,))}, "overlap"),
+    "a huge rank": ({"w": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, "shape"),
+    "a huge shape": ({"w": {"dtype": "F32", "shape": [2] * 64, "data_offsets": [0, 8]}}, "does not fit"),
+    "a repeated name": (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                        b'"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', "repeated"),
+    "deeply nested": (b"[" * 100_000, "JSON"),
+    "not an object": (b"[1, 2]", "not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", CRAFTED)
+def test_a_crafted_header_is_a_checkpoint_error_naming_the_file(tmp_path, case):
+    header, words = CRAFTED[case]
+    path = tmp_path / "model.safetensors"
+    _write(path, header)
+    with pytest.raises(CheckpointError, match=words) as caught:
+        SafetensorsFile(path)
+    assert caught.value.path == str(path)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(
+    st.text(max_size=4),
+    st.one_of(st.fixed_dictionaries({
+        "dtype": st.sampled_from(["F32", "BF16", "U8", "I64", "F8_E4M3", "X"]),
+        "shape": st.one_of(st.lists(st.one_of(st.integers(-2, 40), st.floats(0, 4), st.text(max_size=1)), max_size=4),
+                           st.integers()),
+        "data_offsets": st.lists(st.one_of(st.integers(-4, 80), st.floats(0, 80)), max_size=3)}),
+        st.integers(), st.none()),
+    max_size=4))
+def test_any_header_is_read_within_its_file_or_refused(tmp_path, header):
+    path = tmp_path / "model.safetensors"
+    _write(path, header)
+    try:
+        f = SafetensorsFile(path)
+    except CheckpointError:
+        return
+    with f:
+        spans = []
+        for entry in f.entries():
+            begin, end = f.byte_range(entry.name)
+            assert 0 <= end - begin == entry.nbytes == len(f.data(entry.name))
+            assert end <= path.stat().st_size
+            spans.append((begin, end))
+        reach = 0
+        for begin, end in sorted(spans):  # no byte belongs to two tensors
+            assert begin >= reach or begin == end
+            reach = max(reach, end)
+
+
+def test_a_file_shortened_after_its_header_was_read_is_an_error_not_short_bytes(tmp_path):
+    path = tmp_path / "model.safetensors"
+    _write(path, {"a": _entry(0, 32, (8,)), "b": _entry(32, 64, (8,))})
+    with SafetensorsFile(path) as f:
+        os.truncate(path, path.stat().st_size - 16)
+        assert len(f.data("a")) == 32
+        with pytest.raises(CheckpointError, match="past the file"):
+            f.data("b")
+    _write(path, {"a": _entry(0, 32, (8,))})
+    with SafetensorsFile(path) as f:  # emptied before its first tensor is read
+        os.truncate(path, 0)
+        with pytest.raises(CheckpointError, match="cannot map"):
+            f.data("a")
+
+
+@pytest.mark.parametrize("weight_map", [None, [], {"w": 5}, {"w": "../other/model.safetensors"},
+                                        {"w": "/etc/passwd"}, {"w": ".."}])
+def test_an_index_naming_no_plain_file_beside_it_is_not_followed(tmp_path, weight_map):
+    _write(tmp_path / "model.safetensors", {"w": _entry()})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert index_shards(tmp_path / "model.safetensors.index.json") is None
+    assert checkpoint_files(tmp_path) is None  # the fast paths stand aside: the usual load decides
+
+
+def test_an_index_names_its_shards(tmp_path):
+    (tmp_path / "i.json").write_text(json.dumps({"weight_map": {"a": "x.safetensors", "b": "y.safetensors"}}))
+    assert index_shards(tmp_path / "i.json") == {"x.safetensors", "y.safetensors"}
+
+
+def test_an_expanded_tensor_in_a_pickle_is_refused_not_allocated(tmp_path):
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.zeros(1).expand(1 << 20, 1 << 20)}, path)
+    with pytest.raises(CheckpointError, match="views .* bytes of a 4-byte storage"):
+        TorchFile(path)
+
+
+def test_a_file_written_while_it_is_hashed_has_no_keys_and_no_cached_manifest(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    _write(path, {"w": _entry()})
+    hash_keys = manifest_module.content_keys
+
+    def written_meanwhile(*args, **kwargs):
+        st_ = path.stat()
+        os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
+        return hash_keys(*args, **kwargs)
+
+    monkeypatch.setattr(manifest_module, "content_keys", written_meanwhile)
+    cache = ManifestCache(tmp_path / "cache")
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        file_manifest(path, cache)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_changed_files_names_a_file_rewritten_since_its_keys_were_taken(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _write(a, {"w": _entry()})
+    _write(b, {"v": _entry()})
+    *_, identities = checkpoint_keys([a, b], ManifestCache(None))
+    assert changed_files(identities) == []
+    _write(b, {"v": _entry()}, b"\1" * 64)
+    st_ = b.stat()
+    os.utime(b, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
+    assert changed_files(identities) == [b]

@@ -268,6 +268,29 @@ def test_a_changed_tensor_loads_its_module_and_every_module_sharing_its_inputs()
     assert set(found.unmatched) == {"qkv", "norm"} and "shares a checkpoint tensor" in found.unmatched["norm"]
 
 
+def test_a_tie_made_after_loading_is_decided_again_when_either_side_changes():
+    """Note [a tie made after loading] (`recipe_builder.py`): the checkpoint ships a redundant
+    head equal to the embedding, and vLLM ties the two after loading.  A fine-tune whose
+    embedding changed must load the head again (vLLM then keeps it untied): binding it to
+    the new embedding would be a wrong weight."""
+    base = checkpoint(untied=True, dec=checkpoint()["embed"])
+    model = Tiny()
+    recorder = recorded_load(model, base, copy_decoder=False)
+    model.decoder.weight = model.embed.weight  # as maybe_retie_word_embeddings ties equal bytes
+    recipe = recipe_of(model, recorder)
+    assert next(t for t in recipe.modules["decoder"].tensors if t.name == "weight").alias == "embed.weight"
+    assert {"dec", "embed"} <= set(recipe.modules["decoder"].sources)
+    assert match(recipe, source_keys(base)).unmatched == {}
+    found = match(recipe, source_keys(dict(base, embed=torch.zeros(8, 4))))
+    assert {"embed", "decoder"} <= set(found.unmatched)
+    # A tie made when the model was built (the head loads nothing of its own) holds whatever
+    # the embedding's bytes: the head stays mapped, aliasing it.
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, checkpoint(untied=True), copy_decoder=False))
+    assert recipe.modules["head"].sources == []
+    assert "head" in match(recipe, source_keys(checkpoint(untied=True, embed=torch.zeros(8, 4)))).matched
+
+
 def test_an_eager_module_is_loaded_whenever_anything_is():
     model = Tiny()
     recipe = recipe_of(model, recorded_load(model, checkpoint()))

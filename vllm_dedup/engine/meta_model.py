@@ -16,7 +16,7 @@ from .attributes import module_attributes
 from .recipe import RecipeDeclined
 from .slots import attribute_tensors
 
-__all__ = ["check_no_meta", "forget_layers", "like_meta", "retie", "rope_cache"]
+__all__ = ["check_no_meta", "forget_layers", "like_meta", "registered_layers", "retie", "rope_cache"]
 
 
 def like_meta(meta, tensor: torch.Tensor) -> torch.Tensor:
@@ -48,24 +48,45 @@ def retie(model: nn.Module, replaced: dict[int, tuple[torch.Tensor, torch.Tensor
                 setattr(a.owner, a.name, replaced[id(a.value)][1])
 
 
-def check_no_meta(model: nn.Module) -> None:
-    """Raises `RecipeDeclined` naming the first meta tensor a kernel could read."""
+def check_no_meta(model: nn.Module, placeholder=None) -> None:
+    """Raises `RecipeDeclined` naming the first meta tensor a kernel could read, or, with
+    ``placeholder`` (a predicate: `packed.ZeroPages.holds`), the first tensor still over a
+    placeholder's zero pages: vLLM drops a linear layer's own weight once it packed it, and
+    any other reference to it left behind would read zeros."""
+    def left(t) -> str:
+        if t.is_meta:
+            return "on the meta device"
+        return "a placeholder reading zeros" if placeholder is not None and placeholder(t) else ""
+
     for name, module in model.named_modules():
         for n, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None and t.is_meta:
-                raise RecipeDeclined(f"{name}.{n} is still on the meta device after post-processing")
+            if t is not None and (why := left(t)):
+                raise RecipeDeclined(f"{name}.{n} is still {why} after post-processing")
     for where, t in attribute_tensors(model):
-        if t.is_meta:
-            raise RecipeDeclined(f"{where} is still on the meta device after post-processing")
+        if why := left(t):
+            raise RecipeDeclined(f"{where} is still {why} after post-processing")
 
 
-def forget_layers(vllm_config, model: nn.Module) -> None:
-    """Unregister the layers a model given up registered in vLLM's static forward context
-    (attention layers register by name at construction; the usual load builds them again)."""
-    ours = {id(m) for m in model.modules()}
-    context = vllm_config.compilation_config.static_forward_context
-    for name in [n for n, layer in context.items() if id(layer) in ours]:
-        del context[name]
+def registered_layers(vllm_config) -> tuple[set[str], int]:
+    """What vLLM's compilation config has registered so far: the names in its static forward
+    context, and how many MoE layer names it lists (`forget_layers` goes back to it)."""
+    cc = vllm_config.compilation_config
+    return set(cc.static_forward_context), len(getattr(cc, "static_all_moe_layers", ()))
+
+
+def forget_layers(vllm_config, before: tuple[set[str], int]) -> None:
+    """Unregister the layers a model given up registered since ``before``
+    (`registered_layers`): attention layers register by name in vLLM's static forward context
+    as they are constructed, MoE layers in its list, and the usual load builds them again.
+    Taken from the names, not from the model, so that a construction that failed halfway
+    leaves nothing either."""
+    names, moe = before
+    cc = vllm_config.compilation_config
+    for name in [n for n in cc.static_forward_context if n not in names]:
+        del cc.static_forward_context[name]
+    moe_layers = getattr(cc, "static_all_moe_layers", None)
+    if moe_layers is not None:
+        del moe_layers[moe:]
 
 
 def rope_cache() -> dict:

@@ -177,6 +177,7 @@ class ZeroPages:
 
     def __init__(self):
         self._pages = None
+        self._spans: list[tuple[int, int]] = []  # (first byte, one past the last) of every mapping made
 
     def tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         """A tensor of ``shape`` (2-D: ``[rows, columns]``) and ``dtype`` reading zeros: one row
@@ -187,10 +188,20 @@ class ZeroPages:
         if self._pages is None or len(self._pages) < nbytes:
             self._pages = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                                     prot=mmap.PROT_READ)
+            self._spans.append((0, 0))  # filled below, once the mapping's address is known
         with warnings.catch_warnings():  # torch warns that the buffer is not writable: the point
             warnings.simplefilter("ignore", UserWarning)
             row = torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype)
+        if self._spans[-1] == (0, 0):
+            self._spans[-1] = (row.data_ptr(), row.data_ptr() + len(self._pages))
         return row.expand(rows, columns)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s first byte lies in one of these placeholders' mappings."""
+        if tensor.is_meta or tensor.device.type != "cpu":
+            return False
+        address = tensor.data_ptr()
+        return any(begin <= address < end for begin, end in self._spans)
 
 
 def packed_and_dropped(module, name: str) -> bool:

@@ -245,7 +245,7 @@ class Recipe:
             return cls(str(d["signature"]), {str(k): str(v) for k, v in d["sources"].items()},
                        {str(name): ModuleRecipe.from_json(m) for name, m in d["modules"].items()}, attrs,
                        [str(n) for n in d["unattributed"]], bool(d["replayable"]), str(d.get("why", "")))
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError, OverflowError, RecursionError) as e:
             raise ValueError(f"not a recipe ({type(e).__name__}: {e})") from None
 
 

@@ -212,6 +212,7 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         recipe.traced, recipe.why_untraced = not untraced, untraced
         recipe.eager = recording.eager.get(module_name, "")
         modules[module_name] = recipe
+    _tie_to_what_was_compared(modules, inherited)
     attributed = set().union(*recording.module_sources.values(), *(m.sources for m in inherited.values()))
     after = model_attrs(model)
     attrs = {k: v for k, v in after.items() if attrs_before.get(k, object()) != v}
@@ -219,6 +220,24 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
                  if callable(getattr(type(model), "process_weights_after_loading", None)) else "")
     return Recipe(signature, dict(sources), modules, attrs, sorted(set(sources) - attributed), not whole_why,
                   whole_why)
+
+
+def _tie_to_what_was_compared(modules: dict[str, ModuleRecipe], inherited: dict) -> None:
+    """Note [a tie made after loading]: a module that loaded checkpoint tensors of its own and
+    ends up aliasing another module's tensor was tied because their bytes were equal (vLLM's
+    ``maybe_retie_word_embeddings``: a checkpoint that ships a redundant ``lm_head.weight``).
+    Whether a later load ties them again depends on both modules' bytes, so the alias's
+    target's sources become the module's too: a fine-tune that changes either loads this
+    module, and vLLM decides the tie again (`recipe.settle` takes it along with the target).
+    A tie made when the model was built (no sources of its own) is structural: it holds
+    whatever the target's bytes."""
+    for name, recipe in modules.items():
+        if name in inherited or not recipe.sources:
+            continue
+        targets = {e.alias.rpartition(".")[0] for e in recipe.tensors if e.alias is not None and e.view is None}
+        for target in sorted(targets - {name}):
+            if target in modules:
+                recipe.sources = sorted(set(recipe.sources) | set(modules[target].sources))
 
 
 def _placed_by_size(model, placement: dict) -> dict[tuple, list]:

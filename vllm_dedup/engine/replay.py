@@ -29,11 +29,15 @@ The steps of `Replay.build`, in order:
    mapped modules and normally for the loaded ones; right after a mapped module's own
    post-processing made its oneDNN handler, the handler's packed weight is replaced by the
    recipe's segment (`onednn.install`);
-6. check that no meta tensor is left anywhere a kernel may read one (`slots.attribute_tensors`).
+6. check that no meta tensor, and no placeholder's zero pages, is left anywhere a kernel may
+   read one (`slots.attribute_tensors`).
 
-Any failure raises `recipe.RecipeDeclined` after giving back every segment acquired; the loader
-then loads the whole model as usual.  No byte is compared here: the trust is the BLAKE3 source
-keys, the load signature and the segments the recipe names (docs/architecture.md, "Trust").
+Any failure raises `recipe.RecipeDeclined` after giving back every segment acquired (those not
+yet mapped too: `resident.map_resident`) and unregistering the layers the build registered; the
+loader then loads the whole model as usual.  No byte is compared here: the trust is the BLAKE3
+source keys, the load signature and the segments the recipe names (docs/architecture.md,
+"Trust"); but a recipe is another engine's data, so each layout it gives a key must fit that
+key's type and bytes (`_fits`), and the model attributes it sets must be plain ones.
 """
 
 from __future__ import annotations
@@ -44,12 +48,14 @@ import torch
 from torch import nn
 
 from ..checkpoint.loading import read_tensors
+from ..content.keys import ContentKey
 from ..content.views import dtype_name, element_span
 from ..log import init_logger
+from ..errors import SegmentError
 from ..segments import segment_class
 from .context import LoadContext, Placement
 from .heap import reused_heap, trim
-from .meta_model import check_no_meta, forget_layers, like_meta, retie, rope_cache
+from .meta_model import check_no_meta, forget_layers, like_meta, registered_layers, retie, rope_cache
 from .packed import ZeroPages, install_replayed, keeps_weight
 from .post_processing import post_processing_hooks
 from .recipe import Match, RecipeDeclined, TensorRecipe
@@ -104,6 +110,7 @@ class Replay:
         model = None
         ropes = rope_cache()
         ropes_before = dict(ropes)
+        layers_before = registered_layers(self.ctx.vllm_config)
         try:
             with set_default_torch_dtype(self.ctx.model_config.dtype):
                 with torch.device("meta"):
@@ -127,6 +134,8 @@ class Replay:
                 self._alias(model)
                 self._restore_attributes(modules)
                 for key, value in self.match.recipe.attrs.items():
+                    if key.startswith("_") or key in model._modules or key in model._parameters or key in model._buffers:
+                        raise RecipeDeclined(f"the recipe would set the model's {key!r}, which is not a plain attribute")
                     setattr(model, key, value)
                 if self.match.unmatched:
                     if self.in_place is not None:
@@ -136,15 +145,19 @@ class Replay:
                 self._forget_replaced()
                 self._bind_views(model)
                 self._release_unused()
-            check_no_meta(model)
+            check_no_meta(model, self._zeros.holds)
             return model.eval()
         except Exception as e:  # a fast path never stops an engine: the usual load follows
             logger.debug("building the model from a recipe failed", exc_info=True)
             self.release()
+            # Nothing of this build may outlive it: the loader keeps this object during the
+            # usual load that follows, and these hold tensors over the released segments.
+            self._mapped.clear()
+            self.placement.clear()
+            self._unused.clear()
             if self.in_place is not None:
                 self.in_place.discard()
-            if model is not None:
-                forget_layers(self.ctx.vllm_config, model)
+            forget_layers(self.ctx.vllm_config, layers_before)
             ropes.clear()  # rotary modules made on the meta device must not be reused
             ropes.update(ropes_before)
             if isinstance(e, RecipeDeclined):
@@ -165,10 +178,10 @@ class Replay:
         segment cannot be mapped, is demoted).  Without ``verify``, a key may be found in any
         segment: the uid asked is then ""."""
         recipe, strict = self.match.recipe, self.ctx.config.verify
-        wanted: dict[tuple[str, str], TensorRecipe] = {}
+        wanted: dict[tuple[str, str], list[TensorRecipe]] = {}
         for name in self.match.matched:
             for t in recipe.modules[name].keyed():
-                wanted[(t.key, t.uid if strict else "")] = t
+                wanted.setdefault((t.key, t.uid if strict else ""), []).append(t)
         keys = [k for k, _ in wanted]
         found = map_resident(self.ctx.lease, segment_class(self.ctx.device_type), self.ctx.device_key, keys,
                              [u for _, u in wanted] if strict else None)
@@ -181,10 +194,15 @@ class Replay:
             self._segment_of[got.found.uid] = got.found.segment
             for hit in got.found.hits:
                 asked = (hit.key, got.found.uid if strict else "")
-                t = wanted[asked]
-                if hit.nbytes != t.nbytes:
-                    continue  # another layout under the same key cannot happen; never trust it
-                tensor = got.segment.tensor(hit.offset, getattr(torch, t.dtype), t.shape, t.stride)
+                entries = wanted.get(asked, [])
+                if not entries or not all(_fits(t, hit.key, hit.nbytes) for t in entries):
+                    continue  # a layout its key and bytes do not allow: never trusted, the module loads
+                t = entries[0]
+                try:
+                    tensor = got.segment.tensor(hit.offset, getattr(torch, t.dtype), t.shape, t.stride)
+                except (SegmentError, RuntimeError, ValueError, TypeError) as e:
+                    logger.debug("%s cannot be viewed in its segment (%s)", hit.key, e)
+                    continue
                 resident[asked] = (tensor, got.found.uid)
         for name in list(self.match.matched):
             optional = recipe.modules[name].packed if keeps_weight(recipe.modules[name]) else None
@@ -426,3 +444,18 @@ def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:
     dtype = getattr(torch, t.dtype)
     flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
     return flat.as_strided(t.shape, t.stride).to(device)
+
+
+def _fits(t: TensorRecipe, key: str, nbytes: int) -> bool:
+    """Whether tensor recipe ``t`` may be read from the ``nbytes`` bytes of content key ``key``:
+    the key's element type, and every element it addresses (shape and non-negative strides,
+    as ``as_strided`` would) inside those bytes.  A recipe is another engine's data: a layout
+    that reads past its tensor's bytes, or reinterprets them as another type, is refused."""
+    try:
+        if not isinstance(getattr(torch, t.dtype), torch.dtype) or ContentKey.parse(key).dtype != t.dtype:
+            return False
+        if len(t.shape) != len(t.stride) or min((*t.shape, *t.stride), default=0) < 0:
+            return False
+        return t.nbytes == nbytes  # the span of elements it reaches (`TensorRecipe.nbytes`), in bytes
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return False

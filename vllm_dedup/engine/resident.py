@@ -9,6 +9,8 @@ closed here once the segment is mapped (the mapping keeps the memory).
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -45,17 +47,31 @@ def map_resident(lease, seg_cls, device_key: str, keys: list[str], uids: list[st
         keys, uids: what to look up.
 
     Yields:
-        One `Mapped` per segment with hits, in the registry's order.
+        One `Mapped` per segment with hits, in the registry's order.  A caller that stops
+        early (an exception, ``close``) leaves nothing held: the segments not yielded yet are
+        released and their descriptors closed.
 
     Raises:
         RegistryUnavailable: the registry failed (nothing is held for the caller then).
     """
-    for found in lease.acquire(keys, uids):
-        try:
-            segment = seg_cls.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), device_key)
-        except SegmentError as e:  # not a sealed segment, or it cannot be mapped: never use it
-            lease.release([found.segment])
-            yield Mapped(found, error=SegmentError(f"resident segment {found.segment} refused: {e}"))
-            continue
-        segment.close_fd()
-        yield Mapped(found, segment)
+    acquired = list(lease.acquire(keys, uids))
+    given = 0
+    try:
+        for found in acquired:
+            given += 1
+            try:
+                segment = seg_cls.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), device_key)
+            except SegmentError as e:  # not a sealed segment, or it cannot be mapped: never use it
+                lease.release([found.segment])
+                yield Mapped(found, error=SegmentError(f"resident segment {found.segment} refused: {e}"))
+                continue
+            segment.close_fd()
+            yield Mapped(found, segment)
+    finally:
+        rest = acquired[given:]
+        for found in rest:
+            with contextlib.suppress(OSError):
+                os.close(found.fd)
+        if rest:
+            with contextlib.suppress(Exception):
+                lease.release([found.segment for found in rest])

@@ -81,3 +81,7 @@ def test_a_recipe_layout_is_trusted_only_within_its_keys_type_and_bytes():
     assert not _fits(entry(shape=(4, 8), stride=(-8, 1)), key, 64)
     assert not _fits(entry(shape=(4, 8, 1), stride=(8, 1)), key, 64)  # a stride missing
     assert not _fits(entry(), "not a key", 64)
+    # A oneDNN packed weight's key names its layout; the recipe reads it as bytes.
+    packed = str(content_key(bytes(64), "onednn:0123456789abcdef", (64,)))
+    assert _fits(TensorRecipe("weight", True, "uint8", (64,), (1,), key=packed), packed, 64)
+    assert not _fits(TensorRecipe("weight", True, "bfloat16", (32,), (1,), key=packed), packed, 64)

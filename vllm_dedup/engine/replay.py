@@ -448,11 +448,16 @@ def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:
 
 def _fits(t: TensorRecipe, key: str, nbytes: int) -> bool:
     """Whether tensor recipe ``t`` may be read from the ``nbytes`` bytes of content key ``key``:
-    the key's element type, and every element it addresses (shape and non-negative strides,
-    as ``as_strided`` would) inside those bytes.  A recipe is another engine's data: a layout
-    that reads past its tensor's bytes, or reinterprets them as another type, is refused."""
+    the key's element type (a oneDNN packed weight's key names its layout, and it is read as
+    bytes: Note [a packed weight's content key] in `packed.py`), and every element it addresses
+    (shape and non-negative strides, as ``as_strided`` would) inside those bytes.  A recipe is
+    another engine's data: a layout that reads past its tensor's bytes, or reinterprets them
+    as another type, is refused."""
     try:
-        if not isinstance(getattr(torch, t.dtype), torch.dtype) or ContentKey.parse(key).dtype != t.dtype:
+        keyed = ContentKey.parse(key).dtype
+        if keyed.startswith("onednn:"):
+            keyed = "uint8"
+        if not isinstance(getattr(torch, t.dtype), torch.dtype) or keyed != t.dtype:
             return False
         if len(t.shape) != len(t.stride) or min((*t.shape, *t.stride), default=0) < 0:
             return False

@@ -63,11 +63,10 @@ class ServeProcess:
                  core: int | None = None, kv_cache_bytes: int = 32 << 20, env: dict | None = None,
                  dtype: str = "bfloat16", compiled: bool = False, oracle: bool = True):
         self.model = str(model)
-        self.port = free_port()
         self.log_path = Path(log)
         self._log = open(self.log_path, "wb")
         cmd = [str(Path(sys.executable).with_name("vllm")), "serve", self.model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--dtype", dtype, "--max-model-len", "256",
+               "--dtype", dtype, "--max-model-len", "256",
                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--load-format", load_format, "--seed", "0"]
         if not compiled:
             cmd.append("--enforce-eager")
@@ -80,13 +79,23 @@ class ServeProcess:
                 p for p in (str(ROOT), full_env.get("PYTHONPATH")) if p))
         if core is not None:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        self._cmd, self._env, self._port_retries = cmd, full_env, 3
+        self._start()
+
+    def _start(self) -> None:
+        # The port is free when chosen, and vllm serve binds it some ten seconds later: another
+        # process (an outgoing connection's ephemeral port, the other test worker) may take it
+        # meanwhile.  `wait_ready` then starts the server again on another port.
+        self.port = free_port()
+        self._log.flush()
+        self._log_start = self._log.tell()  # what this start writes follows
         # A process group of its own (stop() and the soak signal the whole group), in our session:
         # a new session is a new scheduler autogroup, whose weight the kernel spreads over the
         # cores by where its threads ran, so a worker pinned to a core where its own server's
         # group seldom ran got about 4% of that core next to a busy engine, and took up to ten
         # minutes to start.
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     process_group=0)
+        self.proc = subprocess.Popen([*self._cmd, "--port", str(self.port)], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=self._env, process_group=0)
 
     def wait_ready(self, timeout_s: float = 300) -> ServeProcess:
         """Wait for ``/health``.
@@ -98,8 +107,16 @@ class ServeProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve {self.model} exited ({self.proc.returncode}):\n"
-                                   + self.log_path.read_text(errors="replace")[-5000:])
+                with open(self.log_path, "rb") as f:
+                    f.seek(self._log_start)
+                    tail = f.read().decode(errors="replace")[-5000:]
+                if "Address already in use" in tail and self._port_retries > 0:  # the port was taken (`_start`)
+                    self._port_retries -= 1
+                    self._log.write(f"\n--- port {self.port} was taken: starting again ---\n".encode())
+                    self._log.flush()
+                    self._start()
+                    continue
+                raise RuntimeError(f"vllm serve {self.model} exited ({self.proc.returncode}):\n" + tail)
             try:
                 if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
                     return self

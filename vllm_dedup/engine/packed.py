@@ -185,15 +185,15 @@ class ZeroPages:
         a new one, when a longer row is asked for; the old stays while a tensor views it."""
         rows, columns = shape
         nbytes = columns * torch.empty((), dtype=dtype).element_size()
-        if self._pages is None or len(self._pages) < nbytes:
+        grown = self._pages is None or len(self._pages) < nbytes
+        if grown:
             self._pages = mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                                     prot=mmap.PROT_READ)
-            self._spans.append((0, 0))  # filled below, once the mapping's address is known
         with warnings.catch_warnings():  # torch warns that the buffer is not writable: the point
             warnings.simplefilter("ignore", UserWarning)
             row = torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype)
-        if self._spans[-1] == (0, 0):
-            self._spans[-1] = (row.data_ptr(), row.data_ptr() + len(self._pages))
+        if grown:  # a read-only mapping's address is known only through a view of it
+            self._spans.append((row.data_ptr(), row.data_ptr() + len(self._pages)))
         return row.expand(rows, columns)
 
     def holds(self, tensor: torch.Tensor) -> bool:

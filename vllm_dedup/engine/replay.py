@@ -50,8 +50,8 @@ from torch import nn
 from ..checkpoint.loading import read_tensors
 from ..content.keys import ContentKey
 from ..content.views import dtype_name, element_span
-from ..log import init_logger
 from ..errors import SegmentError
+from ..log import init_logger
 from ..segments import segment_class
 from .context import LoadContext, Placement
 from .heap import reused_heap, trim

@@ -42,8 +42,9 @@ Note [a lease on a registry still starting]
     skips asking for recipes), and the first call waits for the daemon, connects and says
     hello (`_connection`).  A daemon that does not start fails that call, as a registry that
     died would; the calls after it try the socket once each (a lease that never connected
-    holds nothing, and `watch` starts no watcher for it).  Under ``on_registry_error="fail"`` the engine waits at once instead
-    (`engine.session.EngineSession.connect`), so that it fails before loading.
+    holds nothing, and `watch` starts no watcher for it).  Under ``on_registry_error="fail"``
+    the engine waits at once instead (`engine.session.EngineSession.connect`), so that it fails
+    before loading.
 
 `Lease` offers the `client.RegistryClient` methods the engine side uses, and records what they
 hold as they go.  Segment ids it returns (in hits, from `publish`) are its own and stay valid

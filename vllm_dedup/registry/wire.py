@@ -95,18 +95,22 @@ def ensure_private_dir(path: Path) -> None:
         raise RegistryUnavailable(f"{path} is open to other users (mode {info.st_mode & 0o777:o}); chmod 700 it")
 
 
+def _peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket when it connected
+    (``SO_PEERCRED``: ``struct ucred``)."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return _peer_credentials(sock)[1]
 
 
 def peer_pid(sock: socket.socket) -> int:
     """The pid of the process at the other end of a Unix socket when it connected
     (``SO_PEERCRED``), in this process's pid namespace (the kernel translates it; 0 where that
     process is not visible from here)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
+    return _peer_credentials(sock)[0]
 
 
 # framing -----------------------------------------------------------------------------------

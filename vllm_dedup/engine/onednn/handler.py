@@ -115,7 +115,7 @@ class PackedWeight:
         Raises:
             PackedWeightError: `install` replaced them since this was found.
         """
-        if C.library().data_handle(self.memory) != self.address:
+        if not self.reads_own_buffer():
             raise PackedWeightError("the handler's packed weight moved since it was found")
         return memoryview((ctypes.c_uint8 * self.nbytes).from_address(self.address)).toreadonly()
 

@@ -20,6 +20,7 @@ from vllm_dedup.config import DedupConfig
 from vllm_dedup.engine.session import EngineSession
 from vllm_dedup.registry.daemon import RECLAIM_GRACE_ENV, launch_daemon, start_daemon
 from vllm_dedup.registry.lease import Lease
+from vllm_dedup.registry.wire import ensure_private_dir
 from vllm_dedup.segments.host import RECIPE_MEMFD_NAME
 
 PEER = PEERS / "lease_peer.py"
@@ -353,6 +354,36 @@ def test_a_daemon_waits_for_the_engine_that_started_it_however_long_its_load(tmp
         gone = wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(other).encode()), 15)
         loading.wait()
     assert gone
+
+
+def test_a_daemon_that_gave_way_to_one_since_gone_is_launched_again(tmp_path):
+    """Note [one daemon per socket]: the lock is held by a daemon exiting (idle) as another
+    engine launches one: that one gives way (exit 0) and nothing answers; the launch starts
+    the daemon again, which serves.  Several launches at once leave one daemon serving."""
+    import fcntl
+
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    ensure_private_dir(sock.parent)
+    exiting = open(f"{sock}.lock", "w")
+    fcntl.flock(exiting, fcntl.LOCK_EX)  # its lock held, its socket closed
+    try:
+        launch = launch_daemon(sock, idle_exit_s=2.0)
+        assert launch._launcher.wait(30) == 0  # its daemon gave way
+        assert not _answers(sock)
+    finally:
+        Path(f"{sock}.lock").unlink()  # as a daemon exiting does, before its lock goes
+        exiting.close()
+    launch.wait(30)
+    assert _answers(sock)
+    shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+
+    launches = [launch_daemon(sock, idle_exit_s=2.0) for _ in range(3)]
+    for launch in launches:
+        launch.wait(30)
+    assert len(processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode())) == 1
+    shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
 
 
 @pytest.mark.parametrize("on_error", ["fallback", "fail"])

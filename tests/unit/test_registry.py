@@ -162,3 +162,34 @@ def test_a_socket_path_longer_than_linux_allows_says_how_to_shorten_it(tmp_path)
         with pytest.raises(RegistryUnavailable, match="VLLM_DEDUP_RUNTIME_DIR.*shorter"):
             start()
     assert not deep.exists() or not any(deep.iterdir())  # nothing bound
+
+
+def test_a_daemon_locks_the_lock_file_at_its_path_not_one_a_daemon_exiting_unlinked(tmp_path, monkeypatch):
+    """Note [one daemon per socket]: a daemon that opened the lock file before the daemon
+    exiting unlinked it, and locks it after, holds a lock the next daemon would not see."""
+    import fcntl
+    import os
+    from pathlib import Path
+
+    from vllm_dedup.registry import daemon
+
+    sock = tmp_path / "r.sock"
+    lock_path = Path(f"{sock}.lock")
+    lock_path.write_text("")  # the exiting daemon's
+    real_flock, opened = fcntl.flock, []
+
+    def flock(f, op):
+        if not opened:
+            lock_path.unlink()  # it exits between this daemon's open and its lock
+        opened.append(os.fstat(f.fileno()).st_ino)
+        return real_flock(f, op)
+
+    monkeypatch.setattr(daemon.fcntl, "flock", flock)
+    lock = daemon._socket_lock(sock)
+    monkeypatch.undo()
+    try:
+        assert lock is not None and len(opened) == 2
+        assert os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino  # (inode numbers are reused)
+        assert daemon._socket_lock(sock) is None  # the next daemon sees it held
+    finally:
+        lock.close()

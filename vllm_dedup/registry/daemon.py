@@ -30,6 +30,9 @@ __all__ = ["RECLAIM_GRACE_ENV", "DaemonLaunch", "is_daemon", "launch_daemon", "m
 
 # The daemons an engine's lease starts inherit its environment: this sets their reclaim period.
 RECLAIM_GRACE_ENV = "VLLM_DEDUP_RECLAIM_GRACE_S"
+# Seconds a launch waits for an answer after its daemon gave way to another before launching
+# again (Note [one daemon per socket]): the one that took the lock answers within milliseconds.
+RELAUNCH_AFTER_S = 1.0
 
 
 def start_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.0, timeout_s: float = 30.0) -> None:
@@ -67,23 +70,27 @@ def launch_daemon(path: Path, keep_warm_s: float = 0.0, idle_exit_s: float = 30.
         OSError: the launcher process cannot be started.
     """
     ensure_private_dir(path.parent)
+    cpus = _launch_cpus()
+    argv = [sys.executable, "-m", "vllm_dedup.registry.daemon", "--detach", "--socket", str(path),
+            "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s),
+            *(["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else []),
+            *(["--awaits-pid", str(awaited_pid)] if awaited_pid is not None else [])]
     # The daemon's stderr goes to an unlinked temporary file: nothing is left behind, and if
     # it dies before answering, its last words are still readable through our descriptor.
-    cpus = _launch_cpus()
     err = tempfile.TemporaryFile(dir=path.parent)
     try:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "vllm_dedup.registry.daemon", "--detach", "--socket", str(path),
-             "--keep-warm-s", str(keep_warm_s), "--idle-exit-s", str(idle_exit_s),
-             *(["--cpus", ",".join(map(str, sorted(cpus)))] if cpus else []),
-             *(["--awaits-pid", str(awaited_pid)] if awaited_pid is not None else [])],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-            start_new_session=True, close_fds=True,
-        )
+        launcher = _start_launcher(argv, err)
     except BaseException:
         err.close()
         raise
-    return DaemonLaunch(path, launcher, err, reply_timeout_s)
+    return DaemonLaunch(path, launcher, err, reply_timeout_s, argv)
+
+
+def _start_launcher(argv: list[str], err) -> subprocess.Popen:
+    """The daemon's launcher process (``--detach``: it returns once the daemon serves or has
+    exited), its stderr into ``err``.  Raises OSError where it cannot be started."""
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                            start_new_session=True, close_fds=True)
 
 
 class DaemonLaunch:
@@ -95,14 +102,16 @@ class DaemonLaunch:
             `client.RegistryClient.timeout_s`).
     """
 
-    def __init__(self, path: Path, launcher: subprocess.Popen, err, timeout_s: float):
+    def __init__(self, path: Path, launcher: subprocess.Popen, err, timeout_s: float, argv: list[str]):
         self.path, self.timeout_s = Path(path), timeout_s
         self._launcher, self._err = launcher, err  # `_err` is closed once waited for
+        self._argv = argv  # to launch again (Note [one daemon per socket])
         self._outcome: RegistryUnavailable | None = None  # what waiting found (None: it answered)
 
     def wait(self, timeout_s: float = 30.0) -> None:
-        """Wait until the daemon answers on ``path`` (or one another engine started there).
-        A second call returns (or raises) what the first did.
+        """Wait until the daemon answers on ``path`` (or one another engine started there); a
+        daemon that gave way to another one that has gone since is launched again (Note [one
+        daemon per socket]).  A second call returns (or raises) what the first did.
 
         Raises:
             RegistryUnavailable: nothing answered within ``timeout_s``; the message has the
@@ -138,21 +147,42 @@ class DaemonLaunch:
 
     def _answered(self, timeout_s: float) -> RegistryUnavailable | None:
         deadline = time.monotonic() + timeout_s
-        try:
-            failed = self._launcher.wait(timeout=timeout_s) != 0  # once the daemon serves, or has exited
-        except subprocess.TimeoutExpired:
-            failed = False  # a busy machine: the launcher may still start it; the deadline below decides
         while True:
-            try:
-                RegistryClient(self.path, timeout_s=5).close()
-                return None
-            except RegistryUnavailable:
-                if failed or time.monotonic() > deadline:  # Note [a launcher that returns when ready]
-                    self._err.seek(0)
-                    tail = self._err.read()[-2000:].decode(errors="replace").strip()
-                    return RegistryUnavailable(f"the registry daemon for {self.path} did not start: "
-                                               f"{tail or 'no answer'}")
+            try:  # it returns once the daemon serves, or has exited
+                status = self._launcher.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                status = None  # a busy machine: the launcher may still start it; the deadline decides
+            if status not in (0, None):  # Note [a launcher that returns when ready]
+                return self._did_not_start("")
+            # Exit status 0 and no answer: the daemon gave way to one that is gone by now.
+            relaunch_at = time.monotonic() + RELAUNCH_AFTER_S if status == 0 else deadline
+            while not _answers(self.path):
+                now = time.monotonic()
+                if now > deadline:
+                    return self._did_not_start("no answer")
+                if now >= relaunch_at:
+                    break
                 time.sleep(0.05)
+            else:  # it answers
+                return None
+            try:  # Note [one daemon per socket]
+                self._launcher = _start_launcher(self._argv, self._err)
+            except OSError as e:
+                return self._did_not_start(f"it could not be launched again ({e})")
+
+    def _did_not_start(self, why: str) -> RegistryUnavailable:
+        self._err.seek(0)
+        tail = self._err.read()[-2000:].decode(errors="replace").strip()
+        return RegistryUnavailable(f"the registry daemon for {self.path} did not start: {tail or why or 'no answer'}")
+
+
+def _answers(path: Path) -> bool:
+    """Whether a registry answers on ``path`` now."""
+    try:
+        RegistryClient(path, timeout_s=5).close()
+        return True
+    except RegistryUnavailable:
+        return False
 
 
 def _launch_cpus() -> set[int] | None:
@@ -207,8 +237,50 @@ def _launch_cpus() -> set[int] | None:
 #     `server._ExitWatch`); from then on it is idle as before, when nothing is connected or
 #     held.  An engine that never says hello (its lease closed unused) keeps the daemon for
 #     as long as it lives, no longer.  Where two engines launch a daemon at once, the one
-#     that serves waits for its own launcher only; the other engine's load can still outlast
-#     the idle period if the first engine leaves before it (rare: both are loading).
+#     that serves waits for its own launcher only; should the first engine leave and that
+#     daemon exit before the other's first call, the other launches it again (Note [one
+#     daemon per socket]).  That daemon holds nothing: the other engine then publishes all.
+
+
+# Note [one daemon per socket]
+#     The daemon serving a socket holds ``<socket>.lock`` (``flock``) while it serves; a daemon
+#     that finds it held exits (status 0: another one serves).  Two races follow.  A daemon that
+#     exits unlinks the lock file and then loses its lock with its process: a daemon starting
+#     meanwhile may have opened the file before the unlink and lock it after, a lock on a file
+#     no longer at the path that the next daemon would not see, and two daemons would serve one
+#     socket.  So a daemon serves only under a lock on the file at the path once it holds it
+#     (`_socket_lock`), and tries again otherwise.  And the engine whose daemon gave way finds
+#     nobody when the holder was exiting (idle), or exits idle before that engine's first call
+#     (it awaits its own engine only: Note [the engine a daemon waits for]): where the launcher
+#     exited 0 and nothing answers for ``RELAUNCH_AFTER_S``, `DaemonLaunch.wait` launches
+#     the daemon again, until it answers or the wait's time is up.
+
+
+def _socket_lock(path: Path):
+    """``<path>.lock``, opened and locked: this daemon serves ``path`` while it holds it (Note
+    [one daemon per socket]); None where another daemon holds it.
+
+    Raises:
+        OSError: the lock file cannot be opened or locked for another reason.
+    """
+    lock_path = Path(f"{path}.lock")
+    while True:
+        lock = open(lock_path, "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            lock.close()
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        held = os.fstat(lock.fileno())
+        try:
+            at_path = os.stat(lock_path)
+        except FileNotFoundError:
+            at_path = None
+        if at_path is not None and (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino):
+            return lock
+        lock.close()  # a daemon exiting unlinked it after we opened it
 
 
 def is_daemon(pid: int) -> bool:
@@ -264,13 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         os.setsid()
     path = args.socket or socket_path()
     ensure_private_dir(path.parent)
-    lock = open(f"{path}.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return 0  # another daemon owns this socket
-        raise
+    lock = _socket_lock(path)  # held until this process exits
+    if lock is None:
+        return 0  # another daemon owns this socket (Note [one daemon per socket])
     server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s,
                             awaited_pid=args.awaits_pid).start()
     if ready is not None:

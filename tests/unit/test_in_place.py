@@ -319,3 +319,34 @@ def test_the_option_is_a_boolean_and_on_by_default():
     assert DedupConfig.from_extra_config({"in_place": False}).in_place is False
     with pytest.raises(ValueError, match="in_place must be true or false"):
         DedupConfig.from_extra_config({"in_place": "no"})
+
+
+def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(monkeypatch):
+    """`DedupModelLoader.load_model`: a load that raises (a checkpoint vLLM cannot read) lets go
+    of its segments at once, though its model lives on (a traceback kept by the caller holds
+    it): their descriptors close, and the pages go with the model's mappings."""
+    from vllm.config.load import LoadConfig
+
+    from vllm_dedup.engine.loader import DedupModelLoader
+
+    loader = DedupModelLoader(LoadConfig(load_format="dedup"))
+    ctx = LoadContext(DedupConfig(min_tensor_bytes=4096), None, torch.device("cpu"), "cpu", share_packed=True)
+    monkeypatch.setattr(loader, "_context", lambda *args: ctx)
+    kept = []
+
+    def load(ctx, report, staging, in_place):
+        model = _Model()
+        in_place.place(model)
+        kept.append(model)
+        assert _memfd_descriptors() == before + 2 * 3  # up, down, cache: each its own and its mapping's
+        raise ValueError("a checkpoint tensor of the wrong shape")
+
+    monkeypatch.setattr(loader, "_load", load)
+    before = _memfd_descriptors()
+    with pytest.raises(ValueError, match="wrong shape"):
+        loader.load_model(None, None)
+    assert _memfd(kept[0].up.weight)  # still read by the model
+    assert _memfd_descriptors() == before + 3  # the mappings' own (Note [descriptors])
+    kept.clear()
+    gc.collect()
+    assert _memfd_descriptors() == before

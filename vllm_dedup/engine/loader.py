@@ -191,7 +191,11 @@ class DedupModelLoader(BaseModelLoader):
                     + (in_place.held_bytes if in_place is not None else 0))
 
         with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen(), recorded_handlers(ctx.handlers):
-            model, mapped, replay, recorded, decision = self._load(ctx, report, staging, in_place)
+            try:
+                model, mapped, replay, recorded, decision = self._load(ctx, report, staging, in_place)
+            except BaseException:  # the sharing pass lets go of them otherwise (`share_model`)
+                _let_go(staging, in_place)
+                raise
             self._share(model, ctx, report, mapped, staging, in_place)
             if in_place is not None and in_place.placed_bytes:
                 logger.info("%s: %s%s", ctx.model_name, in_place.summary(),
@@ -408,6 +412,17 @@ class _UsualLoad(BaseModelLoader):
             logger.debug("provenance: %d torch calls traced in %.3f s%s", recorder.provenance.calls,
                          recorder.provenance.overhead_s,
                          f"; unknown after {recorder.provenance.lost}" if recorder.provenance.lost else "")
+
+
+def _let_go(staging, in_place) -> None:
+    """Let go of a failed load's own segments: the staging thread stops, and the descriptors
+    close (the pages go with the last tensor over them).  Never raises."""
+    for held in (staging, in_place):
+        if held is not None:
+            try:
+                held.release()
+            except Exception as e:  # the load's own error is the one to see
+                logger.warning("vllm-dedup: letting go of a failed load's segments: %s: %s", type(e).__name__, e)
 
 
 @contextlib.contextmanager

@@ -149,8 +149,7 @@ def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
                 digest = fingerprint(weight)
                 del weight, extra
                 platform.release_cached()
-                reply({"fingerprint": digest, "size": seg.size, "read_only": getattr(seg, "read_only", True),
-                       "context_ok": ctx_ok})
+                reply({"fingerprint": digest, "size": seg.size, "read_only": seg.read_only, "context_ok": ctx_ok})
             elif op == "map":
                 (found,) = client.acquire([KEY])  # the pack's first member only
                 (hit,), fd = found.hits, found.fd
@@ -160,8 +159,8 @@ def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
                 seg = made[0]
                 seg.close_fd()
                 state["w"] = seg.tensor(hit.offset, torch.bfloat16, (rows, 4096), (4096, 1))
-                reply({"fingerprint": fingerprint(state["w"]), "size": seg.size,
-                       "read_only": getattr(seg, "read_only", True), "context_ok": ctx_ok})
+                reply({"fingerprint": fingerprint(state["w"]), "size": seg.size, "read_only": seg.read_only,
+                       "context_ok": ctx_ok})
             elif op == "compute":
                 x = torch.randn(4096, 8, generator=torch.Generator(device=device).manual_seed(1), device=device)
                 y = state["w"].float() @ x
@@ -518,13 +517,14 @@ def step_driver(run: Run, key: str) -> None:
     cudadrv.call("cuCtxPopCurrent")
     cudadrv.call("cuDevicePrimaryCtxRelease", cudadrv.call("cuDeviceGet", other))
     run.check(step, "the probe notices a context made current", changed)
+    cudadrv.memory_info(0)  # device 0's primary context exists (and stays) before the reading
     before = run.memory.used([os.getpid()])
     mapping, fd = vmm.allocate(0, 64 * MB)
     try:
         grew = run.memory.used([os.getpid()]) - before
         own = run.memory.per_process([os.getpid()])[os.getpid()]
-        run.check(step, "NVML sees a 64 MiB allocation in the device's used memory", grew >= 64 * MB,
-                  f"+{grew / MB:.1f} MiB")
+        run.check(step, "NVML sees a 64 MiB allocation in the device's used memory, and only it",
+                  64 * MB <= grew < 96 * MB, f"+{grew / MB:.1f} MiB")
         run.figures["driver"] = {"keys": keys, "allocation_seen_bytes": grew, "this_process_bytes": own}
     finally:
         os.close(fd)
@@ -548,6 +548,8 @@ def step_segments(run: Run, sock: Path, args, key: str | None) -> None:
     seg_size = created.get("size", 0)
     run.check(step, "A creates and publishes a pack", "fingerprint" in created, json.dumps(created))
     run.check(step, "creating leaves A's context as it was", created.get("context_ok") is True, json.dumps(created))
+    run.check(step, "A's own mapping of the pack it published is read-only", created.get("read_only") is True,
+              "driver refused read-only access" if created.get("read_only") is False else json.dumps(created))
     grew = {"A": after_create - before_create}
     for name in ("B", "C"):
         c = run.child(name, sock, args)
@@ -581,7 +583,10 @@ def step_segments(run: Run, sock: Path, args, key: str | None) -> None:
     run.check(step, "the registry still holds the segment once", [g.segments for g in stats.groups] == [1],
               json.dumps(stats.to_dict()["groups"]))
     d = run.child("D", sock, args)
-    d.ask("map")
+    mapped = d.ask("map")  # else the write below fails for want of a mapping, not by a fault
+    run.check(step, "D maps the segment read-only and reads the same bytes",
+              mapped.get("fingerprint") == created.get("fingerprint") and mapped.get("read_only") is True,
+              json.dumps(mapped))
     wrote = d.ask("write")
     status = d.proc.poll()
     faulted = "error" in wrote or (status is not None and status != 0)
@@ -596,6 +601,37 @@ def step_segments(run: Run, sock: Path, args, key: str | None) -> None:
     run.figures["throughput"] = tp
     run.end_children()
     run.read(step, "all exited")
+    _step_descriptor_only(run, sock.parent / "warm.sock", args, step, tolerance)
+
+
+def _step_descriptor_only(run: Run, sock: Path, args, step: str, tolerance: int) -> None:
+    """A segment whose creator has exited before anybody mapped it, held by the registry's
+    descriptor alone (a registry with ``keep_warm_s``): a newcomer maps it and reads its bytes;
+    once the registry lets go, the device has its memory back (CUDA: NVML's used memory)."""
+    from vllm_dedup.registry.server import RegistryServer
+    from vllm_dedup.registry.state import Registry
+
+    server = RegistryServer(Registry(keep_warm_s=600), sock).start()
+    try:
+        before = run.read(step, "a registry keeping unheld segments warm")
+        e = run.child("E", sock, args)
+        made = e.ask("create")
+        run.check(step, "E exits normally after publishing", e.end() == 0, json.dumps(made))
+        held = run.read(step, "E exited: its segment held by the registry's descriptor alone")
+        f = run.child("F", sock, args)
+        got = f.ask("map")
+        run.check(step, "F maps a segment whose creator exited before anyone mapped it, and reads its bytes",
+                  "fingerprint" in made and got.get("fingerprint") == made.get("fingerprint"), json.dumps(got))
+        run.check(step, "F exits normally", f.end() == 0)
+    finally:
+        run.end_children()
+        server.stop()
+    freed = run.read(step, "the registry let go of the segment")
+    if run.backend == "cuda":  # a memfd's pages that no process maps are in nobody's PSS
+        run.check(step, "the segment's memory stays while only the registry's descriptor holds it",
+                  held - before >= made.get("size", 0) - tolerance, f"+{(held - before) / MB:.1f} MiB")
+        run.check(step, "the device has the segment's memory back once the registry lets go",
+                  abs(freed - before) <= tolerance, f"{(freed - before) / MB:+.1f} MiB against before")
 
 
 def step_model(run: Run, sock: Path, args) -> None:

@@ -122,12 +122,22 @@ class Segment(ABC):
     def freeze(self) -> None:
         """Make a segment from `allocate` read-only in this process, and sealed against new
         writers where the backend can seal: from here on it is what `create_packed` would have
-        made, ready to publish.  Its members read the same bytes (a write through them faults).
+        made, ready to publish.  Its members read the same bytes (a write through them faults,
+        where `read_only` is true after: a CUDA driver may refuse read-only access, and then
+        every mapping of that device's segments is read-write, `create_packed`'s too).
 
         Raises:
-            SegmentError: it could not be made read-only (it must not be published then).
+            SegmentError: the backend could not do what it can do (a memfd could not be sealed,
+                the device failed): it must not be published then.
         """
         raise NotImplementedError(f"{type(self).__name__} has no writable members")
+
+    @property
+    def read_only(self) -> bool:
+        """Whether a write through this process's mapping of the segment faults: true for every
+        segment but one from `allocate` not frozen yet, and a CUDA device's whose driver refuses
+        read-only access (`vmm.Mapping.protect`)."""
+        return True
 
     _fd: int  # the segment's descriptor in this process, -1 once closed
 

@@ -334,6 +334,10 @@ class CudaSegment(Segment):
         self._check_member(offset, nbytes)
         return _bytes_tensor(self._mapping, offset, nbytes)
 
+    @property
+    def read_only(self) -> bool:
+        return self._mapping.read_only
+
     def freeze(self) -> None:
         """`Segment.freeze`: wait for the device (a weight loader's copy may still be writing),
         then make the mapping read-only (`vmm.Mapping.protect`).  A CUDA allocation cannot be

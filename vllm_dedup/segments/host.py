@@ -265,6 +265,10 @@ class HostSegment(Segment):
         seg._writable = True
         return seg
 
+    @property
+    def read_only(self) -> bool:
+        return not self._writable
+
     def member(self, offset: int, nbytes: int):
         import torch
 

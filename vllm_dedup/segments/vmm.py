@@ -213,6 +213,9 @@ def allocate(ordinal: int, nbytes: int, release_cached=None, capturing=_never) -
         with on_device(ordinal):
             fd = int(call("cuMemExportToShareableHandle", handle,
                           cudadrv.driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
+        # The driver does not document close-on-exec for it: a child exec'd meanwhile (a
+        # compiler vLLM runs) must not keep the allocation alive.
+        os.set_inheritable(fd, False)
         mapping = Mapping(handle, size, ordinal, read_only=False, capturing=capturing)
     except BaseException:
         if fd >= 0:

@@ -153,6 +153,7 @@ BAD_FIELDS = [
     ({"op": "publish", "nbytes": NBYTES, "keys": []}, "request 'publish': no keys"),
     ({"op": "report", "load": {"collisions": "many"}}, "request 'report': load 'collisions' must be an int >= 0"),
     ({"op": "report", "load": {"collisions": -3}}, "request 'report': load 'collisions' must be an int >= 0"),
+    ({"op": "report", "load": {"shared_bytes": "x"}}, "request 'report': load 'shared_bytes' must be an int >= 0"),
     ({"op": "report", "load": {f"n{i}": i for i in range(100)}}, "request 'report': load holds 100 entries"),
     ({"op": "lock", "names": ["x" * 5000]}, "field 'names'[0] holds 5000 characters"),
     ({"op": "release", "segments": [1.5]}, "field 'segments'[0] must be int, got float"),
@@ -186,6 +187,15 @@ def test_an_error_reply_never_breaks_the_registry(published):
         reply, _ = raw.recv()
         assert reply["error"].startswith("unknown op '\\x7f\\x7f") and len(reply["error"]) < 500
     assert well_behaved(published) < 2.0
+
+
+def test_a_number_no_double_holds_is_refused_and_stats_still_answer(published):
+    """``1e400`` reads as infinity, which no stats reply could carry back (``allow_nan=False``):
+    kept in an engine's report, it would have broken every engine's stats on the node."""
+    with RawClient(published.path) as raw:
+        raw.hello()
+        assert "1e400 is not a finite number" in raw.ask(b'{"op": "report", "load": {"x": 1e400}}')["error"]
+        assert "groups" in raw.ask({"op": "stats"})
 
 
 def test_empty_and_oversized_datagrams_are_answered_and_the_lease_kept(published):

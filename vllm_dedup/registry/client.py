@@ -164,6 +164,11 @@ class RegistryClient:
             for start in range(0, len(keys), wire.MAX_FDS):
                 chunk = slice(start, start + wire.MAX_FDS)
                 reply, fds = self._call(m.Acquire(keys[chunk], list(uids[chunk]) if uids else []), m.AcquireReply)
+                if len(fds) != len(reply.segments):
+                    for fd in fds:
+                        os.close(fd)
+                    raise ProtocolError(f"registry at {self.path}: {len(fds)} descriptors for "
+                                        f"{len(reply.segments)} segments in an acquire reply")
                 for seg, fd, uid, size in zip(reply.segments, fds, reply.uids, reply.sizes):
                     if seg in out:  # held already through an earlier chunk
                         os.close(fd)
@@ -228,7 +233,20 @@ class RegistryClient:
         return out
 
     def stats(self) -> RegistryStats:
-        return RegistryStats.from_dict(self._call(m.Stats(), None)[0])
+        """The registry's `state.RegistryStats`.
+
+        Raises:
+            ProtocolError: the reply is not stats this version reads (a registry of another
+                vllm-dedup version: stop it, and the next engine starts one of its own).
+            RegistryUnavailable: as every method.
+        """
+        reply = self._call(m.Stats(), None)[0]
+        try:
+            return RegistryStats.from_dict(reply)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProtocolError(f"registry at {self.path} answered stats this version cannot read "
+                                f"({type(e).__name__}: {e}); is it of another vllm-dedup version? Stop it "
+                                "(vllm-dedup status shows its pid) and the next engine starts a new one") from None
 
     def lock(self, names: str | list[str], owner: str | None = None, timeout_s: float = 600.0,
              poll_s: float = 0.05, reclaim: bool = False) -> None:

@@ -208,7 +208,8 @@ class Release(Message, op="release"):
 
 @dataclass(frozen=True)
 class Report(Message, op="report"):
-    """The engine's load outcome (numbers and strings are kept)."""
+    """The engine's load outcome: numbers and strings (others are dropped); ``collisions`` and
+    ``shared_bytes``, which `state.Registry.stats` totals, are ints >= 0."""
 
     load: dict
 
@@ -219,9 +220,10 @@ class Report(Message, op="report"):
             raise ProtocolError(f"{self._what()}: load holds {len(self.load)} entries; the limit is {self.MAX_ENTRIES}")
         if long := [k for k in self.load if len(k) > 64]:
             raise ProtocolError(f"{self._what()}: load key {brief(long[0])} is over 64 characters")
-        collisions = self.load.get("collisions", 0)
-        if not isinstance(collisions, int) or isinstance(collisions, bool) or not 0 <= collisions <= MAX_BYTES:
-            raise ProtocolError(f"{self._what()}: load 'collisions' must be an int >= 0, not {brief(collisions)}")
+        for name in ("collisions", "shared_bytes"):
+            value = self.load.get(name, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_BYTES:
+                raise ProtocolError(f"{self._what()}: load {name!r} must be an int >= 0, not {brief(value)}")
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,19 @@ class AcquireReply(Message):
     hits: list[tuple[str, int, int, int]] = field(default_factory=list)  # key, segment, offset, bytes
     segments: list[int] = field(default_factory=list)
     uids: list[str] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
+    sizes: list[Bytes] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not len(self.segments) == len(self.uids) == len(self.sizes) == len(set(self.segments)):
+            raise ProtocolError(f"{self._what()}: {len(self.segments)} segments (distinct?), {len(self.uids)} uids "
+                                f"and {len(self.sizes)} sizes")
+        size = dict(zip(self.segments, self.sizes))
+        for key, seg, offset, nbytes in self.hits:
+            if seg not in size or not 0 <= offset <= offset + nbytes <= size[seg] or nbytes < 0:
+                raise ProtocolError(f"{self._what()}: hit {brief(key)} ({nbytes} bytes at {offset}) is not inside a "
+                                    f"segment of the reply")
+        if unhit := set(self.segments) - {seg for _, seg, _, _ in self.hits}:
+            raise ProtocolError(f"{self._what()}: segment {min(unhit)} has no hit")
 
 
 @dataclass(frozen=True)
@@ -332,7 +346,7 @@ class LockReply(Message):
 
 @dataclass(frozen=True)
 class ExpectReply(Message):
-    bytes: int
+    bytes: Bytes
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["EngineEntry", "EngineStats", "GroupStats", "Hit", "LockEntry", "RecipeEntry", "Registry", "RegistryStats",
            "SegmentEntry", "startup_lock_name"]
@@ -174,8 +174,17 @@ class RegistryStats:
 
     @classmethod
     def from_dict(cls, data: dict) -> RegistryStats:
-        return cls(groups=[GroupStats(**g) for g in data["groups"]],
-                   engines=[EngineStats(**e) for e in data["engines"]],
+        """Read `to_dict`'s form back; fields a newer registry adds are left out.
+
+        Raises:
+            KeyError, TypeError, ValueError: a field is missing or of the wrong kind.
+        """
+        def known(kind, d: dict) -> dict:
+            names = {f.name for f in fields(kind)}
+            return {k: v for k, v in d.items() if k in names}
+
+        return cls(groups=[GroupStats(**known(GroupStats, g)) for g in data["groups"]],
+                   engines=[EngineStats(**known(EngineStats, e)) for e in data["engines"]],
                    locks=dict(data["locks"]), collisions=data["collisions"], keep_warm_s=data["keep_warm_s"],
                    registry_pid=data["registry_pid"])
 

@@ -19,6 +19,7 @@ Security: the socket lives in a private directory (mode 0700, owned by the user,
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import socket
@@ -197,7 +198,7 @@ def _hung_up(sock: socket.socket) -> bool:
 
 def _decode(data: bytes) -> dict:
     try:
-        obj = json.loads(data, parse_constant=_no_constant)
+        obj = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise ProtocolError("registry message is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:
@@ -209,6 +210,15 @@ def _decode(data: bytes) -> dict:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a number the registry accepts")
+
+
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or exponent; ``1e400`` reads as infinity, which no reply
+    could carry back (``allow_nan=False``)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:32]} is not a finite number")
+    return value
 
 
 def _read_carrier(fd: int, nbytes, limit: int) -> bytes:
@@ -223,6 +233,8 @@ def _read_carrier(fd: int, nbytes, limit: int) -> bytes:
         chunks, done = [], 0
         while done < nbytes:
             chunks.append(os.pread(fd, nbytes - done, done))
+            if not chunks[-1]:  # cannot be, sealed against shrinking: never loop on it
+                raise ProtocolError(f"a registry message's memfd ends at {done} of its {nbytes} bytes")
             done += len(chunks[-1])
         return b"".join(chunks)
     finally:

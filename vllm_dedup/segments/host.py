@@ -193,6 +193,7 @@ def check_sealed_memfd(fd: int, nbytes: int) -> None:
     missing = [name for flag, name in _SEAL_NAMES if not seals & flag]
     if missing:
         raise SegmentError(f"the memfd is not sealed read-only (missing {', '.join(missing)})")
+    info = os.fstat(fd)  # its size again, now that it cannot shrink: it could before the seals
     if info.st_size < nbytes:
         raise SegmentError(f"the memfd holds {info.st_size} bytes, fewer than the {nbytes} expected")
 

@@ -254,3 +254,39 @@ def test_lock_waiters_get_the_lock_one_after_another(registry_server):
     assert errors == []
     assert sorted(rounds) == [0] * 5 + [1] * 5 + [2] * 5  # every waiter got its turns
     assert overlaps == []
+
+
+def test_a_segment_one_lease_acquired_twice_stays_held_until_both_are_released(registry_server):
+    """A replay maps a segment and the sharing pass acquires it again (another key of its pack),
+    then gives that one back: the registry holds a segment once per engine, so the lease must
+    not tell it before the replay's acquire is given back too."""
+    from rawclient import KEY, NBYTES, publisher
+    from vllm_dedup.registry.lease import Lease
+
+    with publisher(registry_server):
+        lease = Lease(RegistryClient(registry_server.path), "m", "cpu", "default", "sig")
+        try:
+            first, second = (lease.acquire([KEY])[0] for _ in range(2))
+            for found in (first, second):
+                os.close(found.fd)
+            assert first.segment == second.segment
+            assert stats(registry_server).groups[0].mapped_bytes == 2 * NBYTES  # the publisher and this engine
+            lease.release([second.segment])
+            assert stats(registry_server).groups[0].mapped_bytes == 2 * NBYTES
+            lease.release([first.segment])
+            assert stats(registry_server).groups[0].mapped_bytes == NBYTES
+        finally:
+            lease.close()
+
+
+def test_a_registry_that_stops_leaves_the_socket_of_one_started_since_on_its_path(tmp_path):
+    path = tmp_path / "run" / "r.sock"
+    old = RegistryServer(Registry(), path).start()
+    path.unlink()  # as if it had been removed by hand; a new registry serves the path now
+    new = RegistryServer(Registry(), path).start()
+    try:
+        old.stop()
+        RegistryClient(path).close()  # the new one still answers there
+    finally:
+        new.stop()
+    assert not path.exists()

@@ -127,6 +127,11 @@ class DaemonLaunch:
         if self._outcome is not None:
             raise self._outcome
 
+    @property
+    def answered(self) -> bool:
+        """Whether `wait` found a daemon answering (it may have gone since)."""
+        return self._err.closed and self._outcome is None
+
     def close(self) -> None:
         """Give up on the daemon without waiting: its log is closed, and its launcher reaped if
         it has exited (else at Python's next ``Popen``).  The daemon itself is left running: it

@@ -86,14 +86,17 @@ STOP_AFTER_PUBLISHES_ENV = "VLLM_DEDUP_TEST_STOP_AFTER_PUBLISHES"
 @dataclass
 class _Held:
     """A segment this engine holds: its own descriptor of it (-1: the registry named no uid for
-    it, so it cannot be re-registered), size, uid, id in the current registry (-1: none), and
-    the keys the engine knows in it."""
+    it, so it cannot be re-registered), size, uid, id in the current registry (-1: none), the
+    keys the engine knows in it, and how many acquires (or the publish) of it are not released:
+    the registry holds a segment once per engine, so a second acquire of a segment (a replay's,
+    then the sharing pass's) must not let a release of one drop the other's hold."""
 
     fd: int
     nbytes: int
     uid: str
     registry_id: int
     keys: dict[str, tuple[int, int]] = field(default_factory=dict)  # content key -> (offset, bytes)
+    uses: int = 1
 
 
 class Lease:
@@ -172,6 +175,8 @@ class Lease:
                     self._held[lease_id] = _Held(os.dup(seg.fd) if seg.uid else -1, seg.nbytes, seg.uid, seg.segment)
                     if seg.uid:
                         self._by_uid[seg.uid] = lease_id
+                else:
+                    self._held[lease_id].uses += 1
                 held = self._held[lease_id]
                 held.registry_id = seg.segment
                 held.keys.update({hit.key: (hit.offset, hit.nbytes) for hit in seg.hits})
@@ -207,13 +212,18 @@ class Lease:
         return lease_id
 
     def release(self, segments: list[int]) -> None:
-        """The engine no longer maps these segments (this lease's ids)."""
+        """Give back one acquire of each of these segments (this lease's ids); the registry is
+        told once none is left (`_Held`): the engine no longer maps it."""
         with self._lock:
             ids = []
             for lease_id in segments:
-                held = self._held.pop(lease_id, None)
+                held = self._held.get(lease_id)
                 if held is None:
                     continue
+                held.uses -= 1
+                if held.uses > 0:
+                    continue
+                del self._held[lease_id]
                 self._by_uid.pop(held.uid, None)
                 if held.registry_id >= 0:
                     self._by_registry.pop(held.registry_id, None)
@@ -470,14 +480,25 @@ class Lease:
             RegistryUnavailable: the daemon did not start, or no registry answers.
         """
         if self._client is None:
-            client = self._reopen(self._timeout_s, start=False)
+            launch = self._launch
             try:
-                self.engine_id = client.hello(*self._hello)
-            except BaseException:
-                client.close()
-                raise
-            self._client = client
+                self._client = self._said_hello(self._reopen(self._timeout_s, start=False))
+            except RegistryUnavailable:
+                if launch is None or not launch.answered:
+                    raise
+                # The daemon answered, then went: one exiting idle as this engine's gave way to
+                # it (Note [one daemon per socket] in `daemon.py`).  Once more, starting one.
+                self._client = self._said_hello(self._reopen(self._timeout_s))
         return self._client
+
+    def _said_hello(self, client: RegistryClient) -> RegistryClient:
+        """``client``, once it has said hello as this lease (closed if that fails)."""
+        try:
+            self.engine_id = client.hello(*self._hello)
+        except BaseException:
+            client.close()
+            raise
+        return client
 
     def _reopen(self, timeout_s: float, start: bool = True) -> RegistryClient:
         """A new connection to ``self.path``: to the daemon this lease was given the launch of
@@ -485,7 +506,7 @@ class Lease:
         started now where that is what served this engine."""
         launch, self._launch = self._launch, None
         if launch is not None:
-            return launch.connect()
+            return launch.connect(timeout_s)
         try:
             return RegistryClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
         except RegistryUnavailable:

@@ -142,6 +142,7 @@ class RegistryServer:
                         "reclaim theirs", self.path, self.reclaim_grace_s)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind(address)
+        self._socket_inode = os.stat(self.path).st_ino  # what `_unlink_socket` may remove
         os.chmod(self.path, 0o600)
         self._listener.listen(socket.SOMAXCONN)  # engines starting together must not find it full
         self._listener.setblocking(False)
@@ -173,17 +174,31 @@ class RegistryServer:
         watch = _ExitWatch(awaited) if awaited is not None else None
         try:
             while not self._stop.wait(0.5):
-                awaiting = self.awaited_pid is not None and not watch.exited()
-                busy = self._connections or self.registry.segments or awaiting
-                if busy:
-                    self.idle_since = time.monotonic()
-                elif idle_exit_s is not None and time.monotonic() - self.idle_since >= idle_exit_s:
-                    self.stop()
+                with self._mutex:  # no connection is accepted between the check and the unlink
+                    awaiting = self.awaited_pid is not None and not watch.exited()
+                    if self._connections or self.registry.segments or awaiting:
+                        self.idle_since = time.monotonic()
+                        continue
+                    if idle_exit_s is None or time.monotonic() - self.idle_since < idle_exit_s:
+                        continue
+                    # An engine connecting from here on finds no registry (and starts one),
+                    # instead of a connection this one would drop as it stops.
+                    self._unlink_socket()
+                self.stop()
         finally:
             if watch is not None:
                 watch.close()
 
     # the socket --------------------------------------------------------------------------
+    def _unlink_socket(self) -> None:
+        """Remove the socket path if it is still this registry's (a registry started since, on
+        the same path, keeps its own)."""
+        try:
+            if os.stat(self.path).st_ino == self._socket_inode:
+                self.path.unlink()
+        except OSError:
+            pass
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
@@ -203,11 +218,7 @@ class RegistryServer:
                     self._disconnect(conn)
             self._sel.close()
             self._listener.close()
-            try:
-                if os.stat(self.path).st_ino == os.fstat(self._listener.fileno()).st_ino:
-                    self.path.unlink()
-            except (OSError, ValueError):
-                self.path.unlink(missing_ok=True)
+            self._unlink_socket()
             with self._mutex:
                 self.registry.close()
 

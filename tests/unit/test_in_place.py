@@ -249,6 +249,11 @@ def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_thei
         assert torch.equal(model.cache, cache) and model.head.weight is model.up.weight
         (group,) = registry_stats(registry_server.path).groups
         assert group.resident_bytes == calls[0]  # only the first segment was published
+        # The second was sealed, so its tensor is read-only: the engine must refuse to write
+        # its weights (worker_hooks) as where they are shared, instead of faulting.
+        read_only = [t for t in (model.up.weight, model.down.weight, model.cache) if _mapping(t).split()[1][:2] == "r-"]
+        assert len(read_only) >= 2 and report.unpublished_bytes > 0
+        assert report.segment_bytes == sum(t.nbytes for t in read_only)
     finally:
         lease.close()
 
@@ -350,3 +355,33 @@ def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(monkeypatch)
     kept.clear()
     gc.collect()
     assert _memfd_descriptors() == before
+
+
+def test_content_keys_that_cannot_be_computed_leave_every_tensor_private_unless_failures_stop_it(
+        registry_server, monkeypatch):
+    """Keying fails (on a GPU: the device out of memory for a fingerprint's temporaries): under
+    ``fallback`` every tensor stays private and the load goes on; under ``fail`` the engine
+    stops with a `SegmentError` (never the raw error, which vLLM would not explain)."""
+    from vllm_dedup.errors import SegmentError
+    from vllm_dedup.segments.host import HostSegment
+
+    def out_of_memory(tensors):
+        raise RuntimeError("out of memory for the fingerprints (the test's)")
+
+    monkeypatch.setattr(HostSegment, "content_keys", classmethod(lambda cls, tensors: out_of_memory(tensors)))
+    for on_error in ("fallback", "fail"):
+        model = _Model()
+        weights = model.load(5)
+        ctx = _context(registry_server.path, f"unkeyed-{on_error}", on_registry_error=on_error)
+        try:
+            if on_error == "fail":
+                with pytest.raises(SegmentError, match="content keys could not be computed"):
+                    share_model(model, ctx)
+                continue
+            report = share_model(model, ctx)
+            assert report.published_tensors == report.shared_tensors == 0 and report.private_tensors >= 3
+            assert any("out of memory for the fingerprints" in e for e in report.errors)
+            assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+        finally:
+            ctx.lease.close()
+    assert registry_stats(registry_server.path).groups == []

@@ -150,3 +150,16 @@ def test_same_bytes_compares_bits_not_values():
     nan = torch.tensor([float("nan")])
     assert same_bytes(nan, nan.clone())  # unequal values, same bits
     assert not same_bytes(w, w[:10].contiguous())
+
+
+def test_a_view_at_a_negative_offset_is_refused_not_counted_from_the_end():
+    """A registry's hit is another process's data: ``raw[-1024:]`` would read the segment's
+    last bytes as the tensor."""
+    import torch
+
+    from vllm_dedup.content.views import typed_view
+
+    raw = torch.arange(4096, dtype=torch.int64).view(torch.uint8)
+    with pytest.raises(ValueError, match="offset -1024 is negative"):
+        typed_view(raw, -1024, torch.int64, (64,), (1,))
+    assert typed_view(raw, 1024, torch.int64, (64,), (1,))[0] == 128

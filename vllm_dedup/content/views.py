@@ -86,12 +86,14 @@ def typed_view(raw, offset: int, dtype, shape, stride):
     ``offset`` bytes in, sharing its memory.  Every segment backend's `Segment.tensor` uses it.
 
     Raises:
-        ValueError: ``offset`` is not a multiple of the item size, or the tensor would reach
-            past the end of ``raw``.
+        ValueError: ``offset`` is negative or not a multiple of the item size, or the tensor
+            would reach past the end of ``raw``.
     """
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if offset < 0:  # a slice would count it from the end
+        raise ValueError(f"offset {offset} is negative")
     if offset % itemsize:
         raise ValueError(f"offset {offset} is not a multiple of the {dtype} item size {itemsize}")
     shape, stride = tuple(shape), tuple(stride)

@@ -97,14 +97,16 @@ class LoadReport:
     load_seconds: float = 0.0  # wall time of load_model
     peak_bytes: int = 0  # `meter.LoadMeter.peak_bytes`
     created_bytes: int = 0  # segments the sharing pass made (live: the load meter samples it)
+    unpublished_bytes: int = 0  # private, yet read-only: sealed where they lie for a publish that failed
     private_linears: str = ""  # oneDNN linears that keep private packed copies, and why ("" when none)
     errors: list[str] = field(default_factory=list)
     placement: dict[int, Placement] = field(default_factory=dict, repr=False)
 
     @property
     def segment_bytes(self) -> int:
-        """Bytes of this engine's tensors that live in segments (read-only, seen by others)."""
-        return self.shared_bytes + self.published_bytes
+        """Bytes of this engine's tensors that live in segments, read-only: shared with other
+        engines, or sealed for them (`share.SharingPass.adopt_published`)."""
+        return self.shared_bytes + self.published_bytes + self.unpublished_bytes
 
     def figures(self) -> dict:
         """The figures the registry keeps (numbers and the load path)."""

@@ -61,9 +61,14 @@ def map_resident(lease, seg_cls, device_key: str, keys: list[str], uids: list[st
             given += 1
             try:
                 segment = seg_cls.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), device_key)
-            except SegmentError as e:  # not a sealed segment, or it cannot be mapped: never use it
-                lease.release([found.segment])
-                yield Mapped(found, error=SegmentError(f"resident segment {found.segment} refused: {e}"))
+            except Exception as e:  # not a sealed segment, or it cannot be mapped: never use it
+                if not isinstance(e, SegmentError):  # attach closes the descriptor on its own errors
+                    with contextlib.suppress(OSError):
+                        os.close(found.fd)
+                with contextlib.suppress(Exception):
+                    lease.release([found.segment])
+                yield Mapped(found, error=SegmentError(f"resident segment {found.segment} refused "
+                                                       f"({type(e).__name__}: {e})"))
                 continue
             segment.close_fd()
             yield Mapped(found, segment)

@@ -146,6 +146,29 @@ class SharingPass:
                  if t is not None and id(t) in mapped}
         report.shared_tensors += len(bound)
         report.shared_bytes += sum(t.numel() * t.element_size() for t in bound.values())
+        unkeyed = None  # why no content key could be computed (then every tensor stays private)
+        try:
+            keys = self._keys(slots, handlers, mapped, staging)
+        except Exception as e:  # e.g. the device out of memory for a fingerprint's temporaries
+            unkeyed = SegmentError(f"content keys could not be computed ({type(e).__name__}: {e})")
+            keys = [f"unkeyed:{i}" for i in range(len(slots))]
+        # 2. key: content key -> the slots with that key (tied or equal tensors of this model)
+        self.pending: dict[str, list[Slot | PackedSlot]] = defaultdict(list)
+        for slot, key in zip(slots, keys):
+            self.pending[key].append(slot)
+        self.granularity, self.no_segments = pack_granularity, unkeyed
+        if slots and not pack_granularity and unkeyed is None:
+            try:
+                self.granularity = self.seg_cls.granularity(slots[0].tensor.device)
+            except SegmentError as e:  # the backend cannot make segments on this device at all
+                self.no_segments = e
+        self.freed = 0  # private bytes dropped since the allocator's cache was last emptied
+        self.untrimmed = 0  # ... since glibc's heap was last trimmed
+
+    def _keys(self, slots: list, handlers, mapped: dict, staging) -> list[str]:
+        """The content key of each of ``slots``; with packed weights shared, the staged and
+        the other packed weights are added to ``slots`` (and counted in the report) and keyed."""
+        ctx, report = self.ctx, self.report
         keys = [str(k) for k in colliding(self.seg_cls.content_keys([s.tensor for s in slots]))]
         if ctx.share_packed:
             census = collect_packed(handlers, ctx.config.min_tensor_bytes, mapped)
@@ -159,18 +182,7 @@ class SharingPass:
             staged = staging.slots() if staging is not None else []  # keyed already; each segment's owner first
             slots += [slot for slot, _ in staged] + census.slots
             keys += [key for _, key in staged] + [str(k) for k in colliding(packed_keys(census.slots))]
-        # 2. key: content key -> the slots with that key (tied or equal tensors of this model)
-        self.pending: dict[str, list[Slot | PackedSlot]] = defaultdict(list)
-        for slot, key in zip(slots, keys):
-            self.pending[key].append(slot)
-        self.granularity, self.no_segments = pack_granularity, None
-        if slots and not pack_granularity:
-            try:
-                self.granularity = self.seg_cls.granularity(slots[0].tensor.device)
-            except SegmentError as e:  # the backend cannot make segments on this device at all
-                self.no_segments = e
-        self.freed = 0  # private bytes dropped since the allocator's cache was last emptied
-        self.untrimmed = 0  # ... since glibc's heap was last trimmed
+        return keys
 
     def run(self) -> None:
         if self.no_segments is not None:
@@ -302,6 +314,7 @@ class SharingPass:
             try:
                 for keys, offsets, nbytes in packs:
                     seg = self.segment_in_place(keys, offsets)
+                    sealed = seg is not None  # its tensors read it already, read-only
                     if seg is None:  # a copy: the private copies of the one in flight go first
                         in_flight, done = None, in_flight
                         self.adopt_published(done)
@@ -309,7 +322,7 @@ class SharingPass:
                         if seg is None:
                             continue
                     held = [(k, off, self.pending[k][0].nbytes) for k, off in zip(keys, offsets)]
-                    in_flight, done = (rpc.submit(self.register, seg, held), seg, keys, offsets), in_flight
+                    in_flight, done = (rpc.submit(self.register, seg, held), seg, keys, offsets, sealed), in_flight
                     self.adopt_published(done)
                 in_flight, done = None, in_flight
                 self.adopt_published(done)
@@ -366,16 +379,24 @@ class SharingPass:
             seg.close_fd()
 
     def adopt_published(self, in_flight) -> None:
-        """Wait for ``in_flight``'s publish (``(future, segment, keys, offsets)``; None: nothing)
-        and swap its tensors for the segment's.
+        """Wait for ``in_flight``'s publish (``(future, segment, keys, offsets, sealed)``; None:
+        nothing) and swap its tensors for the segment's.  A segment ``sealed`` where it lies
+        that could not be published leaves its tensors private but read-only: counted in the
+        report's ``unpublished_bytes``, so that the engine refuses to write its weights as
+        where they are shared (`worker_hooks`), instead of faulting.
 
         Raises:
             RegistryUnavailable: the publish failed (its groups are still pending).
         """
         if in_flight is None:
             return
-        future, seg, keys, offsets = in_flight
-        seg_id = future.result()
+        future, seg, keys, offsets, sealed = in_flight
+        try:
+            seg_id = future.result()
+        except BaseException:
+            if sealed:
+                self.report.unpublished_bytes += sum(self.pending[k][0].nbytes for k in keys)
+            raise
         uid = self.lease.uid_of(seg_id)
         self.report.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
         taken = 0

@@ -365,17 +365,19 @@ class Lease:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            if not self._closed(timeout_s=1.0):
+            try:
+                old = self._closed(timeout_s=1.0)
+            except (OSError, ValueError):  # closed by a call that timed out meanwhile: look again
                 continue
-            with self._lock:
-                old = self._client
+            if old is None:
+                continue
             logger.warning("the registry at %s went away or stopped answering; this engine keeps its "
                            "weights and will re-register them with the next one", self.path)
             delay = 0.2
             while not self._stop.is_set():
                 try:
                     with self._lock:
-                        if self._client is old:
+                        if self._client is old and not self._stop.is_set():  # not after `close`
                             self._reregister(self._timeout_s)
                     break
                 except (RegistryUnavailable, SegmentError, OSError) as e:
@@ -383,19 +385,23 @@ class Lease:
                     self._stop.wait(delay)
                     delay = min(delay * 2, 5.0)
 
-    def _closed(self, timeout_s: float) -> bool:
-        """Whether the connection is closed: by the registry (waits up to ``timeout_s`` for a
+    def _closed(self, timeout_s: float) -> RegistryClient | None:
+        """The connection if it is closed: by the registry (waits up to ``timeout_s`` for a
         hang-up; a reply arriving for a request in flight is left to its reader), or by this
-        side after the registry did not answer in time."""
+        side after the registry did not answer in time; else None.  The connection is the one
+        polled: a call that re-registered meanwhile has replaced it, and it is not done again."""
         poller = select.poll()
         with self._lock:
-            if self._client is None:  # never connected (`watch` starts no watcher then)
-                return True
-            sock = self._client._sock
-            if sock.fileno() < 0:
-                return True
-            poller.register(sock, select.POLLRDHUP)
-        return bool(poller.poll(timeout_s * 1000))
+            client = self._client
+            if client is not None:
+                sock = client._sock
+                if sock.fileno() < 0:
+                    return client
+                poller.register(sock, select.POLLRDHUP)
+        if client is None:  # never connected (`watch` starts no watcher then)
+            self._stop.wait(timeout_s)
+            return None
+        return client if poller.poll(timeout_s * 1000) else None
 
     def _recover(self, old: RegistryClient) -> None:
         """Re-register with the registry that replaces the one behind ``old``, trying for up

@@ -65,6 +65,7 @@ meanwhile is outside the lock's reach.
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 from ..config import DedupConfig
@@ -245,6 +246,9 @@ class EngineSession:
 
         if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
             return 0
+        if self.locks:  # an earlier start-up of this process that failed before the hooks ran
+            with contextlib.suppress(RegistryUnavailable):
+                self.end_startup()
         from ..segments.cuda import CudaSegment
         from ..segments.cudadrv import memory_info as cudadrv_memory_info
         from .signature import load_signature

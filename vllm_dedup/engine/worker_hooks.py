@@ -15,7 +15,9 @@ kinds, both reading this process's `session.EngineSession`:
 - **start-up hooks** (GPU accounting, `session.py`): after ``Worker.load_model`` the engine's
   budget is corrected by the bytes mapped beyond the prediction; after
   ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
-  even when warm-up fails.
+  even when warm-up fails, and so it is when the load or its correction fails (a process that
+  lives on, an engine in the user's own process, would otherwise keep it from every other
+  engine of the GPU for ``startup_lock_timeout_s``).
 
 Each wrapper is tied to the vLLM versions it was checked against (`vllm_facts.CHECKED_VLLM_VERSIONS`); on
 another version a method that no longer exists is skipped with a warning, never guessed at.
@@ -38,12 +40,23 @@ __all__ = ["STARTUP_HOOKS", "install"]
 
 logger = init_logger(__name__)
 
-# (module, class, method, what runs after it)
+def _after_load(worker, failed: bool) -> None:
+    session = EngineSession.current()
+    if failed:
+        session.end_startup()
+        return
+    try:
+        session.correct_budget(worker)
+    except BaseException:  # the engine stops: nobody else gives the lock back
+        session.end_startup()
+        raise
+
+
+# (module, class, method, what runs after it: (worker, whether the method raised) -> None)
 STARTUP_HOOKS = (
-    ("vllm.v1.worker.gpu_worker", "Worker", "load_model",
-     lambda worker: EngineSession.current().correct_budget(worker)),
+    ("vllm.v1.worker.gpu_worker", "Worker", "load_model", _after_load),
     ("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model",
-     lambda worker: EngineSession.current().end_startup()),
+     lambda worker, failed: EngineSession.current().end_startup()),
 )
 
 _MARK = "__vllm_dedup_hook__"
@@ -126,8 +139,14 @@ def _run_after(method, after):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
-            return method(self, *args, **kwargs)
-        finally:
-            after(self)
+            result = method(self, *args, **kwargs)
+        except BaseException:
+            try:
+                after(self, True)
+            except Exception:  # the method's own error is the one to see
+                logger.warning("vllm-dedup: after %s failed", method.__name__, exc_info=True)
+            raise
+        after(self, False)
+        return result
 
     return wrapper

@@ -112,3 +112,18 @@ def test_a_negative_expected_share_is_refused(answering):
     client = answering(({"bytes": -(1 << 30)}, []))
     with pytest.raises(ProtocolError, match="'bytes' must be between 0 and"):
         client.expected_shared_bytes()
+
+
+def test_an_empty_memfd_is_refused_and_its_descriptor_closed_once():
+    """A peer's empty sealed memfd published for a 0-byte hit: ``mmap`` refuses it with a
+    ValueError, which must be a `SegmentError` with the descriptor closed by `attach` alone
+    (its caller, `resident.map_resident`, closes nothing of its own: a second close could hit
+    a descriptor another thread has opened meanwhile)."""
+    from vllm_dedup.errors import SegmentError
+    from vllm_dedup.segments.host import HostSegment
+
+    fd = memfd(0, data=b"")
+    with pytest.raises(SegmentError, match="cannot map a 0-byte memfd segment"):
+        HostSegment.attach(fd, 0)
+    with pytest.raises(OSError):
+        os.fstat(fd)

@@ -367,7 +367,7 @@ def test_a_daemon_that_gave_way_to_one_since_gone_is_launched_again(tmp_path):
     exiting = open(f"{sock}.lock", "w")
     fcntl.flock(exiting, fcntl.LOCK_EX)  # its lock held, its socket closed
     try:
-        launch = launch_daemon(sock, idle_exit_s=2.0)
+        launch = launch_daemon(sock, idle_exit_s=60)  # this test stops the daemons itself
         assert launch._launcher.wait(30) == 0  # its daemon gave way
         assert not _answers(sock)
     finally:
@@ -378,7 +378,7 @@ def test_a_daemon_that_gave_way_to_one_since_gone_is_launched_again(tmp_path):
     shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
 
-    launches = [launch_daemon(sock, idle_exit_s=2.0) for _ in range(3)]
+    launches = [launch_daemon(sock, idle_exit_s=60) for _ in range(3)]
     for launch in launches:
         launch.wait(30)
     assert len(processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode())) == 1

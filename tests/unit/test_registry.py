@@ -193,3 +193,13 @@ def test_a_daemon_locks_the_lock_file_at_its_path_not_one_a_daemon_exiting_unlin
         assert daemon._socket_lock(sock) is None  # the next daemon sees it held
     finally:
         lock.close()
+
+
+def test_a_known_segment_gains_only_the_keys_that_lie_within_it(reg):
+    """A re-registration (the same uid) from a peer that says another size: a key past the
+    stored segment's end would fail every later acquire of that key (`AcquireReply`)."""
+    first = reg.publish(engine(reg, 1), 101, 4096, [("a", 0, 4096)], uid="u")
+    again = reg.publish(engine(reg, 2), 102, 8192, [("a", 0, 4096), ("b", 4096, 4096)], uid="u")
+    assert again == first and 102 in reg.closed
+    assert (GPU0, "default", "a") in reg.index and (GPU0, "default", "b") not in reg.index
+    assert reg.segments[first].keys == [("a", 0, 4096)]

@@ -322,10 +322,10 @@ def test_a_move_whose_bytes_cannot_be_put_back_stops_the_load(monkeypatch):
         staging.after_post_processing("embed", big)
 
 
-def _context(sock, name: str) -> LoadContext:
+def _context(sock, name: str, on_registry_error: str = "fail") -> LoadContext:
     lease = Lease(RegistryClient(sock), name, "cpu", "default", "staging-test")
-    return LoadContext(DedupConfig(min_tensor_bytes=1, on_registry_error="fail"), lease, torch.device("cpu"), "cpu",
-                       share_packed=True)
+    return LoadContext(DedupConfig(min_tensor_bytes=1, on_registry_error=on_registry_error), lease,
+                       torch.device("cpu"), "cpu", share_packed=True)
 
 
 def test_the_sharing_pass_publishes_a_staged_segment_as_it_is_and_maps_it_elsewhere(registry_server):
@@ -363,6 +363,31 @@ def test_the_sharing_pass_publishes_a_staged_segment_as_it_is_and_maps_it_elsewh
         a.lease.close()
         b.lease.close()
 
+
+def test_staged_weights_the_registry_never_took_count_as_read_only(registry_server):
+    """The registry fails before the staged segments are published: the packed weights stay
+    this engine's, in sealed segments, so the engine counts them in ``unpublished_bytes`` and
+    refuses weight writes as where weights are shared (`worker_hooks`)."""
+    from vllm_dedup.errors import RegistryUnavailable
+
+    model = _model(1, 2)
+    want = _outputs(model)
+    nbytes = onednn.find_packed(model.layer0.handler).nbytes
+    ctx = _context(registry_server.path, "registry-fails", on_registry_error="fallback")
+
+    def failing(*args, **kwargs):
+        raise RegistryUnavailable("the registry failed for the test")
+
+    ctx.lease.acquire = failing
+    try:
+        staged = Staging(min_bytes=1)
+        _stage(model, staged)
+        report = share_model(model, ctx, staging=staged)
+        assert report.published_tensors == report.shared_tensors == 0 and report.private_tensors == 2
+        assert report.unpublished_bytes == report.segment_bytes == 2 * nbytes
+        assert all(torch.equal(x, y) for x, y in zip(want, _outputs(model)))
+    finally:
+        ctx.lease.close()
 
 
 def test_the_heap_is_trimmed_as_layers_are_staged(monkeypatch):

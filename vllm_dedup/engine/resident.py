@@ -59,12 +59,10 @@ def map_resident(lease, seg_cls, device_key: str, keys: list[str], uids: list[st
     try:
         for found in acquired:
             given += 1
-            try:
+            try:  # every reply's segment has hits (`messages.AcquireReply`)
                 segment = seg_cls.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), device_key)
             except Exception as e:  # not a sealed segment, or it cannot be mapped: never use it
-                if not isinstance(e, SegmentError):  # attach closes the descriptor on its own errors
-                    with contextlib.suppress(OSError):
-                        os.close(found.fd)
+                # (`attach` owns the descriptor: it is closed already)
                 with contextlib.suppress(Exception):
                     lease.release([found.segment])
                 yield Mapped(found, error=SegmentError(f"resident segment {found.segment} refused "

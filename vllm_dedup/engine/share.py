@@ -298,8 +298,11 @@ class SharingPass:
         return taken, differ
 
     def keep_private(self, group: list[Slot]) -> None:
+        """Count ``group`` private.  A packed weight staged while loading stays in its sealed
+        segment, read-only: counted in ``unpublished_bytes`` too (`adopt_published`)."""
         self.report.private_tensors += len(group)
         self.report.private_bytes += sum(s.nbytes for s in group)
+        self.report.unpublished_bytes += sum(s.nbytes for s in group if getattr(s, "staged", None) is not None)
 
     # 4. plan, 5. publish -------------------------------------------------------------------
     def plan_and_publish(self) -> None:
@@ -394,8 +397,9 @@ class SharingPass:
         try:
             seg_id = future.result()
         except BaseException:
-            if sealed:
-                self.report.unpublished_bytes += sum(self.pending[k][0].nbytes for k in keys)
+            if sealed:  # (a staged packed weight is counted as it is kept private: `keep_private`)
+                self.report.unpublished_bytes += sum(self.pending[k][0].nbytes for k in keys
+                                                     if getattr(self.pending[k][0], "staged", None) is None)
             raise
         uid = self.lease.uid_of(seg_id)
         self.report.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)

@@ -271,11 +271,14 @@ class Registry:
 
         A segment whose ``uid`` is already known (engines holding one segment re-register it
         after a registry restart, each with the keys it knows) is not stored twice: ``fd`` is
-        closed, the keys are added to it, and the engine holds it."""
+        closed, the keys that lie within it are added to it (one past its end, from a peer
+        that says another size, could only fail every acquire of that key), and the engine
+        holds it."""
         engine = self.engines[engine_id]
         seg = self.segments.get(self._uids.get(uid)) if uid else None
         if seg is not None and (seg.device, seg.group) == (engine.device, engine.group):
             self._close(fd)
+            keys = [k for k in keys if k[1] + k[2] <= seg.nbytes]
             seg.keys += [k for k in keys if k not in seg.keys]
         else:
             seg = SegmentEntry(next(self._ids), fd, nbytes, engine.device, engine.group, list(keys), uid=uid)

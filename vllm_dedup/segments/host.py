@@ -229,7 +229,7 @@ class HostSegment(Segment):
         # empty tensor still needs a (1-byte) mapping: mmap of length 0 is an error.
         try:
             self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: the memfd is shorter than that (an empty one)
             self.close_fd()
             raise SegmentError(f"cannot map a {nbytes}-byte memfd segment: {e}") from None
 

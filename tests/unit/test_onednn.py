@@ -409,6 +409,16 @@ def test_reads_in_a_forked_child_see_the_childs_memory():
     assert lib.read(address, 6) == b"parent"
 
 
+def test_a_word_that_is_no_pointer_is_a_layout_not_understood():
+    """A handler of another vLLM build may hold garbage where a pointer was expected: reading
+    it is a `PackedWeightError` (the layer keeps its private copy), never the OverflowError
+    ``os.pread`` raises past 2**63, which would stop the engine."""
+    lib = onednn_library.library()
+    for address in (-1, 0, 1 << 63, (1 << 64) - 8, 1 << 56):
+        with pytest.raises(PackedWeightError, match="is not in user space"):
+            lib.read(address, 8)
+
+
 def _elf_with_note(kind: int, name: bytes, desc: bytes) -> bytes:
     """A minimal ELF64 little-endian file: a header and one SHT_NOTE section holding one note."""
     import struct

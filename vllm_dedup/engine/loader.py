@@ -387,10 +387,14 @@ class _UsualLoad(BaseModelLoader):
         self._load_weights(model, model_config)
         if self.staging is not None:  # vLLM's template post-processes next: stage as it goes
 
-            modules = {n: m for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None}
+            from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+            modules = {n: m for n, m in model.named_modules()
+                       if getattr(m, "quant_method", None) is not None or is_deferred_attention_layer(m)}
             # each layer's freed buffers serve the next, however large (Note [large blocks from the heap])
             self._hooks.enter_context(reused_heap(large_blocks=True))
-            self._hooks.enter_context(post_processing_hooks(modules, self.staging.after_post_processing))
+            self._hooks.enter_context(post_processing_hooks(modules, self.staging.after_post_processing,
+                                                            before=self.staging.before_post_processing))
             self._hooks.callback(self.staging.finish)  # the last copy in flight, before the heap is trimmed
 
     def _load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:

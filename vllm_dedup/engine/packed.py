@@ -138,9 +138,10 @@ def collect_packed(handlers: onednn.ModelHandlers, min_bytes: int, placement: di
     for name, handler in handlers.named():
         try:
             packed = onednn.find_packed(handler)
-        except PackedWeightError as e:
+        except Exception as e:  # PackedWeightError: a layout not understood; anything else too
             census.private_n += 1
-            census.declined.append(f"{name}: {e}")
+            census.declined.append(f"{name}: {e}" if isinstance(e, PackedWeightError) else
+                                   f"{name}: {type(e).__name__}: {e}")
             continue
         if id(handler) in placement:
             census.installed.append(packed)

@@ -61,7 +61,11 @@ Note [one copy in flight]
     module without a packed weight to stage waits for nothing: the heap may be trimmed
     meanwhile, which touches only free blocks.)  Nothing runs the handler meanwhile (vLLM runs none
     before post-processing ends); the install frees oneDNN's buffer from the worker, and
-    glibc returns it to the heap it came from.  A module that keeps the weight it packs (an
+    glibc returns it to the heap it came from.  One exception: vLLM's deferred attention pass,
+    after the linear layers', may run a linear layer's handler (MLA's
+    ``get_and_maybe_dequant_weights`` of a quantized ``kv_b_proj``, through its
+    ``quant_method.apply``): the copy in flight ends before each such layer
+    (`before_post_processing`).  A module that keeps the weight it packs (an
     embedding) is staged in the load's own thread, its chunks too (Note [moving a packed
     weight]): it is the load's peak moment.  `finish` waits for the last copy when
     post-processing ends (`loader._UsualLoad`).  More copies in flight were measured and not
@@ -167,6 +171,15 @@ class Staging:
         self._copier: ThreadPoolExecutor | None = None  # Note [one copy in flight]
         self._in_flight = None  # (future, module name, handler, key, bytes) of the copy running
 
+    def before_post_processing(self, name: str, module) -> None:
+        """Called right before ``module``'s post-processing: before an attention layer's
+        deferred one, which may run a handler, the copy in flight ends (Note [one copy in
+        flight]).  Never raises."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        if is_deferred_attention_layer(module):
+            self._finish_copy()
+
     def after_post_processing(self, name: str, module) -> None:
         """Stage every packed weight ``module`` itself holds; called right after its
         post-processing.  What cannot be staged stays with oneDNN.
@@ -182,7 +195,13 @@ class Staging:
 
     def _stage_all(self, name: str, module) -> None:
         keeps_weight = not packed_and_dropped(module, "weight")  # Note [moving a packed weight]
-        for handler in onednn.module_handlers(module):
+        try:
+            handlers = onednn.module_handlers(module)
+        except Exception as e:  # an attribute walk that fails: the module stays with oneDNN
+            if len(self.failures) < 3:
+                self.failures.append(f"{name}: {type(e).__name__}: {e}")
+            return
+        for handler in handlers:
             try:
                 self._stage(name, handler, keeps_weight)
             except (PackedWeightError, SegmentError) as e:

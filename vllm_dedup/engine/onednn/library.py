@@ -52,6 +52,7 @@ _SYMBOLS = {
     "vtable_w8a8": "_ZTV26W8A8MatMulPrimitiveHandler",
     "vtable_memory": "_ZTV11dnnl_memory",
 }
+_USER_SPACE_END = 1 << 56  # x86-64 user addresses lie below, with 5-level paging too (os.pread: OverflowError at 2**63)
 _VTABLE_ADDRESS_POINT = 16          # Itanium C++ ABI: vptr = vtable + offset-to-top + RTTI pointer
 
 
@@ -96,6 +97,8 @@ class Library:
         self.build_id = elf_build_id(self.path)
         version = ctypes.CFUNCTYPE(ctypes.POINTER(_Version))(addr["version"])().contents
         self.onednn = f"{version.major}.{version.minor}.{version.patch}+{(version.hash or b'').decode()[:12]}"
+        if version.major < 3:  # 2.x zero-pads a new data handle: it would write into a read-only segment
+            raise PackedWeightError(f"{self.name}: oneDNN {self.onednn} is older than 3.0")
         self.isa = ctypes.CFUNCTYPE(i32)(addr["effective_isa"])()
         self.vtables = {addr["vtable_matmul"] + _VTABLE_ADDRESS_POINT: "matmul",
                         addr["vtable_w8a8"] + _VTABLE_ADDRESS_POINT: "w8a8"}
@@ -117,8 +120,12 @@ class Library:
 
     def read(self, address: int, nbytes: int) -> bytes:
         """``nbytes`` at ``address`` of this process; an unmapped address raises."""
+        if nbytes == 0:
+            return b""
+        if not 0 < address < _USER_SPACE_END:  # a word that is no pointer: a layout not understood
+            raise PackedWeightError(f"address {address:#x} is not in user space")
         try:
-            data = os.pread(self._mem_fd(), nbytes, address) if address > 0 else b""
+            data = os.pread(self._mem_fd(), nbytes, address)
         except OSError as e:
             raise PackedWeightError(f"address {address:#x} cannot be read ({e.strerror})") from None
         if len(data) != nbytes:

@@ -150,8 +150,9 @@ def main() -> int:
         # Ray on 127.0.0.1 instead of the machine's interface address).
         for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}.items():
             os.environ.setdefault(key, value)
-        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 **quiet)
+        # address="local": a new cluster even where one runs on this machine (`ray start`).
+        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", **quiet)
     try:
         if not args.smoke:
             deploy(models, dedup=True, app_name="finetunes", port=port)
@@ -162,9 +163,14 @@ def main() -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        serve.shutdown()
-        if not args.address:
-            shutdown_registry()  # our own cluster's; a joined cluster keeps its registry
+        if args.address:  # a joined cluster keeps its other applications and its registry
+            running = serve.status().applications
+            for name in ("finetunes", "plain", "dedup"):
+                if name in running:
+                    serve.delete(name)
+        else:
+            serve.shutdown()
+            shutdown_registry()  # our own cluster's
         ray.shutdown()
     # Printed after the teardown, so that nothing Ray says comes after the JSON line.
     print_table(result)

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 
+from .config import is_registry_namespace
 from .checkpoint.manifest import ManifestCache, default_cache_dir
 from .errors import CheckpointError, RegistryUnavailable
 from .scan.files import scan_model
@@ -198,14 +199,26 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _nonnegative(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
+def _namespace(text: str) -> str:
+    if not is_registry_namespace(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is no registry namespace: use letters, digits, '-', '_' and '.'")
+    return text
+
+
 def _positive_seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
     if not 0.1 <= value <= 86400:
         raise argparse.ArgumentTypeError(f"must be between 0.1 and 86400 seconds, got {text}")
     return value
@@ -234,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="what the weight registry on this node holds",
                             description="The registry's engines, segments, and bytes shared and saved, "
                             "per device and share group.")
-    status.add_argument("--namespace", default="vllm-dedup", help="registry namespace (default: vllm-dedup)")
+    status.add_argument("--namespace", default="vllm-dedup", type=_namespace,
+                        help="registry namespace (default: vllm-dedup)")
     status.add_argument("--all-nodes", action="store_true",
                         help="every node's registry in the Ray cluster, read through Ray (one per node)")
     status.add_argument("--address", metavar="ADDR", default=None,
@@ -251,7 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vllm-dedup`` console script."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C during a long scan or a watch: no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["CPU_LINEAR_MODES", "DedupConfig"]
+__all__ = ["CPU_LINEAR_MODES", "DedupConfig", "is_registry_namespace"]
 
 CPU_LINEAR_MODES = ("packed", "plain", "private")  # DedupConfig.cpu_linear
 
@@ -116,26 +116,25 @@ class DedupConfig:
         c = config
         checks = [  # (key, value is valid, what it must be)
             ("share_group", isinstance(c.share_group, str) and c.share_group != "", "a non-empty string"),
-            ("min_tensor_bytes", isinstance(c.min_tensor_bytes, int) and c.min_tensor_bytes >= 0,
+            ("min_tensor_bytes", _number(c.min_tensor_bytes, int) and c.min_tensor_bytes >= 0,
              "an integer >= 0 (bytes)"),
             ("verify", isinstance(c.verify, bool), "true or false"),
             ("on_registry_error", c.on_registry_error in ("fallback", "fail"), "'fallback' or 'fail'"),
-            ("keep_warm_s", isinstance(c.keep_warm_s, (int, float)) and c.keep_warm_s >= 0,
+            ("keep_warm_s", _number(c.keep_warm_s) and c.keep_warm_s >= 0,
              "a number >= 0 (seconds)"),
             ("cpu_linear", c.cpu_linear in CPU_LINEAR_MODES, "'packed', 'plain' or 'private'"),
             ("cpu_share_linear", c.cpu_share_linear is None or isinstance(c.cpu_share_linear, bool),
              "true or false (deprecated: use cpu_linear)"),
             ("registry_address", c.registry_address is None or isinstance(c.registry_address, str),
              "null, 'local' or a Ray address"),
-            ("registry_namespace", isinstance(c.registry_namespace, str) and c.registry_namespace != "",
-             "a non-empty string"),
+            ("registry_namespace", is_registry_namespace(c.registry_namespace),
+             "a name of letters, digits, '-', '_' and '.' (it names the registry's socket file)"),
             ("accounting", c.accounting in ("kv_cache", "external"), "'kv_cache' or 'external'"),
-            ("startup_lock_timeout_s", isinstance(c.startup_lock_timeout_s, (int, float))
-             and c.startup_lock_timeout_s > 0, "a number > 0 (seconds)"),
+            ("startup_lock_timeout_s", _number(c.startup_lock_timeout_s) and c.startup_lock_timeout_s > 0,
+             "a number > 0 (seconds)"),
             ("fast_path", isinstance(c.fast_path, bool), "true or false"),
             ("in_place", isinstance(c.in_place, bool), "true or false"),
-            ("registry_timeout_s", isinstance(c.registry_timeout_s, (int, float))
-             and not isinstance(c.registry_timeout_s, bool) and 0 < c.registry_timeout_s <= 3600,
+            ("registry_timeout_s", _number(c.registry_timeout_s) and 0 < c.registry_timeout_s <= 3600,
              "a number of seconds > 0 and <= 3600"),
         ]
         for name, ok, expected in checks:
@@ -146,3 +145,14 @@ class DedupConfig:
                 raise ValueError("give cpu_linear alone: cpu_share_linear is its deprecated spelling")
             config = replace(config, cpu_linear="plain" if c.cpu_share_linear else "private", cpu_share_linear=None)
         return config
+
+
+def is_registry_namespace(name) -> bool:
+    """Whether ``name`` can name a registry: letters, digits, '-', '_' and '.', not dots alone
+    (it names the registry's socket file, `registry.wire.socket_path`)."""
+    return isinstance(name, str) and name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+
+
+def _number(value, kinds=(int, float)) -> bool:
+    """Whether ``value`` is a number of ``kinds``; JSON's true and false are not (Python's bools are ints)."""
+    return isinstance(value, kinds) and not isinstance(value, bool)

@@ -67,3 +67,28 @@ def test_where_packed_sharing_cannot_work_linears_keep_vllms_private_packed_copi
     assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "plain" and loader.packed_declined == ""
     asked = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"cpu_linear": "plain"}))
     assert asked.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "plain" and asked.packed_declined == ""
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"registry_namespace": "team a"}, "registry_namespace must be a name of letters, digits"),
+    ({"registry_namespace": "team/a"}, "registry_namespace must be a name of letters, digits"),
+    ({"registry_namespace": ".."}, "registry_namespace must be a name of letters, digits"),
+    ({"min_tensor_bytes": True}, "min_tensor_bytes must be an integer >= 0"),
+    ({"keep_warm_s": False}, "keep_warm_s must be a number >= 0"),
+    ({"startup_lock_timeout_s": True}, "startup_lock_timeout_s must be a number > 0"),
+])
+def test_a_value_that_would_fail_later_is_refused_with_the_config(extra, words):
+    """Caught when the engine is configured, not when its load first reaches the registry
+    (a namespace names the socket file: `registry.wire.socket_path` raised ValueError there,
+    which stopped the engine under fallback too); JSON's true is no number."""
+    with pytest.raises(ValueError, match=words):
+        DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config=extra))
+
+
+def test_the_cli_refuses_a_bad_namespace_or_number_in_one_line():
+    from vllm_dedup.cli import main
+
+    for argv in (["status", "--namespace", "my ns"], ["scan", "--threads", "x", "."]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2, argv

@@ -114,3 +114,26 @@ def test_unreadable_file_is_reported(minilm, tmp_path):
 def test_negative_min_bytes_is_a_usage_error(minilm):
     proc = run_cli("scan", "--min-bytes", "-1", str(minilm))
     assert proc.returncode == 2 and "must be >= 0" in proc.stderr
+
+
+def test_a_model_folders_subfolders_and_trainer_files_are_not_its_weights(tmp_path):
+    """What a loader reads of a model folder is its own weights: a Trainer's ``checkpoint-500/``
+    and Meta's ``original/`` beside them are other copies (counted twice, they would double
+    the model), and ``training_args.bin`` is a pickled object, not tensors.  A pipeline
+    (``model_index.json``) and a folder without weights of its own still read subfolders."""
+    from vllm_dedup.scan.files import model_files
+
+    def touch(*names):
+        for name in names:
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_bytes(b"")
+
+    touch("m/model.safetensors", "m/checkpoint-500/model.safetensors", "m/original/consolidated.00.pth",
+          "t/pytorch_model.bin", "t/training_args.bin", "t/optimizer.pt", "t/rng_state_0.pth",
+          "p/model_index.json", "p/unet/diffusion_pytorch_model.safetensors", "p/vae/model.safetensors",
+          "n/a/model.safetensors")
+    names = {folder: [str(p.relative_to(tmp_path / folder)) for p in model_files(tmp_path / folder)]
+             for folder in "mtpn"}
+    assert names == {"m": ["model.safetensors"], "t": ["pytorch_model.bin"],
+                     "p": ["unet/diffusion_pytorch_model.safetensors", "vae/model.safetensors"],
+                     "n": ["a/model.safetensors"]}

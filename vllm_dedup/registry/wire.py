@@ -28,6 +28,7 @@ import struct
 import typing
 from pathlib import Path
 
+from ..config import is_registry_namespace
 from ..errors import ProtocolError, RegistryUnavailable, SegmentError
 from ..segments.host import MESSAGE_MEMFD_NAME, check_sealed_memfd, sealed_memfd
 
@@ -58,7 +59,7 @@ def socket_path(namespace: str = DEFAULT_NAMESPACE) -> Path:
     Raises:
         ValueError: the namespace holds characters other than letters, digits, '-', '_', '.'.
     """
-    if not namespace.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    if not is_registry_namespace(namespace):
         raise ValueError(f"registry namespace {namespace!r} may hold only letters, digits, '-', '_' and '.'")
     return runtime_dir() / f"{namespace}.sock"
 

@@ -59,6 +59,11 @@ def model_files(path: str | os.PathLike) -> list[Path]:
     listed by a ``*.index.json``), or a Diffusers-style pipeline whose components sit in
     subfolders.  In each folder safetensors win over ``.bin``/``.pt`` (as in transformers),
     and those over ``.gguf``; files an index names are taken alone when an index exists.
+    Subfolders are read only for a pipeline (``model_index.json``) or a folder without
+    weights of its own: a model folder's own weights are what a loader reads, and its
+    subfolders hold other models (a Trainer's ``checkpoint-500/``, Meta's ``original/``).
+    A Trainer's other files (``training_args.bin``, ``optimizer.pt``, ``rng_state.pth``...)
+    are never weights.
 
     Raises:
         CheckpointError: the path does not exist, cannot be read, or holds no weights.
@@ -82,6 +87,9 @@ def model_files(path: str | os.PathLike) -> list[Path]:
         folders = sorted({path, *(p for p in path.rglob("*") if p.is_dir())})
     except OSError as e:
         raise CheckpointError(path, f"cannot list folder: {e.strerror or e}") from None
+    own = _weights_in_folder(path)
+    if own and not (path / "model_index.json").exists():
+        return own
     files: list[Path] = []
     for folder in folders:
         files += _weights_in_folder(folder)
@@ -94,7 +102,7 @@ def model_files(path: str | os.PathLike) -> list[Path]:
 
 def _weights_in_folder(folder: Path) -> list[Path]:
     try:
-        names = sorted(p for p in folder.iterdir() if p.is_file())
+        names = sorted(p for p in folder.iterdir() if p.is_file() and not _trainer_state(p.name))
     except OSError as e:
         raise CheckpointError(folder, f"cannot list folder: {e.strerror or e}") from None
     for group in ((".safetensors",), (".bin", ".pt", ".pth"), (".gguf",)):
@@ -104,6 +112,15 @@ def _weights_in_folder(folder: Path) -> list[Path]:
         indexed = _indexed_files(folder, names, group)
         return indexed if indexed is not None else chosen
     return []
+
+
+def _trainer_state(name: str) -> bool:
+    """Whether a file is one of the HF Trainer's own, saved beside the weights but holding none
+    (its arguments, optimizer, scheduler, grad scaler and random generators)."""
+    return name in _TRAINER_FILES or (name.startswith("rng_state") and name.endswith(".pth"))
+
+
+_TRAINER_FILES = frozenset({"training_args.bin", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt"})
 
 
 def _indexed_files(folder: Path, names: list[Path], group: tuple[str, ...]) -> list[Path] | None:

@@ -51,6 +51,8 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import signal
 import sys
 import tempfile
 import time
@@ -589,7 +591,13 @@ def step_segments(run: Run, sock: Path, args, key: str | None) -> None:
               json.dumps(mapped))
     wrote = d.ask("write")
     status = d.proc.poll()
-    faulted = "error" in wrote or (status is not None and status != 0)
+    # A fault, not any error: the host's kills the writer (SIGSEGV); a GPU's is an illegal
+    # address (a CUDA error the child reports, or a process that dies of it).
+    if run.backend == "cuda":
+        faulted = (bool(re.search(r"illegal (memory )?(access|address)|CUDA error", wrote.get("error", ""), re.I))
+                   or (status is not None and status != 0))
+    else:
+        faulted = wrote.get("exit") == -signal.SIGSEGV
     after = run.children["B"].ask("compute")
     run.check(step, "a write through a read-only mapping faults", faulted, json.dumps(wrote))
     run.check(step, "the bytes are unchanged after the write attempt",

@@ -106,10 +106,11 @@ def test_variants_share_exactly_their_unchanged_tensors(smollm2, variants, regis
             e.stop()
 
 
-def test_sigkill_of_the_first_engine(smollm2, registry):
+def test_sigkill_of_the_first_engine(smollm2, registry, plain_smollm2):
     a, b = start_engines([{"model": smollm2}, {"model": smollm2}])
     try:
-        reference = b.generate()
+        reference = plain_smollm2  # a plain engine's: b and c read what a put in segments
+        assert b.generate() == reference
         la = registry.engine_loads()[a.pid]
         n, mapped = la["published_tensors"], la["published_tensors"] + la["shared_tensors"]
         a.kill()
@@ -183,6 +184,7 @@ def test_share_groups_never_share(smollm2, registry):
         a1, b, a2 = (loads[e.pid] for e in engines)
         # b maps nothing of group a's: only, with cpu_linear="packed", its tied head's packed
         # copy from its own segment of the embedding's, as a1 does.
+        assert a1["published_tensors"] > 0  # else nothing below could have been shared across groups
         assert (b["shared_tensors"], b["published_tensors"]) == (a1["shared_tensors"], a1["published_tensors"])
         assert a2["shared_tensors"] == a1["published_tensors"] + a1["shared_tensors"]
         groups = {g.share_group: g for g in registry.stats().groups}

@@ -10,12 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import PEERS, segment_peer
+from helpers import PEERS, segment_peer, wait_for
 from vllm_dedup.cli import format_status
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.engine.session import EngineSession
@@ -47,7 +46,7 @@ def test_startup_lock_serialises_engines_and_defers_frees_on_its_device(registry
         seg.close_fd()
         del seg
         leaving.close()
-        time.sleep(0.2)
+        assert wait_for(lambda: registry_stats(registry_server.path).groups[0].engines == 2)
         stats = registry_stats(registry_server.path)
         (group,) = stats.groups
         assert (group.segments, group.deferred_segments, group.engines) == (1, 1, 2)

@@ -114,7 +114,7 @@ def test_watch_redraws_and_outlives_the_registry(registry_server, two_peers):
     fd = proc.stdout.fileno()
     try:
         shown = read_until(fd, lambda t: t.count(f"{publisher.pid}  cpu ") >= 2)
-        assert shown.count(heading) >= 2, shown
+        assert shown.count(f"{publisher.pid}  cpu ") >= 2 and shown.count(heading) >= 2, shown
         assert "\x1b[" not in shown  # not a terminal: frames follow one another, no escape codes
 
         registry_server.stop()

@@ -131,7 +131,11 @@ def test_kv_cache_mode_reports_the_bytes_to_map_only_when_the_full_budget_does_n
     assert EngineSession().plan_startup("external", 16 * gib, 80 * gib, 80 * gib, 0.45) == 16 * gib
 
 
-def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(registry_server, monkeypatch):
+@pytest.mark.parametrize("method", ["compile_or_warm_up_model", "load_model"])
+def test_the_hook_gives_the_startup_lock_back_even_when_the_method_fails(registry_server, monkeypatch, method):
+    """Warm-up or load: an engine whose ``Worker.load_model`` raises (a checkpoint vLLM cannot
+    read) may live on, an engine in the user's own process.  Its start-up lock must not keep
+    every other engine of the GPU waiting ``startup_lock_timeout_s``."""
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_dedup.engine import worker_hooks
@@ -146,8 +150,8 @@ def test_the_hook_gives_the_startup_lock_back_even_when_warm_up_fails(registry_s
     session.startup_client, session.locks = client, [startup_lock_name(GPU0)]
     monkeypatch.setattr(EngineSession, "_current", session)
     try:
-        with pytest.raises(AttributeError):  # not a real worker: the warm-up itself fails
-            Worker.compile_or_warm_up_model(object())
+        with pytest.raises(AttributeError):  # not a real worker: the method itself fails
+            getattr(Worker, method)(object())
         assert registry_stats(registry_server.path).locks == {}
         session.end_startup()  # idempotent
     finally:
@@ -306,26 +310,3 @@ def test_registry_timeout_s_is_checked():
     for bad in (0, -1, True, "10", 3601):
         with pytest.raises(ValueError, match="registry_timeout_s"):
             DedupConfig.from_extra_config({"registry_timeout_s": bad})
-
-
-def test_the_hook_gives_the_startup_lock_back_when_the_load_fails(registry_server, monkeypatch):
-    """An engine whose ``Worker.load_model`` raises (a checkpoint vLLM cannot read) may live on:
-    an engine in the user's own process.  Its start-up lock must not keep every other engine of
-    the GPU waiting ``startup_lock_timeout_s``."""
-    from vllm.v1.worker.gpu_worker import Worker
-
-    from vllm_dedup.engine import worker_hooks
-
-    worker_hooks.install()
-    client = RegistryClient(registry_server.path)
-    client.hello("m", GPU0, "default")
-    client.lock([startup_lock_name(GPU0)], owner="vllm-instance:X")
-    session = EngineSession()
-    session.startup_client, session.locks = client, [startup_lock_name(GPU0)]
-    monkeypatch.setattr(EngineSession, "_current", session)
-    try:
-        with pytest.raises(AttributeError):  # not a real worker: the load itself fails
-            Worker.load_model(object())
-        assert registry_stats(registry_server.path).locks == {}
-    finally:
-        client.close()

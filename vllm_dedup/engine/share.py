@@ -302,7 +302,7 @@ class SharingPass:
         segment, read-only: counted in ``unpublished_bytes`` too (`adopt_published`)."""
         self.report.private_tensors += len(group)
         self.report.private_bytes += sum(s.nbytes for s in group)
-        self.report.unpublished_bytes += sum(s.nbytes for s in group if getattr(s, "staged", None) is not None)
+        self.report.unpublished_bytes += sum(s.nbytes for s in group if _staged(s) is not None)
 
     # 4. plan, 5. publish -------------------------------------------------------------------
     def plan_and_publish(self) -> None:
@@ -353,7 +353,7 @@ class SharingPass:
         """The segment holding a pack already, sealed (none: None): a packed weight staged while
         loading (`staging.py`), or tensors loaded in place (`in_place.py`, `in_place_packed.py`)."""
         first = self.pending[keys[0]][0]
-        if len(keys) == 1 and getattr(first, "staged", None) is not None:
+        if len(keys) == 1 and _staged(first) is not None:
             return first.staged  # published as it is, no copy
         slots = [self.pending[key][0] for key in keys]
         if self.in_place is not None and all(isinstance(s, Slot) for s in slots):
@@ -399,7 +399,7 @@ class SharingPass:
         except BaseException:
             if sealed:  # (a staged packed weight is counted as it is kept private: `keep_private`)
                 self.report.unpublished_bytes += sum(self.pending[k][0].nbytes for k in keys
-                                                     if getattr(self.pending[k][0], "staged", None) is None)
+                                                     if _staged(self.pending[k][0]) is None)
             raise
         uid = self.lease.uid_of(seg_id)
         self.report.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
@@ -412,6 +412,12 @@ class SharingPass:
             self.keep_private(differ)
         if not taken:  # the backend failed for every member
             self.lease.release([seg_id])
+
+
+def _staged(slot):
+    """The segment of this engine's that a slot's packed weight was staged into while loading
+    (`PackedSlot.staged`), or None (not staged, or a plain tensor's `Slot`)."""
+    return getattr(slot, "staged", None)
 
 
 def _pinned(model, handlers: ModelHandlers, ctx: LoadContext) -> list:

@@ -321,7 +321,7 @@ class AcquireReply(Message):
                                 f"and {len(self.sizes)} sizes")
         size = dict(zip(self.segments, self.sizes))
         for key, seg, offset, nbytes in self.hits:
-            if seg not in size or not 0 <= offset <= offset + nbytes <= size[seg] or nbytes < 0:
+            if seg not in size or not 0 <= offset <= offset + nbytes <= size[seg]:
                 raise ProtocolError(f"{self._what()}: hit {brief(key)} ({nbytes} bytes at {offset}) is not inside a "
                                     f"segment of the reply")
         if unhit := set(self.segments) - {seg for _, seg, _, _ in self.hits}:

@@ -83,14 +83,13 @@ def model_files(path: str | os.PathLike) -> list[Path]:
                 f"expected one of {', '.join(WEIGHT_SUFFIXES)}, or a model folder",
             )
         return [path]
+    files = _weights_in_folder(path)
+    if files and not (path / "model_index.json").exists():
+        return files
     try:
-        folders = sorted({path, *(p for p in path.rglob("*") if p.is_dir())})
+        folders = sorted(p for p in path.rglob("*") if p.is_dir())
     except OSError as e:
         raise CheckpointError(path, f"cannot list folder: {e.strerror or e}") from None
-    own = _weights_in_folder(path)
-    if own and not (path / "model_index.json").exists():
-        return own
-    files: list[Path] = []
     for folder in folders:
         files += _weights_in_folder(folder)
     if not files:

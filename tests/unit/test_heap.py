@@ -38,3 +38,57 @@ def test_a_block_over_32_mib_reuses_the_pages_freed_before_it_only_when_asked():
         faults_of_second_block(64 * MiB)  # the heap grows to hold it once
         assert faults_of_second_block(64 * MiB) < pages // 20
     assert faults_of_second_block(64 * MiB) > pages // 2  # glibc's own behaviour again
+
+
+SECOND_BLOCK_AFTER_THE_HEAP = """
+import ctypes, resource
+from vllm_dedup.engine import heap
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+with heap.reused_heap(large_blocks=True):
+    pass
+nbytes = 512 << 10
+first = libc.malloc(nbytes); ctypes.memset(first, 1, nbytes); libc.free(first)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+second = libc.malloc(nbytes); ctypes.memset(second, 2, nbytes)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(heap._glibc() is None, reason="glibc's heap only")
+@pytest.mark.parametrize("settings", [
+    {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "0x4000000"},
+    {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=67108864"},
+])
+def test_leaving_the_reused_heap_keeps_the_users_own_thresholds(settings):
+    """A user's 1 MiB mmap threshold (and a trim threshold that keeps the heap's top) holds
+    after `reused_heap`: a freed 512 KiB block serves the next one from the heap, no page
+    faulted again.  glibc's 128 KiB instead would map and unmap each one (128 pages each)."""
+    import os
+    import subprocess
+    import sys
+
+    def faults(env: dict) -> int:
+        out = subprocess.run([sys.executable, "-c", SECOND_BLOCK_AFTER_THE_HEAP], env={**os.environ, **env},
+                             capture_output=True, text=True, timeout=60, check=True)
+        return int(out.stdout.split()[-1])
+
+    pages = (512 << 10) // heap.PAGE_BYTES
+    assert faults(settings) < pages // 8
+    assert faults({}) > pages // 2  # glibc's own starting values: a fresh mapping
+
+
+def test_a_users_setting_is_read_as_glibc_reads_it(monkeypatch):
+    for name in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    assert heap.starting_value(heap._M_MMAP_THRESHOLD, 7) == 7
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "0x100000")
+    assert heap.starting_value(heap._M_MMAP_THRESHOLD, 7) == 1 << 20
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=5:glibc.malloc.mmap_threshold=262144")
+    assert heap.starting_value(heap._M_MMAP_THRESHOLD, 7) == 262144  # the tunable before the variable
+    assert heap.starting_value(heap._M_TRIM_THRESHOLD, 7) == 5
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "lots")
+    assert heap.starting_value(heap._M_MMAP_MAX, 9) == 9  # not a number: glibc's own
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", str(1 << 40))
+    assert heap.starting_value(heap._M_MMAP_MAX, 9) == 9  # over mallopt's int

@@ -15,9 +15,11 @@ Note [glibc's thresholds]
     ``mallopt(M_MMAP_THRESHOLD)`` accepts at most ``HEAP_MAX_SIZE / 2`` (32 MiB on 64-bit):
     larger blocks (a vocabulary embedding's) are still mapped and unmapped.  Setting it turns
     glibc's dynamic threshold off for the rest of the process (glibc has no way to turn it
-    back on); `reused_heap` sets glibc's starting values again on exit (128 KiB each), which
-    is where a process that never freed a large block stays anyway.  On a C library other
-    than glibc both functions do nothing.
+    back on); `reused_heap` sets the process's starting values again on exit: the user's own
+    (``GLIBC_TUNABLES``' ``glibc.malloc.*``, or the older ``MALLOC_*_`` variables: glibc's
+    manual, "Memory Allocation Tunables") where given, else glibc's (128 KiB each), which is
+    where a process that never freed a large block stays anyway.  On a C library other than
+    glibc both functions do nothing.
 
 Note [large blocks from the heap]
     A replay's packed linear layers are larger than 32 MiB from a 1B model up (a gate and up
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 
 from .proc_maps import PAGE_BYTES
 
@@ -50,6 +53,10 @@ _MAX_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _NO_TRIM = 2**31 - 1  # mallopt takes an int
 _MADV_DONTNEED = 4  # asm-generic/mman-common.h
 MAPPED_BLOCK_BYTES = _MAX_MMAP_THRESHOLD  # within `reused_heap`, blocks at least this large are mapped
+# mallopt option -> its tunable in GLIBC_TUNABLES and the older environment variable for it
+_TUNABLES = {_M_TRIM_THRESHOLD: ("glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_"),
+             _M_MMAP_THRESHOLD: ("glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_"),
+             _M_MMAP_MAX: ("glibc.malloc.mmap_max", "MALLOC_MMAP_MAX_")}
 
 
 @functools.cache
@@ -81,6 +88,30 @@ def drop_pages(address: int, nbytes: int) -> int:
     return end - start if libc.madvise(start, end - start, _MADV_DONTNEED) == 0 else 0
 
 
+def starting_value(option: int, default: int) -> int:
+    """The value glibc gave the mallopt ``option`` (``_M_*``) at start-up: the user's, from
+    ``GLIBC_TUNABLES`` (which recent glibc reads before the ``MALLOC_*_`` variables) or the
+    older variable, else ``default``.  A value that is not a number, or does not fit
+    mallopt's ``int``, counts as not given."""
+    tunable, variable = _TUNABLES[option]
+    given = [value for key, _, value in (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
+             if key == tunable]
+    if not given and variable in os.environ:
+        given = [os.environ[variable]]
+    try:
+        value = int(given[-1], 0) if given else default
+    except ValueError:
+        return default
+    return value if 0 <= value <= _NO_TRIM else default
+
+
+def _restore(libc, option: int, default: int) -> None:
+    """Set ``option`` to its starting value (`starting_value`); to ``default`` where glibc
+    refuses the user's (an mmap threshold over 32 MiB, which glibc ignored at start-up too)."""
+    if libc.mallopt(option, starting_value(option, default)) != 1:
+        libc.mallopt(option, default)
+
+
 def trim() -> None:
     """Give the heap's free pages back to the kernel (glibc ``malloc_trim(0)``)."""
     libc = _glibc()
@@ -92,8 +123,9 @@ def trim() -> None:
 def reused_heap(large_blocks: bool = False):
     """Within the block, blocks up to 32 MiB come from the heap and freed ones stay there for
     the next allocation (Note [glibc's thresholds]); with ``large_blocks``, larger ones too
-    (Note [large blocks from the heap]).  On exit the thresholds go back to glibc's starting
-    values and the free pages to the kernel."""
+    (Note [large blocks from the heap]).  On exit the thresholds go back to the process's
+    starting values (the user's where set: `starting_value`) and the free pages to the
+    kernel."""
     libc = _glibc()
     if libc is None:
         yield
@@ -106,7 +138,7 @@ def reused_heap(large_blocks: bool = False):
         yield
     finally:
         if large_blocks:
-            libc.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
-        libc.mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
+            _restore(libc, _M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        _restore(libc, _M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
+        _restore(libc, _M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
         libc.malloc_trim(0)

@@ -207,6 +207,10 @@ class EngineProcess(PeerProcess):
         dtype: the engine's dtype (``bfloat16``; ``float32`` serves a float32 checkpoint as is).
         compiled: run as users do, under torch.compile (``enforce_eager=False``): 60 to 100 s
             more start-up on the CPU backend.
+        graceful_exit: `stop` lets the engine shut down as ``LLM`` does at interpreter exit
+            (vLLM's ``EngineCore.shutdown``, then Python's finalization), as a user's script
+            ends.  Default: the child ends with ``os._exit(0)`` once asked to stop (Note [an
+            engine's exit in the tests]).
 
     The child prints ``READY`` once loaded; `generate`, `complete`, `final_tensors` (the oracle,
     `harness.oracle`) and `rpc` talk to it; its stderr (vLLM's log) is kept for `log`.  `load_stats` says what loading the model cost,
@@ -215,7 +219,8 @@ class EngineProcess(PeerProcess):
 
     def __init__(self, model, load_format: str = "dedup", extra: dict | None = None, env: dict | None = None,
                  core: int | None = None, kv_cache_bytes: int = 32 << 20, rlimits: dict[int, int] | None = None,
-                 dtype: str = "bfloat16", compiled: bool = False):
+                 dtype: str = "bfloat16", compiled: bool = False, graceful_exit: bool = False):
+        self.graceful_exit = graceful_exit
         # vLLM logs to stdout by default; to stderr here, so that stdout carries only the
         # protocol and `log` holds everything the engine said.
         full_env = {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
@@ -304,7 +309,7 @@ class EngineProcess(PeerProcess):
         """Ask the engine to exit, SIGKILL it after ``timeout_s``; close its pipes."""
         if self.proc.poll() is None:
             try:
-                self.send({"exit": True})
+                self.send({"exit": True, "graceful": self.graceful_exit})
             except OSError:
                 pass
         self.end(timeout_s)
@@ -328,6 +333,16 @@ def start_engines(specs: list[dict]) -> list[EngineProcess]:
     return engines
 
 
+# Note [an engine's exit in the tests]
+#     An ``LLM`` that ends with the interpreter runs vLLM's shutdown: ``gc.unfreeze()`` and two
+#     full collections over every object vLLM's imports made, then Python's own finalization,
+#     2.8-3.0 s of one core per engine here (py-spy: most of it ``gc_collect_main``).  The suite
+#     stops well over a hundred engines, so that was minutes of CI spent in teardown nobody
+#     tests.  vllm-dedup adds nothing to that shutdown: an engine's segments, lease and
+#     start-up lock go with its process (descriptors, the registry connection, a file lock),
+#     however it ends.  So by default the child ends with ``os._exit(0)`` when asked to stop;
+#     the tests about a clean exit ask for the real one (``graceful_exit=True``), and
+#     ``vllm serve`` engines (`ServeProcess`) always get theirs, from SIGTERM.
 def _engine_main(argv: list[str]) -> None:
     """The child side of `EngineProcess`: load, say READY, answer requests until EOF."""
     from vllm import LLM, SamplingParams
@@ -345,6 +360,10 @@ def _engine_main(argv: list[str]) -> None:
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("exit"):
+            if not req.get("graceful"):  # Note [an engine's exit in the tests]
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             break
         if req.get("trim"):
             import ctypes

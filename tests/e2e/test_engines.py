@@ -160,11 +160,11 @@ def test_a_segment_that_cannot_be_created_leaves_its_tensors_private_and_the_eng
     failing.end()
 
 
-def test_unreachable_registry_falls_back_or_fails(smollm2, registry):
+def test_unreachable_registry_falls_back_or_fails(smollm2, plain_smollm2, registry):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     with EngineProcess(smollm2, extra={"registry_address": address}) as e:
         e.wait_ready()
-        assert len(e.generate()) == len(PROMPTS)
+        assert e.generate() == plain_smollm2
         assert "cannot reach the weight registry" in e.log() and "loading without sharing" in e.log()
     failing = EngineProcess(smollm2, extra={"registry_address": address, "on_registry_error": "fail"})
     with pytest.raises(RuntimeError) as err:
@@ -247,19 +247,18 @@ def _registry_actors(address: str) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, registry, ray_address):
+def test_start_stop_cycles_on_ray_leave_nothing_behind(smollm2, plain_smollm2, registry, ray_address):
     """Engines started and stopped one after another (five in CI; ``VLLM_DEDUP_SOAK_CYCLES``
-    asks for more) leave no engine, segment, descriptor or process behind."""
+    asks for more) leave no engine, segment, descriptor or process behind, whether they shut
+    down as ``LLM`` does at interpreter exit or just exit (Note [an engine's exit in the
+    tests] in harness/engines.py), and answer as a plain engine does."""
     cycles = max(5, int(os.environ.get("VLLM_DEDUP_SOAK_CYCLES", "5")))
-    reference = None
     fds = []  # the registry's open descriptors after each cycle
     for cycle in range(cycles):
-        with EngineProcess(smollm2, core=cycle % 2) as e:
+        with EngineProcess(smollm2, core=cycle % 2, graceful_exit=cycle % 2 == 0) as e:
             e.wait_ready()
             if cycle in (0, cycles - 1):
-                out = e.generate()
-                reference = reference or out
-                assert out == reference
+                assert e.generate() == plain_smollm2
             stats = registry.stats()
             assert [x.pid for x in stats.engines] == [e.pid]
             registry_pid = stats.registry_pid

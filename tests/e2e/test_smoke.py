@@ -14,7 +14,7 @@ from harness.procs import memfd_holders
 
 @pytest.mark.smoke
 def test_one_dedup_engine_publishes_answers_and_leaves_nothing(smollm2, registry):
-    with EngineProcess(smollm2, "dedup") as engine:
+    with EngineProcess(smollm2, "dedup", graceful_exit=True) as engine:
         engine.wait_ready()
         ids = engine.generate(max_tokens=8)
         assert len(ids) == len(PROMPTS) and all(len(i) == 8 for i in ids)

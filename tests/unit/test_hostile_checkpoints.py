@@ -147,6 +147,46 @@ def test_a_file_written_while_it_is_hashed_has_no_keys_and_no_cached_manifest(tm
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
+TRUNCATED_WHILE_HASHED = """
+import os, sys
+from pathlib import Path
+from vllm_dedup.checkpoint import manifest
+from vllm_dedup.errors import CheckpointError
+path = Path(sys.argv[1])
+
+def saved_again_meanwhile(chunks):  # after its first MiB: open(path, "wb") truncates first
+    for i, chunk in enumerate(chunks):
+        yield chunk
+        if i == 0:
+            os.truncate(path, 0)
+
+if hasattr(manifest, "source_key_of_chunks"):
+    key = manifest.source_key_of_chunks
+    manifest.source_key_of_chunks = lambda chunks, *rest: key(saved_again_meanwhile(chunks), *rest)
+else:  # a mapping of the whole tensor
+    key = manifest.source_key
+    manifest.source_key = lambda data, *rest: key(b"".join(saved_again_meanwhile([data[:1 << 20], data])), *rest)
+try:
+    manifest.file_manifest(path, manifest.ManifestCache(None))
+except CheckpointError as e:
+    print("CheckpointError:", e)
+"""
+
+
+def test_a_file_shortened_while_it_is_hashed_is_an_error_not_a_crash(tmp_path):
+    """A mapping read past the file's new end would kill the process with SIGBUS (Note
+    [reading, not mapping, to hash]); so the hashing runs in a child here."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.safetensors"
+    _write(path, {"w": _entry(0, 4 << 20, (1 << 20,))}, b"\1" * (4 << 20))
+    child = subprocess.run([sys.executable, "-c", TRUNCATED_WHILE_HASHED, str(path)], capture_output=True,
+                           text=True, timeout=60)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert "CheckpointError:" in child.stdout and "shortened while it was read" in child.stdout, child.stdout
+
+
 def test_changed_files_names_a_file_rewritten_since_its_keys_were_taken(tmp_path):
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     _write(a, {"w": _entry()})
@@ -157,3 +197,59 @@ def test_changed_files_names_a_file_rewritten_since_its_keys_were_taken(tmp_path
     st_ = b.stat()
     os.utime(b, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
     assert changed_files(identities) == [b]
+
+
+def test_a_fifo_named_as_a_weight_file_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)  # opened for reading, it would block until a writer came
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        file_manifest(fifo, ManifestCache(None))
+    (tmp_path / "shard.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="a folder"):
+        file_manifest(tmp_path / "shard.safetensors", ManifestCache(None))
+
+
+def test_a_header_of_many_names_one_repeated_is_refused_at_once(tmp_path):
+    """Finding the repeated name once was quadratic in the names: 40,000 took 18 s."""
+    import time
+
+    names = {f"t{i}": _entry(0, 0, (0,)) for i in range(40_000)}
+    raw = json.dumps(names)[:-1] + ', "t0": ' + json.dumps(_entry(0, 0, (0,))) + "}"
+    path = tmp_path / "model.safetensors"
+    _write(path, raw.encode(), b"")
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="'t0'"):
+        SafetensorsFile(path)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("shape", [[0], [3, 0], [1, 0, 7]])
+def test_an_empty_tensor_of_any_shape_is_read(tmp_path, shape):
+    """safetensors writes them: a zero dimension makes a tensor of no bytes, in a file of no
+    tensor data at all."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"e": torch.zeros(shape)}, path)
+    with SafetensorsFile(path) as f:
+        assert [(e.name, e.shape, e.nbytes) for e in f.entries()] == [("e", tuple(shape), 0)]
+
+
+def test_an_index_whose_values_are_not_names_is_not_followed(tmp_path):
+    (tmp_path / "i.json").write_text(json.dumps({"weight_map": {"w": ["model.safetensors"]}}))
+    assert index_shards(tmp_path / "i.json") is None
+
+
+def test_a_file_replaced_since_its_keys_were_taken_is_not_read_by_a_replay(tmp_path):
+    """`read_tensors` with the identities `checkpoint_keys` took: the file now at the path is
+    another (a download replacing it by rename), so its bytes are not mixed with mapped ones."""
+    from vllm_dedup.checkpoint.loading import read_tensors
+
+    path = tmp_path / "model.safetensors"
+    _write(path, {"w": _entry()}, b"\1" * 64)
+    keys, where, _, identities = checkpoint_keys([path], ManifestCache(None))
+    assert [n for n, _ in read_tensors(["w"], where, identities)] == ["w"]
+    _write(tmp_path / "new.safetensors", {"w": _entry()}, b"\2" * 64)
+    os.replace(tmp_path / "new.safetensors", path)
+    with pytest.raises(CheckpointError, match="changed since its keys were taken"):
+        list(read_tensors(["w"], where, identities))

@@ -7,6 +7,7 @@ through a read-only mapping), and chosen tensors read without touching the other
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -82,11 +83,20 @@ def changed_files(identities: dict[Path, FileIdentity]) -> list[Path]:
     return changed
 
 
-def read_tensors(names: Iterable[str], where: dict[str, Path]) -> Iterator[tuple[str, object]]:
+def read_tensors(names: Iterable[str], where: dict[str, Path],
+                 identities: dict[Path, FileIdentity] | None = None) -> Iterator[tuple[str, object]]:
     """``(name, tensor)`` for exactly ``names``, in checkpoint order, read from safetensors files
     through private copy-on-write mappings: no other tensor's bytes are touched, and the tensor
     handed to vLLM's weight loader is the file's pages themselves (it copies them once, into the
-    parameter).  A loader writing into a tensor it was given gets a private copy of that page."""
+    parameter).  A loader writing into a tensor it was given gets a private copy of that page.
+
+    With ``identities`` (each file's `FileIdentity` when its keys were taken), a file is read
+    only if the file mapped is still that one: a replay's loaded modules then come from the
+    checkpoint its mapped modules' keys describe, never a version written since.
+
+    Raises:
+        CheckpointError: a file cannot be read, or is no longer the one ``identities`` names.
+    """
     import mmap
 
     import torch
@@ -95,6 +105,9 @@ def read_tensors(names: Iterable[str], where: dict[str, Path]) -> Iterator[tuple
     page = mmap.PAGESIZE
     for path in sorted({where[n] for n in wanted}):
         with SafetensorsFile(path) as layout, open(path, "rb") as f:
+            if identities is not None and FileIdentity.of(path, layout.header(), f.fileno()) != identities.get(path):
+                raise CheckpointError(path, "the file changed since its keys were taken (written or replaced "
+                                            "meanwhile); the load reads it as usual")
             whole = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             # No readahead around what is read (its neighbours are mapped already, or not
             # wanted); the wanted ranges are asked for ahead instead.
@@ -116,19 +129,22 @@ def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], key
                     cache: ManifestCache) -> int:
     """Store a manifest for each of ``files`` whose every tensor was hashed during the load and
     whose identity is still the one taken before the load (a file changed meanwhile is left
-    out: its keys might describe neither version).  Returns the number written."""
+    out: its keys might describe neither version).  ``keys`` names tensors, not files, so a
+    file holding a name another of ``files`` holds too is left out: the key may be the other's
+    tensor's.  Returns the number written."""
     from ..content.keys import ContentKey
 
-    written = 0
+    read = {}
     for path in files:
         try:
             with SafetensorsFile(path) as wf:
-                now = FileIdentity.of(path, wf.header())
-                entries = wf.entries()
+                read[path] = (FileIdentity.of(path, wf.header()), wf.entries())
         except (CheckpointError, OSError) as e:
             logger.debug("no manifest for %s (%s)", path, e)
-            continue
-        if now != identities.get(path) or any(e.name not in keys for e in entries):
+    holders = Counter(e.name for _, entries in read.values() for e in entries)
+    written = 0
+    for path, (now, entries) in read.items():
+        if now != identities.get(path) or any(e.name not in keys or holders[e.name] > 1 for e in entries):
             continue
         cache.put(Manifest(now, tuple(entries), tuple(ContentKey.parse(keys[e.name]) for e in entries)))
         written += 1

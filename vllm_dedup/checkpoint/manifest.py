@@ -32,7 +32,7 @@ from pathlib import Path
 
 import xxhash
 
-from ..content.keys import ContentKey, content_keys, source_key
+from ..content.keys import ContentKey, content_keys, source_key_of_chunks
 from ..errors import CheckpointError
 from ..log import init_logger
 from .readers import TensorEntry, open_weight_file
@@ -64,9 +64,11 @@ class FileIdentity:
     header_digest: str
 
     @classmethod
-    def of(cls, path: Path, header: bytes) -> FileIdentity:
-        """The identity of ``path`` now, given its header bytes (`WeightFile.header`)."""
-        st = os.stat(path)
+    def of(cls, path: Path, header: bytes, fd: int | None = None) -> FileIdentity:
+        """The identity of ``path`` now, given its header bytes (`WeightFile.header`); with
+        ``fd``, of the file open there (what a reader of ``fd`` reads, whatever ``path`` names
+        by now)."""
+        st = os.stat(path) if fd is None else os.fstat(fd)
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                    xxhash.xxh3_128_hexdigest(header))
 
@@ -194,7 +196,7 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
 
         def key_of(e: TensorEntry):
             def compute() -> ContentKey:
-                return source_key(wf.data(e.name), e.dtype, e.shape)
+                return source_key_of_chunks(wf.chunks(e.name), e.dtype, e.shape)  # Note [reading, not mapping, to hash]
 
             return compute
 

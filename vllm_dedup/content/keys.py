@@ -34,7 +34,8 @@ import xxhash
 
 from .views import contiguous_stride, dtype_name, tensor_bytes
 
-__all__ = ["SOURCE_DIGEST_BYTES", "ContentKey", "content_key", "content_keys", "source_key", "tensor_key"]
+__all__ = ["SOURCE_DIGEST_BYTES", "ContentKey", "content_key", "content_keys", "source_key", "source_key_of_chunks",
+           "tensor_key"]
 
 CONTENT_DIGEST_BYTES = 16  # XXH3-128
 SOURCE_DIGEST_BYTES = 32  # BLAKE3-256
@@ -115,8 +116,17 @@ def source_key(data, dtype: str, shape: Sequence[int]) -> ContentKey:
         dtype: element type name (see `ContentKey.dtype`).
         shape: shape in elements.
     """
+    return source_key_of_chunks([data], dtype, shape)
+
+
+def source_key_of_chunks(chunks: Iterable, dtype: str, shape: Sequence[int]) -> ContentKey:
+    """`source_key` of a tensor whose bytes come in ``chunks`` (buffer-protocol objects, in
+    order; each may be reused once the next is asked for: `readers.WeightFile.chunks`)."""
+    hasher = blake3.blake3()
+    for chunk in chunks:
+        hasher.update(chunk)
     shape = tuple(int(d) for d in shape)
-    return ContentKey(blake3.blake3(data).digest(), dtype, shape, contiguous_stride(shape))
+    return ContentKey(hasher.digest(), dtype, shape, contiguous_stride(shape))
 
 
 def tensor_key(tensor) -> ContentKey:

@@ -262,7 +262,7 @@ class DedupModelLoader(BaseModelLoader):
             report.checkpoint_bytes_read += decision.bytes_hashed
             why = decision.why
             if decision.match is not None:
-                replay = Replay(ctx, decision.match, decision.where, in_place)
+                replay = Replay(ctx, decision.match, decision.where, in_place, decision.identities)
                 try:
                     model = replay.build()
                 except RecipeDeclined as e:

@@ -74,6 +74,8 @@ class Replay:
         ctx: the load (its ``create_model`` builds the model; its lease acquires).
         match: which modules to map and which to load.
         where: checkpoint tensor name -> its file.
+        identities: each file's identity the match's keys describe (`fast_path.Decision`): a
+            file changed since is not read, and the replay is declined.
         in_place: where the unmatched modules' tensors are loaded (`in_place.InPlace`; the
             sharing pass seals them where they lie), or None: private memory.
 
@@ -83,8 +85,9 @@ class Replay:
         recorder: records the loaded modules' sources (`sources.SourceRecorder`).
     """
 
-    def __init__(self, ctx: LoadContext, match: Match, where: dict, in_place=None):
+    def __init__(self, ctx: LoadContext, match: Match, where: dict, in_place=None, identities: dict | None = None):
         self.ctx, self.match, self.where, self.in_place = ctx, match, where, in_place
+        self.identities = identities
         self.placement: dict[int, Placement] = {}  # handlers' ids too, for their packed weights
         self.mapped_bytes = 0
         self._zeros = ZeroPages()  # Note [packed weights replayed]
@@ -380,7 +383,7 @@ class Replay:
         self.recorder.wrap(model, self.match.unmatched)
         try:
             with self.recorder.tracing(protect=self._bound(modules)):
-                model.load_weights(self.recorder.iterate(read_tensors(sorted(names), self.where)))
+                model.load_weights(self.recorder.iterate(read_tensors(sorted(names), self.where, self.identities)))
         finally:
             self.recorder.finish()
         for name in sorted(self.match.unmatched):

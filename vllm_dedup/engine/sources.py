@@ -73,6 +73,9 @@ class SourceRecorder:
         provenance: the `provenance.Provenance` mode of this load (`tracing`).
         consumed: names of every tensor the iterator yielded, in order.
         bytes_read: bytes of those tensors.
+        unhashable: names whose source key this load cannot say: a tensor off the CPU or not
+            contiguous, or a name yielded twice (two files of the checkpoint hold it: which
+            bytes the model got is the weight loaders' business, so neither key is kept).
     """
 
     def __init__(self, hash_keys: bool = True, threads: int | None = None, known: dict[str, str] | None = None):
@@ -214,8 +217,12 @@ class SourceRecorder:
     def iterate(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         """Yield ``weights`` unchanged, hashing each tensor (in threads) and noting it as the
         one weight loaders may receive until the next."""
+        seen: set[str] = set()
         for name, tensor in weights:
             with self.provenance.quiet():
+                if name in seen:
+                    self.unhashable.append(name)
+                seen.add(name)
                 self.consumed.append(name)
                 self.bytes_read += tensor.numel() * tensor.element_size()
                 self._current = (name, _storage_address(tensor))
@@ -262,7 +269,7 @@ class SourceRecorder:
         keys.update({name: self.known[name] for name in self.consumed if name in self.known})
         if self._pool is not None:
             self._pool.shutdown()
-        return keys
+        return {name: key for name, key in keys.items() if name not in self.unhashable}
 
 
 def write_witness(t, samples: int = 256, unwritten: AnonymousRanges | None = None) -> bytes:

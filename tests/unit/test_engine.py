@@ -7,6 +7,7 @@ tests/e2e/test_zoo.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 import types
 
 import pytest
@@ -388,6 +389,20 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert len(modes) == 3  # on the CPU backend, each mode leaves other final tensors
     (tmp_path / "preprocessor_config.json").write_text('{"image_mean": [0.5]}')
     assert load_signature(vllm_config(tmp_path)) != base  # folded into some models' modules
+    # A sentence-transformers Dense projector: vLLM's pooler loads it while building the model.
+    dense = tmp_path / "2_Dense"
+    dense.mkdir()
+    (dense / "config.json").write_text('{"in_features": 4, "out_features": 2}')
+    (dense / "model.safetensors").write_bytes(b"one projector")
+    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    before = load_signature(vllm_config(tmp_path))
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with_dense = load_signature(vllm_config(tmp_path))
+    (dense / "model.safetensors").write_bytes(b"another one")
+    assert len({before, with_dense, load_signature(vllm_config(tmp_path))}) == 3
+    (tmp_path / "modules.json").write_text(json.dumps([*modules, {"idx": 2, "path": "../elsewhere"}]))
+    load_signature(vllm_config(tmp_path))  # a module outside the folder is not read
     drafter = vllm_config(tmp_path, vocab_size=7).model_config
     assert load_signature(vllm_config(tmp_path), drafter) == load_signature(vllm_config(tmp_path, vocab_size=7))
 
@@ -452,3 +467,61 @@ def test_a_buffer_over_another_modules_parameter_takes_its_source_and_is_its_vie
     weight = next(t for t in recipe.modules["conv1d"].tensors if t.name == "weight")
     assert (buffer.alias, buffer.view) == ("conv1d.weight", 0)
     assert weight.alias is None and weight.inline is not None
+
+
+def test_a_name_two_files_hold_has_no_source_key_and_leaves_no_manifest(tmp_path):
+    """Two shards of one checkpoint (no index) both holding ``norm``: vLLM yields it twice and
+    its weight loader keeps the last.  Neither key describes "the" tensor of that name, so the
+    load keeps none (the recipe is not left, `fast_path.leave_recipe`), and neither file's
+    manifest is cached with the other's key, whichever of them was cached before."""
+    from safetensors.torch import save_file
+
+    from vllm_dedup.checkpoint.loading import write_manifests
+    from vllm_dedup.checkpoint.manifest import FileIdentity, ManifestCache
+    from vllm_dedup.checkpoint.readers import SafetensorsFile
+
+    tensors = checkpoint()
+    twin = torch.randn(4, generator=torch.Generator().manual_seed(7))
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"embed": tensors["embed"], "norm": tensors["norm"]}, a)
+    save_file({"q": tensors["q"], "k": tensors["k"], "bias": tensors["bias"], "norm": twin}, b)
+    model = Tiny()
+    recorder = SourceRecorder(hash_keys=True, threads=1)
+    recorder.wrap(model)
+    stream = [("embed", tensors["embed"]), ("norm", tensors["norm"]), ("q", tensors["q"]), ("k", tensors["k"]),
+              ("bias", tensors["bias"]), ("norm", twin)]
+    model.load_weights(recorder.iterate(stream), copy_decoder=False)
+    keys = recorder.finish()
+    assert recorder.unhashable == ["norm"] and "norm" not in keys and {"embed", "q", "k", "bias"} <= set(keys)
+
+    identities = {}
+    for path in (a, b):
+        with SafetensorsFile(path) as wf:
+            identities[path] = FileIdentity.of(path, wf.header())
+    cache = ManifestCache(tmp_path / "cache")
+    # Even handed a key for the name, neither file is cached: the key may be the other's tensor's.
+    assert write_manifests([a, b], identities, {**keys, "norm": keys["embed"]}, cache) == 0
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_a_recipe_of_another_signature_is_never_chosen(tmp_path):
+    """The registry files recipes by the signature their writer gave; the reader checks it too."""
+    from safetensors.torch import save_file
+
+    from vllm_dedup.checkpoint.manifest import ManifestCache
+    from vllm_dedup.engine.fast_path import decide
+
+    tensors = checkpoint()
+    save_file(tensors, tmp_path / "model.safetensors")
+    model = Tiny()
+    recipe = recipe_of(model, recorded_load(model, tensors))  # signature "sig"
+    lease = types.SimpleNamespace(get_recipes=lambda signature: [recipe.to_bytes()])
+    cache = ManifestCache(tmp_path / "cache")
+
+    def ctx(signature):
+        return types.SimpleNamespace(lease=lease, signature=signature, model_name="tiny")
+
+    chosen = decide(ctx("sig"), [tmp_path / "model.safetensors"], cache)
+    assert chosen.match is not None and chosen.match.recipe.id == recipe.id
+    other = decide(ctx("another"), [tmp_path / "model.safetensors"], cache)
+    assert other.match is None and "another load signature" in other.why

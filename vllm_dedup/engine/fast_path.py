@@ -94,10 +94,15 @@ def decide(ctx: LoadContext, files: list[Path], cache: ManifestCache | None = No
     recipes, kept = [], []
     for data in raw:
         try:
-            recipes.append(Recipe.from_bytes(data))
-            kept.append(data)
+            recipe = Recipe.from_bytes(data)
         except ValueError as e:
             decision.why = f"a recipe cannot be read ({e})"
+            continue
+        if recipe.signature != ctx.signature:  # the registry files recipes by what their writer said
+            decision.why = "a recipe the registry gave is of another load signature"
+            continue
+        recipes.append(recipe)
+        kept.append(data)
     if not recipes:
         decision.why = decision.why or "no recipe for this load signature yet"
         return decision

@@ -5,13 +5,16 @@ Two engines with the same signature whose modules were fed the same checkpoint t
 with the same final tensors in those modules (docs/architecture.md, "Loading only what is not
 resident").  So the signature covers:
 
-- the code: vLLM's version, vllm-dedup's version and recipe format, the model's code (the
-  source file of the class vLLM builds, which covers out-of-tree and remote-code models, and
-  the folder's own ``*.py``), ``model_impl``, whether zentorch is in play;
+- the code: the versions of vLLM, transformers (``model_impl="transformers"`` builds its
+  modules) and torch, vllm-dedup's version and recipe format, the model's code (the source
+  file of the class vLLM builds, which covers out-of-tree and remote-code models, and the
+  folder's own ``*.py``), ``model_impl``, whether zentorch is in play;
 - the model: the architecture, the dtype, quantization and its config, the KV-cache dtype
   (FP8 k/v scale buffers depend on it), a digest of the model's config without the keys that
-  cannot change any tensor (names, token ids), and of the processor configs some models fold
-  into their modules (image mean and std);
+  cannot change any tensor (names, token ids), of the processor configs some models fold
+  into their modules (image mean and std), and of the sentence-transformers modules an
+  embedding model's pooler loads while vLLM builds it (``modules.json`` and each module's
+  subfolder: a ``Dense`` projector's config and weights, read outside ``load_weights``);
 - the engine: TP and PP size and this worker's rank in each (each rank holds other shards),
   the inner load format, this loader's options that change post-processing
   (``cpu_linear`` on the CPU backend), the device type.
@@ -39,6 +42,7 @@ CONFIG_KEYS_WITHOUT_EFFECT = frozenset({
     "use_cache", "output_attentions", "output_hidden_states", "return_dict",
 })
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+ST_MODULES = "modules.json"  # sentence-transformers' list of modules, each in a subfolder
 
 
 def _ranks() -> tuple[int, int]:
@@ -59,9 +63,31 @@ def _config_digest(hf_config) -> str:
     return _digest(json.dumps(items, sort_keys=True, default=str).encode())
 
 
+def _st_module_files(folder: Path) -> list[Path]:
+    """``modules.json`` and the files of each sentence-transformers module it places in a
+    subfolder of ``folder``: vLLM's pooler reads a ``Dense`` projector's config and weights
+    from there while the model is built (``_load_st_projector`` in vLLM's
+    ``model_executor/models/adapters.py``), so no checkpoint key covers them."""
+    listing = folder / ST_MODULES
+    if not listing.is_file():
+        return []
+    files = [listing]
+    try:
+        modules = json.loads(listing.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return files  # vLLM cannot read it either: its bytes are in the digest
+    for module in modules if isinstance(modules, list) else []:
+        path = module.get("path") if isinstance(module, dict) else None
+        sub = folder / path if isinstance(path, str) and path.strip("./") else None
+        if sub is not None and sub.is_dir() and sub.resolve().is_relative_to(folder.resolve()):
+            files += sorted(f for f in sub.iterdir() if f.is_file())
+    return files
+
+
 def _code_digest(model_config) -> str:
     """The model's code: the source of the class vLLM resolves for it, and any ``*.py`` and
-    processor config in its folder (remote code, folded processor constants)."""
+    processor config in its folder (remote code, folded processor constants); and the files
+    of the sentence-transformers modules it lists (`_st_module_files`)."""
     parts: list[bytes] = []
     try:
         from vllm.model_executor.model_loader.utils import get_model_architecture
@@ -75,6 +101,8 @@ def _code_digest(model_config) -> str:
         for f in sorted([*folder.glob("*.py"), *(folder / name for name in PROCESSOR_FILES)]):
             if f.is_file():
                 parts.append(f.name.encode() + b"\0" + f.read_bytes())
+        for f in _st_module_files(folder):
+            parts.append(str(f.relative_to(folder)).encode() + b"\0" + f.read_bytes())
     return _digest(b"\0\0".join(parts))
 
 
@@ -102,6 +130,8 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
             as the engine runs it: ``packed``, ``plain`` or ``private``); part of the signature
             only there.
     """
+    import torch
+    import transformers
     import vllm
 
     from .. import __version__ as dedup_version
@@ -121,5 +151,6 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
     zen = "|zentorch" if "cpu" in device and _zentorch() else ""
     return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}"
             f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}"
-            f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
+            f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|transformers{transformers.__version__}"
+            f"|torch{torch.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
             f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}")

@@ -1,6 +1,6 @@
 """What vLLM's default loader reads of a local model folder, for the fast paths: its
 safetensors files, their tensors' source keys (from the manifest cache, `manifest.py`, or hashed
-through a read-only mapping), and chosen tensors read without touching the others
+as ``pread`` reads them: Note [reading, not mapping, to hash] in `readers.py`), and chosen tensors read without touching the others
 (docs/architecture.md, "Loading only what is not resident").
 """
 
@@ -42,7 +42,7 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[Path] | None:
 def checkpoint_keys(files: list[Path], cache: ManifestCache
                     ) -> tuple[dict[str, str], dict[str, Path], int, dict[Path, FileIdentity]]:
     """Source keys of every tensor of ``files``, from the manifest cache where it knows them,
-    else by hashing the files (read through a read-only mapping: nothing is allocated).
+    else by hashing the files (read a MiB at a time per thread: `readers.WeightFile.chunks`).
 
     Returns:
         (tensor name -> source key as a string, tensor name -> its file, tensor bytes hashed,

@@ -253,3 +253,16 @@ def test_a_file_replaced_since_its_keys_were_taken_is_not_read_by_a_replay(tmp_p
     os.replace(tmp_path / "new.safetensors", path)
     with pytest.raises(CheckpointError, match="changed since its keys were taken"):
         list(read_tensors(["w"], where, identities))
+
+
+def test_views_of_one_storage_in_a_pickle_are_each_read_and_never_copied_past_the_file(tmp_path):
+    x = torch.arange(16, dtype=torch.float32)
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"a": x, "tied": x, "grid": x.view(4, 4), "t": x.view(4, 4).t()}, path)
+    with TorchFile(path) as f:
+        assert [e.name for e in f.entries()] == ["a", "grid", "t"]  # the tie once, each other view
+        assert bytes(f.data("t")) == x.view(4, 4).t().contiguous().numpy().tobytes()
+    big = torch.zeros(256, 256)  # 256 KiB, saved once; 20 transposed views would copy 5 MiB
+    torch.save({f"t{i}": big[i:].t() for i in range(20)}, path)
+    with pytest.raises(CheckpointError, match="not contiguous add up to more than the file"):
+        TorchFile(path)

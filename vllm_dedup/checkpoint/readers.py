@@ -376,8 +376,10 @@ class TorchFile(WeightFile):
     """PyTorch pickled weights, loaded with ``torch.load(weights_only=True)``.
 
     Zipfile checkpoints are mmapped; legacy (pre-1.6) ones are read into memory.  Nested
-    dicts (``{"state_dict": {...}}``) are flattened with dotted names; tensors that alias one
-    storage (tied weights) are listed once.
+    dicts (``{"state_dict": {...}}``) are flattened with dotted names; one view of a storage
+    saved under two names (tied weights) is listed once; other views of it are tensors of their
+    own.  A view that is not contiguous is copied to be read, and the copies together may not
+    exceed the file's size (a crafted file of many views of one storage would need any amount).
     """
 
     format = "torch"
@@ -400,17 +402,23 @@ class TorchFile(WeightFile):
                 "the file is truncated, corrupt or holds more than tensors",
             ) from None
         self._tensors: dict[str, object] = {}
-        seen: set[tuple[int, int]] = set()
+        seen: set[tuple] = set()
+        copied, budget = 0, os.path.getsize(path)
         for name, t in _flatten(obj):
             nbytes = t.numel() * t.element_size()
             if nbytes > t.untyped_storage().nbytes():  # an expanded view: contiguous() would allocate it all
                 raise CheckpointError(path, f"tensor {name!r} views {nbytes} bytes of a "
                                             f"{t.untyped_storage().nbytes()}-byte storage; re-save it contiguous")
-            t = t.contiguous()
-            alias = (t.data_ptr(), t.numel() * t.element_size())
-            if alias in seen and alias[1] > 0:
+            view = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+            if view in seen and nbytes > 0:
                 continue
-            seen.add(alias)
+            seen.add(view)
+            if not t.is_contiguous():
+                copied += nbytes
+                if copied > budget:
+                    raise CheckpointError(path, f"its views that are not contiguous add up to more than the file's "
+                                                f"{budget} bytes (at {name!r}); re-save its tensors contiguous")
+                t = t.contiguous()
             self._tensors[name] = t
         if not self._tensors:
             raise CheckpointError(path, "holds no tensors")

@@ -386,3 +386,35 @@ def test_content_keys_that_cannot_be_computed_leave_every_tensor_private_unless_
         finally:
             ctx.lease.close()
     assert registry_stats(registry_server.path).groups == []
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The ``VmFlags`` of the mapping of this process holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("nbytes, advised", [(4 * MB, True), (MB, False)])
+def test_a_segment_of_2_mib_or_more_asks_for_huge_pages(nbytes, advised):
+    """Note [huge pages for segments]: the writable mapping is madvised ``MADV_HUGEPAGE``
+    (``hg`` in its VmFlags), whatever the machine's shmem setting makes of it."""
+    import numpy as np
+
+    from vllm_dedup.segments.host import writable_memfd
+
+    fd, mapping = writable_memfd(nbytes)
+    try:
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        assert ("hg" in _vm_flags(view.ctypes.data)) == advised
+        del view
+    finally:
+        mapping.close()
+        os.close(fd)

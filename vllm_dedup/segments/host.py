@@ -13,6 +13,19 @@ kernel refuses every new writable mapping and every ``write``, and the creator's
 mapping, which it keeps, is made read-only (`protect_read_only`).  Receivers accept either seal
 (`check_sealed_memfd`): nobody but the creator can write, and the creator's mapping faults on
 a write as a read-only one does.
+
+Note [huge pages for segments]
+    A memfd's pages are shmem pages, 4 KiB unless the machine enables transparent huge pages
+    for shmem (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``; most distributions ship
+    ``never``).  With ``advise``, a writable mapping madvised ``MADV_HUGEPAGE`` faults in 2 MiB
+    pages (`writable_memfd` asks, for a segment of 2 MiB or more; the kernel keeps a segment's
+    tail in 4 KiB pages, so nothing is allocated past its size), and every process that maps
+    the segment then maps those pages whole: a later engine's ``MAP_POPULATE`` fills one entry
+    per 2 MiB instead of 512, and its kernels take fewer TLB misses.  Measured on 1 GiB
+    (Linux 6.18): ``MAP_POPULATE`` of a reader 0.065 s in 4 KiB pages, 0.001 s in 2 MiB ones.
+    With ``within_size`` or ``always`` the kernel uses them without being asked, for segments
+    written with ``pwrite`` too (staged packed weights: `sealed_memfd`), which ``advise`` leaves
+    in 4 KiB pages.  With ``never`` the advice does nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +45,8 @@ from .base import Segment
 __all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
            "protect_read_only", "seal", "seal_future_writes", "seal_where_it_lies", "sealed_memfd", "seals_future_writes",
            "writable_memfd", "write_all"]
+
+HUGE_PAGE_BYTES = 2 << 20  # a PMD-mapped page on x86-64: Note [huge pages for segments]
 
 # The memfd names (shown as ``/memfd:NAME`` in /proc/PID/fd): distinct, so a process's segments
 # and recipes can be told apart when counting what is left behind.
@@ -98,10 +113,16 @@ def writable_memfd(nbytes: int, name: str = SEGMENT_MEMFD_NAME) -> tuple[int, mm
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, max(nbytes, 1))
-        return fd, mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise
+    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)  # Note [huge pages for segments]
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before
+            pass
+    return fd, mapping
 
 
 @functools.cache

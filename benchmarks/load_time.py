@@ -1,7 +1,8 @@
 """What loading costs, plain vs dedup, in one run: the N-th engine of a model and a fine-tune.
 
     .venv/bin/python benchmarks/load_time.py [--model DIR | --preset {smollm2,smollm2-fp32,llama-1.2b}]
-                                             [--no-serve] [--profile] [--cpu-linear MODE] [--no-in-place] [--isa avx2]
+                                             [--no-serve] [--profile] [--cpu-linear MODE] [--no-in-place] [--huge-pages]
+                                             [--isa avx2]
                                              [--rounds N] [--json]
 
 Engines (real vLLM engines on the CPU backend, one process each, started in turn):
@@ -301,6 +302,9 @@ def main() -> int:
                         help="the dedup engines' cpu_linear (default: the loader's, packed)")
     parser.add_argument("--no-in-place", action="store_true",
                         help="the dedup engines load into private memory and copy into segments (in_place: false)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="the dedup engines ask for 2 MiB pages for their segments (huge_pages: true; it changes "
+                             "something only where transparent_hugepage/shmem_enabled is advise)")
     parser.add_argument("--isa", choices=tuple(ISA_ENV), default=None,
                         help="hold every engine's oneDNN and torch to this ISA (the branch such a CPU takes)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -327,6 +331,9 @@ def main() -> int:
     if args.no_in_place:
         extra["in_place"] = False
         name = name.replace(".json", "-no-in-place.json")
+    if args.huge_pages:
+        extra["huge_pages"] = True
+        name = name.replace(".json", "-huge-pages.json")
     extra = extra or None
     if args.isa:
         name = name.replace(".json", f"-{args.isa}.json")

@@ -60,6 +60,13 @@ class DedupConfig:
             (`engine.in_place`), packed allocations where segments come in granules (CUDA,
             `engine.in_place_packed`); ``false`` loads into private memory and copies into
             segments after post-processing.
+        huge_pages: on the host, ask for 2 MiB pages for the segments a load fills in place
+            (``MADV_HUGEPAGE``; Note [huge pages for segments] in `segments/host.py`).  Only
+            where the machine's ``transparent_hugepage/shmem_enabled`` is ``advise`` does
+            asking change anything.  Later engines then map the model in 512 times fewer
+            page-table entries; the first engine pays for allocating huge pages, which on a
+            VM giving free memory back to its host cost more than twice plain's load
+            (README, "Huge pages").
         registry_timeout_s: seconds an engine waits for the registry: for any one reply (a
             hung or stopped registry costs one such wait, then the engine loads privately what
             it has not mapped yet), and for a registry that died mid-load to be back.
@@ -80,6 +87,7 @@ class DedupConfig:
     startup_lock_timeout_s: float = 900.0
     fast_path: bool = True
     in_place: bool = True
+    huge_pages: bool = False
     registry_timeout_s: float = 10.0
 
     @classmethod
@@ -134,6 +142,7 @@ class DedupConfig:
              "a number > 0 (seconds)"),
             ("fast_path", isinstance(c.fast_path, bool), "true or false"),
             ("in_place", isinstance(c.in_place, bool), "true or false"),
+            ("huge_pages", isinstance(c.huge_pages, bool), "true or false"),
             ("registry_timeout_s", _number(c.registry_timeout_s) and 0 < c.registry_timeout_s <= 3600,
              "a number of seconds > 0 and <= 3600"),
         ]

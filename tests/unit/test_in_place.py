@@ -326,6 +326,13 @@ def test_the_option_is_a_boolean_and_on_by_default():
         DedupConfig.from_extra_config({"in_place": "no"})
 
 
+def test_huge_pages_is_a_boolean_and_off_by_default():
+    assert DedupConfig().huge_pages is False
+    assert DedupConfig.from_extra_config({"huge_pages": True}).huge_pages is True
+    with pytest.raises(ValueError, match="huge_pages must be true or false"):
+        DedupConfig.from_extra_config({"huge_pages": "yes"})
+
+
 def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(monkeypatch):
     """`DedupModelLoader.load_model`: a load that raises (a checkpoint vLLM cannot read) lets go
     of its segments at once, though its model lives on (a traceback kept by the caller holds
@@ -402,15 +409,15 @@ def _vm_flags(address: int) -> set[str]:
     raise LookupError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.parametrize("nbytes, advised", [(4 * MB, True), (MB, False)])
-def test_a_segment_of_2_mib_or_more_asks_for_huge_pages(nbytes, advised):
-    """Note [huge pages for segments]: the writable mapping is madvised ``MADV_HUGEPAGE``
-    (``hg`` in its VmFlags), whatever the machine's shmem setting makes of it."""
+@pytest.mark.parametrize("nbytes, huge, advised", [(4 * MB, True, True), (MB, True, False), (4 * MB, False, False)])
+def test_a_segment_of_2_mib_or_more_asks_for_huge_pages_when_told(nbytes, huge, advised):
+    """Note [huge pages for segments]: with ``huge_pages`` the writable mapping is madvised
+    ``MADV_HUGEPAGE`` (``hg`` in its VmFlags), whatever the machine's shmem setting makes of it."""
     import numpy as np
 
     from vllm_dedup.segments.host import writable_memfd
 
-    fd, mapping = writable_memfd(nbytes)
+    fd, mapping = writable_memfd(nbytes, huge=huge)
     try:
         view = np.frombuffer(mapping, dtype=np.uint8)
         assert ("hg" in _vm_flags(view.ctypes.data)) == advised

@@ -137,6 +137,7 @@ class InPlace:
         skip: ``skip(module, name)`` is true for a parameter or buffer post-processing will
             replace (a linear weight vLLM packs for oneDNN and drops): those stay in private
             memory, where the heap hands the pages of one layer's to the next (`heap.reused_heap`).
+        huge_pages: ask for 2 MiB pages (`config.DedupConfig.huge_pages`).
 
     Attributes:
         placed_bytes: bytes moved into writable segments by `place`.
@@ -149,8 +150,8 @@ class InPlace:
 
     granularity = None  # a memfd per storage: the sharing pass packs nothing (`in_place_packed` does)
 
-    def __init__(self, min_bytes: int, skip=None):
-        self.min_bytes = min_bytes
+    def __init__(self, min_bytes: int, skip=None, huge_pages: bool = False):
+        self.min_bytes, self.huge_pages = min_bytes, huge_pages
         self.skip = skip or (lambda module, name: False)
         self._placed: dict[int, _Placed] = {}  # address of the mapping's first byte -> its segment
         self.seals_where_it_lies = seals_future_writes()  # else the bridge (Note [sealing under a tensor])
@@ -194,7 +195,7 @@ class InPlace:
         """Move one storage; or, where something outside the model's places still holds vLLM's
         storage (Note [a storage held elsewhere]), leave it where it is."""
         old, nbytes = slot.tensor, slot.nbytes
-        fd, mapping = writable_memfd(nbytes)
+        fd, mapping = writable_memfd(nbytes, huge=self.huge_pages)
         closer = weakref.finalize(mapping, os.close, fd)
         dtype, shape, stride = old.dtype, tuple(old.shape), tuple(old.stride())
         new = _over(mapping, dtype, shape, stride)

@@ -237,7 +237,7 @@ class DedupModelLoader(BaseModelLoader):
         skip = packed_and_dropped if staging is not None else None
         packed_on_host = os.environ.get(PACKED_ON_HOST_ENV)  # a test hook (in_place_packed.py)
         if ctx.device_type == "cpu" and not packed_on_host:
-            return InPlace(ctx.config.min_tensor_bytes, skip=skip)
+            return InPlace(ctx.config.min_tensor_bytes, skip=skip, huge_pages=ctx.config.huge_pages)
         try:
             seg_cls = segment_class(ctx.device_type)
             granularity = seg_cls.granularity(ctx.device) or int(packed_on_host)

@@ -18,14 +18,17 @@ Note [huge pages for segments]
     A memfd's pages are shmem pages, 4 KiB unless the machine enables transparent huge pages
     for shmem (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``; most distributions ship
     ``never``).  With ``advise``, a writable mapping madvised ``MADV_HUGEPAGE`` faults in 2 MiB
-    pages (`writable_memfd` asks, for a segment of 2 MiB or more; the kernel keeps a segment's
-    tail in 4 KiB pages, so nothing is allocated past its size), and every process that maps
-    the segment then maps those pages whole: a later engine's ``MAP_POPULATE`` fills one entry
-    per 2 MiB instead of 512, and its kernels take fewer TLB misses.  Measured on 1 GiB
-    (Linux 6.18): ``MAP_POPULATE`` of a reader 0.065 s in 4 KiB pages, 0.001 s in 2 MiB ones.
-    With ``within_size`` or ``always`` the kernel uses them without being asked, for segments
-    written with ``pwrite`` too (staged packed weights: `sealed_memfd`), which ``advise`` leaves
-    in 4 KiB pages.  With ``never`` the advice does nothing.
+    pages (`writable_memfd` with ``huge``, for a segment of 2 MiB or more; the kernel keeps a
+    segment's tail in 4 KiB pages, so nothing is allocated past its size), and every process
+    that maps the segment then maps those pages whole: a later engine's ``MAP_POPULATE`` fills
+    one entry per 2 MiB instead of 512, and its kernels take fewer TLB misses.  Measured on
+    1 GiB (Linux 6.18): ``MAP_POPULATE`` of a reader 0.065 s in 4 KiB pages, 0.001 s in 2 MiB
+    ones.  The writer pays: on this project's VM (free page reporting to the host) a 1.2B
+    model's first engine took 5.6-5.9 s filling huge pages against 2.1 s in small ones, so it
+    is the user's choice (`config.DedupConfig.huge_pages`, off by default).  With
+    ``within_size`` or ``always`` the kernel uses huge pages without being asked, for segments
+    written with ``pwrite`` too (staged packed weights: `sealed_memfd`), which ``advise``
+    leaves in 4 KiB pages.  With ``never`` the advice does nothing.
 """
 
 from __future__ import annotations
@@ -103,9 +106,10 @@ def seal(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
 
 
-def writable_memfd(nbytes: int, name: str = SEGMENT_MEMFD_NAME) -> tuple[int, mmap.mmap]:
+def writable_memfd(nbytes: int, name: str = SEGMENT_MEMFD_NAME, huge: bool = False) -> tuple[int, mmap.mmap]:
     """A new memfd of ``nbytes`` bytes (sealable, zeros) and a writable shared mapping of it:
-    ``(descriptor, mapping)``, both the caller's.
+    ``(descriptor, mapping)``, both the caller's.  With ``huge``, a mapping of 2 MiB or more
+    asks for huge pages (Note [huge pages for segments]).
 
     Raises:
         OSError: memfd_create, ftruncate or mmap failed (out of memory or descriptors).
@@ -117,7 +121,7 @@ def writable_memfd(nbytes: int, name: str = SEGMENT_MEMFD_NAME) -> tuple[int, mm
     except BaseException:
         os.close(fd)
         raise
-    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)  # Note [huge pages for segments]
         except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as before

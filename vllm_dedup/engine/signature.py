@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from importlib import metadata
 from pathlib import Path
 
 import blake3
@@ -131,7 +132,6 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
             only there.
     """
     import torch
-    import transformers
     import vllm
 
     from .. import __version__ as dedup_version
@@ -139,6 +139,10 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
 
     mc = model_config or vllm_config.model_config
     pc = vllm_config.parallel_config
+    try:  # vLLM brings it; not imported here (the wheel does not name it)
+        transformers = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        transformers = "none"
     tp_rank, pp_rank = _ranks()
     device = vllm_config.device_config.device_type
     quant = mc.quantization or ""
@@ -151,6 +155,6 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
     zen = "|zentorch" if "cpu" in device and _zentorch() else ""
     return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}"
             f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}"
-            f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|transformers{transformers.__version__}"
+            f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|transformers{transformers}"
             f"|torch{torch.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
             f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}")

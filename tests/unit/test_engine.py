@@ -401,8 +401,17 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     with_dense = load_signature(vllm_config(tmp_path))
     (dense / "model.safetensors").write_bytes(b"another one")
     assert len({before, with_dense, load_signature(vllm_config(tmp_path))}) == 3
-    (tmp_path / "modules.json").write_text(json.dumps([*modules, {"idx": 2, "path": "../elsewhere"}]))
-    load_signature(vllm_config(tmp_path))  # a module outside the folder is not read
+    (tmp_path / "modules.json").write_text(json.dumps({"modules": modules}))  # the other form vLLM reads
+    as_dict = load_signature(vllm_config(tmp_path))
+    (dense / "model.safetensors").write_bytes(b"a third one")
+    assert load_signature(vllm_config(tmp_path)) != as_dict
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"outside")
+    (tmp_path / "modules.json").write_text(json.dumps([*modules, {"idx": 2, "path": f"../{elsewhere.name}"}]))
+    outside = load_signature(vllm_config(tmp_path))
+    (elsewhere / "model.safetensors").write_bytes(b"changed outside")
+    assert load_signature(vllm_config(tmp_path)) == outside  # a module outside the folder is not read
     drafter = vllm_config(tmp_path, vocab_size=7).model_config
     assert load_signature(vllm_config(tmp_path), drafter) == load_signature(vllm_config(tmp_path, vocab_size=7))
 

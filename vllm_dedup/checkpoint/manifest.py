@@ -41,7 +41,7 @@ __all__ = ["FileIdentity", "Manifest", "ManifestCache", "default_cache_dir", "fi
 
 logger = init_logger(__name__)
 
-_VERSION = 3  # 2: identity carries st_ctime_ns; 3: source keys are BLAKE3-256
+_VERSION = 4  # 2: identity carries st_ctime_ns; 3: source keys are BLAKE3-256; 4: a pickle's views each listed
 
 
 def default_cache_dir() -> Path:

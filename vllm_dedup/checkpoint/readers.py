@@ -16,6 +16,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ READ_CHUNK_BYTES = 1 << 20  # `WeightFile.chunks`: one buffer this large per has
 # Note [reading, not mapping, to hash]
 #     A file mapped and read past its end faults with SIGBUS, which kills the process: a model
 #     being saved in place (``open(path, "wb")`` truncates first) while an engine or `scan`
-#     hashes it.  Hashing reads the bytes with ``pread`` instead (`WeightFile.chunks`): a file
+#     hashes it.  Hashing reads safetensors and GGUF files' bytes with ``pread`` instead
+#     (`WeightFile.chunks`; a pickle is still read through ``torch.load``'s mapping): a file
 #     shortened meanwhile reads short, a `CheckpointError`, and one rewritten meanwhile is
 #     caught by the identity check after (`manifest.file_manifest`).  The copy costs no more
 #     than the page faults of mapping the bytes: the 1.2B model's 2.34 GB, page cache warm,
@@ -63,6 +65,8 @@ class WeightFile(ABC):
 
     def __init__(self, path: Path):
         self.path = path
+        self._fd: int | None = None  # for `chunks`, opened on first use
+        self._fd_lock = threading.Lock()  # `content_keys` runs `chunks` in several threads
 
     @abstractmethod
     def header(self) -> bytes:
@@ -89,7 +93,9 @@ class WeightFile(ABC):
         """Tensor ``name``'s bytes in order, read out of the file (``pread``) into one buffer
         ``chunk_bytes`` long: each view is good until the next is asked for.  For hashing a
         file that may change meanwhile (Note [reading, not mapping, to hash]); a format whose
-        `byte_range` is None yields `data` itself.
+        `byte_range` is None (a pickle) yields `data` itself, a view of ``torch.load``'s
+        mapping, which that Note's protection does not cover.  Safe to run in several threads
+        over one file.
 
         Raises:
             CheckpointError: the file ends before the tensor does (it was shortened), or
@@ -116,18 +122,20 @@ class WeightFile(ABC):
 
     def _descriptor(self) -> int:
         """The file, opened once for `chunks` (closed by `close`)."""
-        if getattr(self, "_fd", None) is None:
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:
-                raise CheckpointError(self.path, f"cannot read: {e.strerror or e}") from None
-        return self._fd
+        with self._fd_lock:
+            if self._fd is None:
+                try:
+                    self._fd = open_regular(self.path)
+                except OSError as e:
+                    raise CheckpointError(self.path, f"cannot read: {e.strerror or e}") from None
+            return self._fd
 
     def close(self) -> None:
         """Release the file's mappings and descriptor."""
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._fd_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def __enter__(self) -> WeightFile:
         return self
@@ -179,7 +187,7 @@ class SafetensorsFile(WeightFile):
         return CheckpointError(self.path, f"corrupt or truncated safetensors file ({why}); re-download or re-save it")
 
     def _read_header(self) -> bytes:
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_regular(self.path)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the header
             prefix = os.pread(fd, 8, 0)
@@ -483,18 +491,30 @@ def open_weight_file(path: str | os.PathLike) -> WeightFile:
     return reader(path)
 
 
+def open_regular(path: Path) -> int:
+    """``path`` opened for reading (a descriptor the caller closes), if it is a regular file.
+    Opened with ``O_NONBLOCK``, which changes nothing for a regular file and keeps a FIFO from
+    waiting for a writer forever.
+
+    Raises:
+        CheckpointError: ``path`` is a folder, FIFO, device or socket.
+        OSError: it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CheckpointError(path, "a folder, not a weight file" if stat.S_ISDIR(mode) else
+                              "not a regular file (a FIFO, device or socket); point at the model's own weight files")
+    return fd
+
+
 def _check_readable(path: Path) -> None:
     """Open and read one byte (a folder or an unreadable file fails here, with a clear
     message), without the kernel reading ahead into the tensor data."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO: no wait for a writer
+        fd = open_regular(path)
         try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise CheckpointError(path, "a folder, not a weight file")
-            if not stat.S_ISREG(mode):
-                raise CheckpointError(path, "not a regular file (a FIFO, device or socket); point at the model's "
-                                            "own weight files")
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             os.pread(fd, 1, 0)
         finally:

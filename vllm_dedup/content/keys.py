@@ -13,10 +13,12 @@ kinds, told apart by the digest's length:
   checkpoint whose tensors claim another checkpoint's keys.  BLAKE3 runs at about a quarter
   of XXH3's rate and four times SHA-256's here (``benchmarks/scan_throughput.py``).
 
-Hashing is zero-copy: the digest is taken over a memoryview of host memory or of a file's
-mmap, never over a copy (a copy first cuts xxhash's rate to about a quarter).  `content_keys`
-hashes many buffers in parallel threads; xxhash releases the GIL while it hashes, so threads
-overlap page faults on mmapped files with hashing.
+A tensor in memory is hashed where it lies: the digest is taken over a memoryview of host
+memory, never over a copy (a copy first cuts xxhash's rate to about a quarter).  A checkpoint
+file's tensors are hashed as ``pread`` reads them, a MiB at a time (`source_key_of_chunks`;
+Note [reading, not mapping, to hash] in `checkpoint/readers.py`).  `content_keys` hashes many
+buffers in parallel threads; xxhash and BLAKE3 release the GIL while they hash, so threads
+overlap reads with hashing.
 
 On a GPU the bytes are not copied to the host to be hashed: `fingerprint.py` computes keys on
 the device instead.

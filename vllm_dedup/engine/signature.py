@@ -77,6 +77,8 @@ def _st_module_files(folder: Path) -> list[Path]:
         modules = json.loads(listing.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return files  # vLLM cannot read it either: its bytes are in the digest
+    if isinstance(modules, dict):  # {"modules": [...]}, which vLLM reads too
+        modules = modules.get("modules")
     for module in modules if isinstance(modules, list) else []:
         path = module.get("path") if isinstance(module, dict) else None
         sub = folder / path if isinstance(path, str) and path.strip("./") else None

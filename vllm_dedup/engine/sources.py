@@ -269,7 +269,8 @@ class SourceRecorder:
         keys.update({name: self.known[name] for name in self.consumed if name in self.known})
         if self._pool is not None:
             self._pool.shutdown()
-        return {name: key for name, key in keys.items() if name not in self.unhashable}
+        unhashable = set(self.unhashable)
+        return {name: key for name, key in keys.items() if name not in unhashable}
 
 
 def write_witness(t, samples: int = 256, unwritten: AnonymousRanges | None = None) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import resource
+from pathlib import Path
 
 import pytest
 
@@ -40,19 +41,14 @@ def test_a_block_over_32_mib_reuses_the_pages_freed_before_it_only_when_asked():
     assert faults_of_second_block(64 * MiB) > pages // 2  # glibc's own behaviour again
 
 
-SECOND_BLOCK_AFTER_THE_HEAP = """
-import ctypes, resource
+SECOND_BLOCK_AFTER_THE_HEAP = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_heap import faults_of_second_block
 from vllm_dedup.engine import heap
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
-libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
 with heap.reused_heap(large_blocks=True):
     pass
-nbytes = 512 << 10
-first = libc.malloc(nbytes); ctypes.memset(first, 1, nbytes); libc.free(first)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-second = libc.malloc(nbytes); ctypes.memset(second, 2, nbytes)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults_of_second_block(512 << 10))
 """
 
 

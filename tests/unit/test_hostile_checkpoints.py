@@ -160,12 +160,8 @@ def saved_again_meanwhile(chunks):  # after its first MiB: open(path, "wb") trun
         if i == 0:
             os.truncate(path, 0)
 
-if hasattr(manifest, "source_key_of_chunks"):
-    key = manifest.source_key_of_chunks
-    manifest.source_key_of_chunks = lambda chunks, *rest: key(saved_again_meanwhile(chunks), *rest)
-else:  # a mapping of the whole tensor
-    key = manifest.source_key
-    manifest.source_key = lambda data, *rest: key(b"".join(saved_again_meanwhile([data[:1 << 20], data])), *rest)
+key = manifest.source_key_of_chunks
+manifest.source_key_of_chunks = lambda chunks, *rest: key(saved_again_meanwhile(chunks), *rest)
 try:
     manifest.file_manifest(path, manifest.ManifestCache(None))
 except CheckpointError as e:

@@ -25,11 +25,10 @@ Note [huge pages for segments]
     1 GiB (Linux 6.18): ``MAP_POPULATE`` of a reader 0.065 s in 4 KiB pages, 0.001 s in 2 MiB
     ones.  The writer pays: on this project's VM (free page reporting to the host) a 1.2B
     model's first engine took 5.88 s filling huge pages against 2.32 s in small ones (README,
-    "Huge pages"), so it
-    is the user's choice (`config.DedupConfig.huge_pages`, off by default).  With
-    ``within_size`` or ``always`` the kernel uses huge pages without being asked, for segments
-    written with ``pwrite`` too (staged packed weights: `sealed_memfd`), which ``advise``
-    leaves in 4 KiB pages.  With ``never`` the advice does nothing.
+    "Huge pages"), so it is the user's choice (`config.DedupConfig.huge_pages`, off by
+    default).  With ``within_size`` or ``always`` the kernel uses huge pages without being
+    asked, for segments written with ``pwrite`` too (staged packed weights: `sealed_memfd`),
+    which ``advise`` leaves in 4 KiB pages.  With ``never`` the advice does nothing.
 """
 
 from __future__ import annotations

@@ -264,6 +264,26 @@ def test_a_file_replaced_since_its_keys_were_taken_is_not_read_by_a_replay(tmp_p
         list(read_tensors(["w"], where, identities))
 
 
+def test_a_file_replaced_after_it_was_opened_is_read_and_named_as_the_version_opened(tmp_path):
+    """Note [one descriptor per weight file]: header, bytes (mapped and read) and identity all
+    come from the file as opened, even once a rename put another file of the same header at
+    its path; the path's identity is then the other's, and the file opened, unlinked by the
+    rename, has a new ctime: a replay checking it declines."""
+    from vllm_dedup.checkpoint.manifest import FileIdentity
+
+    path = tmp_path / "model.safetensors"
+    _write(path, {"w": _entry(0, 64, (16,))}, b"\1" * 64)
+    with SafetensorsFile(path) as f:
+        opened = FileIdentity.of(path, f.header())
+        _write(tmp_path / "new.safetensors", {"w": _entry(0, 64, (16,))}, b"\2" * 64)
+        os.replace(tmp_path / "new.safetensors", path)
+        assert bytes(f.data("w")) == b"\1" * 64
+        assert b"".join(bytes(c) for c in f.chunks("w")) == b"\1" * 64
+        now = FileIdentity.of(path, f.header(), f.descriptor())  # unlinked: a new ctime, so "changed"
+        assert (now.dev, now.ino, now.size) == (opened.dev, opened.ino, opened.size)
+        assert FileIdentity.of(path, f.header()).ino != opened.ino
+
+
 def test_views_of_one_storage_in_a_pickle_are_each_read_and_never_copied_past_the_file(tmp_path):
     x = torch.arange(16, dtype=torch.float32)
     path = tmp_path / "pytorch_model.bin"

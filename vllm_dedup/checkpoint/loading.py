@@ -75,7 +75,7 @@ def changed_files(identities: dict[Path, FileIdentity]) -> list[Path]:
     for path, before in identities.items():
         try:
             with SafetensorsFile(path) as f:
-                same = FileIdentity.of(path, f.header()) == before
+                same = FileIdentity.of(path, f.header(), f.descriptor()) == before
         except (CheckpointError, OSError):
             same = False
         if not same:
@@ -104,11 +104,12 @@ def read_tensors(names: Iterable[str], where: dict[str, Path],
     wanted = set(names)
     page = mmap.PAGESIZE
     for path in sorted({where[n] for n in wanted}):
-        with SafetensorsFile(path) as layout, open(path, "rb") as f:
-            if identities is not None and FileIdentity.of(path, layout.header(), f.fileno()) != identities.get(path):
+        with SafetensorsFile(path) as layout:  # Note [one descriptor per weight file]
+            fd = layout.descriptor()
+            if identities is not None and FileIdentity.of(path, layout.header(), fd) != identities.get(path):
                 raise CheckpointError(path, "the file changed since its keys were taken (written or replaced "
                                             "meanwhile); the load reads it as usual")
-            whole = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            whole = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             # No readahead around what is read (its neighbours are mapped already, or not
             # wanted); the wanted ranges are asked for ahead instead.
             whole.madvise(mmap.MADV_RANDOM)
@@ -138,7 +139,7 @@ def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], key
     for path in files:
         try:
             with SafetensorsFile(path) as wf:
-                read[path] = (FileIdentity.of(path, wf.header()), wf.entries())
+                read[path] = (FileIdentity.of(path, wf.header(), wf.descriptor()), wf.entries())
         except (CheckpointError, OSError) as e:
             logger.debug("no manifest for %s (%s)", path, e)
     holders = Counter(e.name for _, entries in read.values() for e in entries)

@@ -186,7 +186,7 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
             inode: a write within the same timestamp tick as the first look goes unseen).
     """
     with open_weight_file(path) as wf:
-        identity = FileIdentity.of(path, wf.header())
+        identity = FileIdentity.of(path, wf.header(), wf.descriptor())  # Note [one descriptor per weight file]
         manifest = cache.get(identity)
         if manifest is not None:
             if progress is not None:
@@ -202,7 +202,7 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
 
         done = (lambda i: progress.update(entries[i].nbytes)) if progress is not None else None
         keys = content_keys([key_of(e) for e in entries], threads=threads, on_done=done)
-        if FileIdentity.of(path, wf.header()) != identity:  # written meanwhile: keys of neither version
+        if FileIdentity.of(path, wf.header(), wf.descriptor()) != identity:  # written meanwhile: keys of neither version
             raise CheckpointError(path, "the file changed while it was read; read it again once it is written")
     manifest = Manifest(identity, tuple(entries), tuple(keys))
     cache.put(manifest)

@@ -40,6 +40,15 @@ READ_CHUNK_BYTES = 1 << 20  # `WeightFile.chunks`: one buffer this large per has
 #     than the page faults of mapping the bytes: the 1.2B model's 2.34 GB, page cache warm,
 #     two threads, took 0.69-0.89 s read and keyed, 0.84-0.96 s mapped (four runs each).
 
+# Note [one descriptor per weight file]
+#     A safetensors file is opened once, and its header, its size, its mapping and its `chunks`
+#     all go through that descriptor; its identity (`manifest.FileIdentity.of` given
+#     `WeightFile.descriptor`) is that descriptor's ``fstat``.  Opening the path again for
+#     each of them let a file replaced in between (a model saved by rename over the old one)
+#     pair one file's header with another's bytes or identity: a replay could check the
+#     identity of one version and map another.  GGUF and pickles are opened by their own
+#     libraries, so their identity is the path's ``stat``, taken before and after hashing.
+
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
@@ -87,6 +96,13 @@ class WeightFile(ABC):
     def byte_range(self, name: str) -> tuple[int, int] | None:
         """Where tensor ``name``'s bytes lie in the file as they are (first byte, one past the
         last), or None where the format does not store them so (a pickle)."""
+        return None
+
+    def descriptor(self) -> int | None:
+        """The descriptor every read of this file goes through, header and tensors alike, or
+        None where the format's library opens the file itself (GGUF, pickles).  Its ``fstat``
+        is the identity of what was read (`manifest.FileIdentity.of`), whatever the path
+        names by now (Note [one descriptor per weight file])."""
         return None
 
     def chunks(self, name: str, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[memoryview]:
@@ -177,28 +193,30 @@ class SafetensorsFile(WeightFile):
 
     def __init__(self, path: Path):
         super().__init__(path)
-        self._header = self._read_header()
-        self._data_start = 8 + len(self._header)
-        self._layout = self._check_layout(os.path.getsize(path) - self._data_start)
-        self._names = list(self._layout)
         self._map: mmap.mmap | None = None
+        self._fd = open_regular(path)  # Note [one descriptor per weight file]
+        try:
+            self._header = self._read_header()
+            self._data_start = 8 + len(self._header)
+            self._layout = self._check_layout(os.fstat(self._fd).st_size - self._data_start)
+        except BaseException:
+            self.close()
+            raise
+        self._names = list(self._layout)
 
     def _corrupt(self, why: str) -> CheckpointError:
         return CheckpointError(self.path, f"corrupt or truncated safetensors file ({why}); re-download or re-save it")
 
     def _read_header(self) -> bytes:
-        fd = open_regular(self.path)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the header
-            prefix = os.pread(fd, 8, 0)
-            if len(prefix) < 8:
-                raise self._corrupt("shorter than its 8-byte header size")
-            (size,) = struct.unpack("<Q", prefix)
-            if size > self.MAX_HEADER:
-                raise self._corrupt(f"header size {size} is over the {self.MAX_HEADER}-byte limit")
-            header = os.pread(fd, size, 8)
-        finally:
-            os.close(fd)
+        fd = self._fd
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the header
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise self._corrupt("shorter than its 8-byte header size")
+        (size,) = struct.unpack("<Q", prefix)
+        if size > self.MAX_HEADER:
+            raise self._corrupt(f"header size {size} is over the {self.MAX_HEADER}-byte limit")
+        header = os.pread(fd, size, 8)
         if len(header) < size:
             raise self._corrupt(f"the file ends inside its {size}-byte header")
         return header
@@ -276,12 +294,14 @@ class SafetensorsFile(WeightFile):
         start, end = self._layout[name]["data_offsets"]
         return self._data_start + start, self._data_start + end
 
+    def descriptor(self) -> int:
+        return self._descriptor()
+
     def data(self, name: str) -> memoryview:
         start, end = self._layout[name]["data_offsets"]
         if self._map is None:
             try:
-                with open(self.path, "rb") as f:
-                    self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                self._map = mmap.mmap(self._descriptor(), 0, prot=mmap.PROT_READ)
             except (OSError, ValueError) as e:  # ValueError: an empty file now
                 raise CheckpointError(self.path, f"cannot map the file: {e}") from None
         if len(self._map) < self._data_start + end:  # shortened since its header was read

@@ -137,7 +137,7 @@ class RecordedLoad:
         self.cached: list[Path] = []
         for path in files:
             with SafetensorsFile(path) as f:
-                self.identities[path] = FileIdentity.of(path, f.header())
+                self.identities[path] = FileIdentity.of(path, f.header(), f.descriptor())
             manifest = self.cache.get(self.identities[path])
             if manifest is not None:
                 self.cached.append(path)

@@ -13,7 +13,8 @@ find each other's artifacts.
 That is right where the loader leaves vLLM's graph as it is (on a GPU; on the CPU backend with
 ``cpu_linear`` ``packed`` or ``private``) and wrong where the loader changes it: with
 ``cpu_linear="plain"`` on the CPU backend, linear layers and the head call ``F.linear`` on a (shared) weight where a plain
-engine calls oneDNN with a handle to its private packed copy (a plain artifact run on such a
+engine calls oneDNN with a handle to its private packed copy (where vLLM packs the dtype: with
+bfloat16 on AVX2 vLLM itself runs ``F.linear``, and the graph is its own; a plain artifact run on such a
 model fails at its first forward: its graph reads each layer's handle from the closure of the
 layer's ``cpu_linear``).  `key_compile_cache` adds that choice to
 ``VllmConfig.additional_config``, which ``VllmConfig.compute_hash`` hashes and which vLLM keeps
@@ -44,8 +45,9 @@ def key_compile_cache(vllm_config, plain_linear: bool) -> None:
     Args:
         vllm_config: the engine's ``VllmConfig`` (the model holds the same object).
         plain_linear: whether linear layers and vocabulary embeddings keep plain weights
-            (``F.linear``) on the CPU backend (``cpu_linear="plain"``; ``packed`` runs vLLM's
-            own graph).
+            (``F.linear``) on the CPU backend where vLLM's own would call oneDNN
+            (``cpu_linear="plain"`` where `onednn.vllm_packs`; ``packed`` runs vLLM's own
+            graph, and so does ``plain`` where vLLM itself runs ``F.linear``: bfloat16 on AVX2).
 
     Raises:
         ValueError: the graph is changed and compiled, but ``additional_config`` is an object

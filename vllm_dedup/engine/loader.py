@@ -134,8 +134,7 @@ class DedupModelLoader(BaseModelLoader):
         if self._cpu_linear is None:
             mode = self.config.cpu_linear
             if mode == "packed":
-
-                dtype = str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")
+                dtype = _dtype_name(model_config)
                 support = onednn.probe(dtype)  # through the package: tests replace it there
                 if not support.supported and not onednn.vllm_packs(dtype):
                     # vLLM itself runs F.linear here (its oneDNN matmul cannot be made for this
@@ -163,7 +162,8 @@ class DedupModelLoader(BaseModelLoader):
 
         allow_cpu_aot_loads()
         plain = self.cpu_linear(model_config) == "plain"
-        key_compile_cache(vllm_config, plain)
+        # Where vLLM itself runs F.linear (bfloat16 on AVX2), "plain" is vLLM's own graph.
+        key_compile_cache(vllm_config, plain and onednn.vllm_packs(_dtype_name(model_config)))
         if plain:
             marked = _keep_cpu_weights_plain(model)
             logger.info("cpu_linear=plain: %d linear layers and vocabulary embeddings keep plain weights "
@@ -483,3 +483,8 @@ def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def _dtype_name(model_config: ModelConfig) -> str:
+    """The model's dtype as torch names it (``"bfloat16"``)."""
+    return str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")

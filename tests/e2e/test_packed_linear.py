@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from harness.engines import EngineProcess
@@ -29,6 +30,18 @@ def packed_keys(tensors: dict[str, str]) -> list[str]:
     """The content key of each handler's packed weight in an oracle listing (a tied head's
     handler packs the embedding again: the same key twice)."""
     return sorted(v for k, v in tensors.items() if k.startswith("packed:"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_packs():
+    """vLLM packs bfloat16 linear weights only where oneDNN has a bfloat16 matmul (AVX-512 and
+    up); on AVX2 it runs ``F.linear``, nothing is packed, and dedup engines share the plain
+    weights (cpu_linear falls back to plain: every other engine test covers that branch).  An
+    ISA above the machine's cannot be forced, so this test needs such a CPU."""
+    from vllm_dedup.engine.onednn import vllm_packs
+
+    if not vllm_packs("bfloat16"):
+        pytest.skip("vLLM packs no bfloat16 linear weight on this CPU (no AVX-512): nothing packed to share")
 
 
 def test_a_second_engine_maps_the_packed_linears_and_answers_as_plain(smollm2, registry):

@@ -57,3 +57,30 @@ def test_torchs_inductor_artifact_gets_a_finalize_loading_that_does_nothing():
     allow_cpu_aot_loads()
     assert artifact.finalize_loading(VllmConfig()) is None
     assert allow_cpu_aot_loads() is False  # installed once
+
+
+def test_plain_weights_change_the_graph_where_vllm_packs_any_weight_dtype_marked():
+    """A bfloat16 model's float32 router gate (glm4_moe's, minimax_m2's): vLLM packs float32 for
+    oneDNN on every x86 ISA, so marking it plain changes the graph even where vLLM runs
+    ``F.linear`` itself for bfloat16 (AVX2); a model of bfloat16 layers alone changes it exactly
+    where vLLM packs bfloat16."""
+    import torch
+    from torch import nn
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from vllm_dedup.engine.loader import _changes_graph, _keep_cpu_weights_plain
+    from vllm_dedup.engine.onednn import vllm_packs
+
+    class Linear(LinearBase):  # only the class matters here; LinearBase's own state is not used
+        def __init__(self, dtype):
+            nn.Module.__init__(self)
+            self.weight = nn.Parameter(torch.zeros(4, 4, dtype=dtype), requires_grad=False)
+
+    dense = nn.Sequential(Linear(torch.bfloat16), Linear(torch.bfloat16))
+    marked = _keep_cpu_weights_plain(dense)
+    assert marked == {"bfloat16": 2} and all(m._cpu_skip_gemm_dispatch for m in dense)
+    assert _changes_graph(marked) == vllm_packs("bfloat16")
+
+    gated = nn.Sequential(Linear(torch.bfloat16), Linear(torch.float32))
+    assert vllm_packs("float32")
+    assert _changes_graph(_keep_cpu_weights_plain(gated))

@@ -284,6 +284,17 @@ def test_a_file_replaced_after_it_was_opened_is_read_and_named_as_the_version_op
         assert FileIdentity.of(path, f.header()).ino != opened.ino
 
 
+def test_a_closed_file_is_never_opened_again_by_its_path(tmp_path):
+    """After `close`, the path may name another file: reading is an error, not a new open."""
+    path = tmp_path / "model.safetensors"
+    _write(path, {"w": _entry(0, 64, (16,))}, b"\1" * 64)
+    f = SafetensorsFile(path)
+    f.close()
+    for read in (lambda: f.data("w"), lambda: list(f.chunks("w")), f.descriptor):
+        with pytest.raises(CheckpointError, match="closed"):
+            read()
+
+
 def test_views_of_one_storage_in_a_pickle_are_each_read_and_never_copied_past_the_file(tmp_path):
     x = torch.arange(16, dtype=torch.float32)
     path = tmp_path / "pytorch_model.bin"

@@ -47,7 +47,9 @@ READ_CHUNK_BYTES = 1 << 20  # `WeightFile.chunks`: one buffer this large per has
 #     each of them let a file replaced in between (a model saved by rename over the old one)
 #     pair one file's header with another's bytes or identity: a replay could check the
 #     identity of one version and map another.  GGUF and pickles are opened by their own
-#     libraries, so their identity is the path's ``stat``, taken before and after hashing.
+#     libraries, so their identity is the path's ``stat``, taken before and after hashing (a
+#     file swapped by rename before the first look goes unseen there).  A closed file is never
+#     opened again by its path: reading it then is an error.
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +219,8 @@ class SafetensorsFile(WeightFile):
         if size > self.MAX_HEADER:
             raise self._corrupt(f"header size {size} is over the {self.MAX_HEADER}-byte limit")
         header = os.pread(fd, size, 8)
+        # The descriptor lives on for `data` and `chunks`: hashing a cold file wants readahead.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
         if len(header) < size:
             raise self._corrupt(f"the file ends inside its {size}-byte header")
         return header
@@ -296,6 +300,14 @@ class SafetensorsFile(WeightFile):
 
     def descriptor(self) -> int:
         return self._descriptor()
+
+    def _descriptor(self) -> int:
+        """The descriptor opened with the file; never the path opened again (Note [one
+        descriptor per weight file])."""
+        fd = self._fd
+        if fd is None:
+            raise CheckpointError(self.path, "read after the file was closed; open it again")
+        return fd
 
     def data(self, name: str) -> memoryview:
         start, end = self._layout[name]["data_offsets"]

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 
 import torch
 from torch import nn
@@ -54,6 +55,7 @@ from vllm.model_executor.model_loader import get_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..config import DedupConfig
+from ..content.views import dtype_name
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from ..segments import segment_class
@@ -162,12 +164,11 @@ class DedupModelLoader(BaseModelLoader):
 
         allow_cpu_aot_loads()
         plain = self.cpu_linear(model_config) == "plain"
-        # Where vLLM itself runs F.linear (bfloat16 on AVX2), "plain" is vLLM's own graph.
-        key_compile_cache(vllm_config, plain and onednn.vllm_packs(_dtype_name(model_config)))
+        marked = _keep_cpu_weights_plain(model) if plain else Counter()
+        key_compile_cache(vllm_config, _changes_graph(marked))
         if plain:
-            marked = _keep_cpu_weights_plain(model)
             logger.info("cpu_linear=plain: %d linear layers and vocabulary embeddings keep plain weights "
-                        "(F.linear), shared as they are", marked)
+                        "(F.linear), shared as they are", sum(marked.values()))
         return model
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -453,23 +454,35 @@ def _describe_for_upstream_hooks(model, session: EngineSession) -> None:
     model.on_startup_done = session.end_startup
 
 
-def _keep_cpu_weights_plain(model: nn.Module) -> int:
+def _keep_cpu_weights_plain(model: nn.Module) -> Counter:
     """Mark linear layers with vLLM's ``_cpu_skip_gemm_dispatch`` and give unquantized vocabulary
     embeddings (input and head) a post-processing that keeps ``F.linear`` on the plain weight
     instead of packing a oneDNN copy (their lookup never uses it; the head computes logits with
-    ``layer.cpu_linear``).  Returns the number of modules changed."""
+    ``layer.cpu_linear``).  Returns the modules changed, counted by their ``weight``'s dtype
+    name (``""`` for a module without one: a quantized layer's kernel is not vLLM's dispatch)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 
-    marked = 0
+    marked = Counter()
     for module in model.modules():
         if isinstance(module, LinearBase):
             module._cpu_skip_gemm_dispatch = True
-            marked += 1
         elif isinstance(module, VocabParallelEmbedding) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
             module.quant_method.process_weights_after_loading = _plain_cpu_linear
-            marked += 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        marked[dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else ""] += 1
     return marked
+
+
+def _changes_graph(marked: Counter) -> bool:
+    """Whether modules marked by `_keep_cpu_weights_plain` (counted by weight dtype) run another
+    graph than vLLM's own: ``F.linear`` where vLLM would call oneDNN on a packed copy, i.e. where
+    vLLM packs one of those dtypes (`onednn.vllm_packs`).  Where it runs ``F.linear`` itself for
+    every one of them (bfloat16 on AVX2; not a float32 router gate, which it packs there) the
+    graph is its own."""
+    return any(onednn.vllm_packs(dtype) for dtype in marked if dtype)
 
 
 def _plain_cpu_linear(layer: nn.Module) -> None:

@@ -62,14 +62,18 @@ def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(sm
     shards = alone.final_tensors()  # each rank's final tensors, as a plain load makes them
     alone.stop()
 
-    first = TPEngine(smollm2, "dedup")
+    # Six rank workers on two CPUs, beside another test's engines in CI: the registry may take
+    # longer than its default 10 s to answer, and a rank would then load on without it (as it
+    # should: tests/e2e/test_registry_faults.py), which is not what this test is about.
+    patient = {"registry_timeout_s": 120}
+    first = TPEngine(smollm2, "dedup", patient)
     try:
         assert first.tokens() == reference
-        second = TPEngine(smollm2, "dedup")
+        second = TPEngine(smollm2, "dedup", patient)
         try:
             assert second.tokens() == reference
             one, two = rank_loads(registry, first), rank_loads(registry, second)
-            assert sorted(one) == sorted(two) == list(range(TP))
+            assert sorted(one) == sorted(two) == list(range(TP)), (sorted(one), sorted(two), first.log()[-4000:])
             # What one engine holds in segments: the model (269 MB), with cpu_linear="packed" also
             # the embedding's packed copy, once more for the tied head's (56.6 MB each); a third per
             # rank (plus replicated small tensors), all of it mapped by the second.

@@ -136,7 +136,7 @@ class DedupModelLoader(BaseModelLoader):
         if self._cpu_linear is None:
             mode = self.config.cpu_linear
             if mode == "packed":
-                dtype = _dtype_name(model_config)
+                dtype = dtype_name(model_config.dtype)
                 support = onednn.probe(dtype)  # through the package: tests replace it there
                 if not support.supported and not onednn.vllm_packs(dtype):
                     # vLLM itself runs F.linear here (its oneDNN matmul cannot be made for this
@@ -496,8 +496,3 @@ def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-def _dtype_name(model_config: ModelConfig) -> str:
-    """The model's dtype as torch names it (``"bfloat16"``)."""
-    return str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")

@@ -102,6 +102,29 @@ def test_a_dtype_onednn_cannot_pack_here_declines_with_its_reason():
         assert not support.supported and support.reason
 
 
+_PROBE_ANSWERS = """
+import sys, torch
+from vllm_dedup.engine.onednn import probe, vllm_packs
+if sys.argv[1] == "meta":
+    torch.set_default_device("meta")  # as a replay's create_model runs: torch.device("meta")
+print([(vllm_packs(d), probe(d).supported) for d in ("float32", "bfloat16")])
+"""
+
+
+def test_probes_asked_first_while_a_model_is_made_on_the_meta_device_answer_as_on_the_cpu():
+    """A replay makes its model under ``torch.device("meta")``, and the loader may ask
+    `vllm_packs` about a dtype for the first time there (a float32 router gate): each probe's
+    tensors are made on the CPU (Note [probes under a device context]); a meta tensor's null
+    pointer crashed the engine in oneDNN's reorder (SIGSEGV).  In children: a crash is their
+    exit code, and each child asks first."""
+    answers = [subprocess.run([sys.executable, "-c", _PROBE_ANSWERS, where], capture_output=True, text=True,
+                              timeout=300) for where in ("cpu", "meta")]
+    for a in answers:
+        assert a.returncode == 0, (a.returncode, a.stderr[-3000:])
+    assert answers[0].stdout.splitlines()[-1] == answers[1].stdout.splitlines()[-1]
+    assert answers[0].stdout.splitlines()[-1].startswith("[(True, True)"), answers[0].stdout  # float32 packs
+
+
 @pytest.mark.heavy
 @pytest.mark.skipif(os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2", reason="this is the child")
 def test_the_avx2_branch_in_a_child():

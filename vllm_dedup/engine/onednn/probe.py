@@ -22,11 +22,35 @@ class Support:
     details: dict = field(default_factory=dict)
 
 
+def _on_the_cpu(probe_fn):
+    """``probe_fn`` run with the CPU as torch's default device.
+
+    Note [probes under a device context]
+        The loader may first ask while a model is made on the meta device (a replay's
+        ``create_model`` runs under ``torch.device("meta")``).  Tensors made there without a
+        device, a probe's own and those vLLM makes inside ``create_onednn_mm``, are meta
+        tensors: oneDNN then read a null data pointer, and a float32 router gate asked about
+        first there crashed the engine in oneDNN's reorder (SIGSEGV).  An inner device
+        context wins over an outer one, so each probe runs under ``torch.device("cpu")``.
+    """
+
+    @functools.wraps(probe_fn)
+    def run(*args, **kwargs):
+        import torch
+
+        with torch.device("cpu"):
+            return probe_fn(*args, **kwargs)
+
+    return run
+
+
 @functools.cache
+@_on_the_cpu
 def vllm_packs(dtype_name: str = "bfloat16") -> bool:
     """Whether vLLM's CPU backend packs linear weights of this dtype for oneDNN here: its
     ``create_onednn_mm`` makes a handler (``dispatch_cpu_unquantized_gemm`` falls back to
-    ``F.linear`` when it raises, e.g. for bfloat16 on AVX2).  Cached."""
+    ``F.linear`` when it raises, e.g. for bfloat16 on AVX2).  Cached; asks on the CPU whatever
+    the caller's default device (Note [probes under a device context])."""
     try:
         import torch
         from vllm import _custom_ops as ops
@@ -40,11 +64,13 @@ def vllm_packs(dtype_name: str = "bfloat16") -> bool:
 
 
 @functools.cache
+@_on_the_cpu
 def probe(dtype_name: str = "bfloat16") -> Support:
     """Whether packed weights can be shared here, for linear layers of this dtype: this
     process's vLLM extension is found with its symbol table, and a small handler passes the
     whole cycle (find, check every element, put a sealed memfd's mapping in place, bit-identical
-    ``onednn_mm`` results before and after, destroy).  Takes milliseconds; cached.  Call it
+    ``onednn_mm`` results before and after, destroy).  Takes milliseconds; cached; runs on
+    the CPU whatever the caller's default device (Note [probes under a device context]).  Call it
     where the loader chooses between packed sharing and ``F.linear`` (model creation).
 
     Returns:

@@ -136,6 +136,11 @@ _ARCHS = [
           qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
           num_experts_per_tok=2, moe_intermediate_size=128, n_group=2, topk_group=1, topk_method="noaux_tc",
           scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False),
+    _arch("glm4_moe", "glm4_moe", "a float32 router gate in a bfloat16 model (vLLM packs float32 linears on AVX2, "
+          "not bfloat16 ones), shared experts, e_score_correction_bias", **_DECODER, num_key_value_heads=2,
+          head_dim=64, partial_rotary_factor=0.5, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+          num_experts_per_tok=2, moe_intermediate_size=128, n_group=2, topk_group=1, norm_topk_prob=True,
+          routed_scaling_factor=2.5, num_nextn_predict_layers=0, tie_word_embeddings=False),
     # others ------------------------------------------------------------------------------------
     _arch("bert_mlm", "bert", "BertForMaskedLM: the MLM decoder is the word embedding (derived tensor)", embeddings_tune=True,
           auto_class="AutoModelForMaskedLM", kind="embed", hidden_size=256, num_hidden_layers=4,

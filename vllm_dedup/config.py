@@ -40,7 +40,9 @@ class DedupConfig:
             ``packed`` cannot work (a vLLM build without its symbol table, a handler layout not
             understood: `onednn.probe`), the engine runs ``private`` (plain vLLM's speed and
             numerics) and says why in one log line and its load report's ``private_linears``;
-            where vLLM itself runs ``F.linear`` for the dtype (bfloat16 on AVX2), ``plain``.
+            where vLLM itself runs ``F.linear`` for the model's dtype (bfloat16 on AVX2),
+            ``vllm``: each layer as vLLM runs it (``F.linear`` on shared weights; a float32
+            router gate, which vLLM packs there, on vLLM's private packed copy).
         cpu_share_linear: deprecated spelling: ``true`` is ``cpu_linear="plain"``, ``false``
             ``cpu_linear="private"``.
         registry_address: ``None`` (find or start one: see `registry.discovery.connect_registry`),

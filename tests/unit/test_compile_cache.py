@@ -84,3 +84,12 @@ def test_plain_weights_change_the_graph_where_vllm_packs_any_weight_dtype_marked
     gated = nn.Sequential(Linear(torch.bfloat16), Linear(torch.float32))
     assert vllm_packs("float32")
     assert _changes_graph(_keep_cpu_weights_plain(gated))
+
+    # cpu_linear="vllm" (the fallback where vLLM runs F.linear for the model's dtype) marks
+    # only layers of a dtype vLLM does not pack: the float32 gate stays vLLM's, the graph too.
+    gated = nn.Sequential(Linear(torch.bfloat16), Linear(torch.float32))
+    marked = _keep_cpu_weights_plain(gated, every_dtype=False)
+    assert marked == ({} if vllm_packs("bfloat16") else {"bfloat16": 1})
+    assert not hasattr(gated[1], "_cpu_skip_gemm_dispatch")
+    assert hasattr(gated[0], "_cpu_skip_gemm_dispatch") == (not vllm_packs("bfloat16"))
+    assert not _changes_graph(marked)

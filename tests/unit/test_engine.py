@@ -385,8 +385,8 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert load_signature(vllm_config(tmp_path, name="other")) == base  # a name changes no tensor
     assert load_signature(vllm_config(tmp_path, kv="fp8")) != base  # FP8 k/v scales
     assert load_signature(vllm_config(tmp_path, vocab_size=101)) != base  # vocabulary-sized buffers
-    modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private")}
-    assert len(modes) == 3  # on the CPU backend, each mode leaves other final tensors
+    modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
+    assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
     (tmp_path / "preprocessor_config.json").write_text('{"image_mean": [0.5]}')
     assert load_signature(vllm_config(tmp_path)) != base  # folded into some models' modules
     # A sentence-transformers Dense projector: vLLM's pooler loads it while building the model.

@@ -31,8 +31,10 @@ On vLLM's CPU backend, linear layers follow ``cpu_linear``.  ``packed`` (the def
 vLLM's own oneDNN path as it is: vLLM packs each linear weight into oneDNN memory, and the
 sharing pass shares those packed weights (`packed.py`, `onednn/`), so every engine runs
 vLLM's kernels, with a plain engine's numerics.  Where that cannot work here (`onednn.probe`)
-the engine runs ``private`` (``plain`` where vLLM itself runs ``F.linear`` for the dtype) and
-says why once.  ``plain`` keeps linear weights and the output
+the engine runs ``private``, or, where vLLM itself runs ``F.linear`` for the model's dtype
+(bfloat16 on AVX2), ``vllm``: each layer runs as vLLM runs it here, ``F.linear`` on shared
+weights for a dtype vLLM does not pack, vLLM's private packed copy for one it packs (a float32
+router gate in a bfloat16 model); it says why once.  ``plain`` keeps linear weights and the output
 head plain (``F.linear``), shared as any tensor: vLLM's own ``_cpu_skip_gemm_dispatch`` mark
 for linear layers, and for the vocabulary embeddings a post-processing that does not pack.
 That changes the model's graph, so it enters vLLM's compile-cache key (`compile_cache`): a
@@ -130,9 +132,13 @@ class DedupModelLoader(BaseModelLoader):
 
     def cpu_linear(self, model_config: ModelConfig) -> str:
         """``cpu_linear`` as this engine runs it on the CPU backend: the configured mode; where
-        ``packed`` cannot work here (`onednn.probe`), ``plain`` if vLLM itself runs ``F.linear``
-        for this dtype (`onednn.vllm_packs`: the same kernel, on shared weights), else
-        ``private`` (said once in the log and in every load report's ``private_linears``)."""
+        ``packed`` cannot work here (`onednn.probe`), ``vllm`` if vLLM itself runs ``F.linear``
+        for the model's dtype (`onednn.vllm_packs`): every layer as vLLM runs it, ``F.linear``
+        on shared weights where vLLM runs ``F.linear``, vLLM's private packed copy where it
+        packs (a float32 router gate); else ``private`` (said once in the log and in every load
+        report's ``private_linears``).  ``vllm`` is never asked for, only chosen here, and it
+        has a load signature of its own: its final tensors differ from ``plain``'s wherever a
+        layer of a dtype vLLM packs is."""
         if self._cpu_linear is None:
             mode = self.config.cpu_linear
             if mode == "packed":
@@ -142,8 +148,9 @@ class DedupModelLoader(BaseModelLoader):
                     # vLLM itself runs F.linear here (its oneDNN matmul cannot be made for this
                     # dtype, e.g. bfloat16 on AVX2): so does this engine, on shared weights.
                     logger.info("vLLM runs F.linear for %s linears on this CPU (%s); so does this engine, on "
-                                "shared weights (cpu_linear=plain)", dtype, support.reason)
-                    mode = "plain"
+                                "shared weights, and a linear of a dtype vLLM packs keeps vLLM's private packed "
+                                "copy (cpu_linear=vllm)", dtype, support.reason)
+                    mode = "vllm"
                 elif not support.supported:
                     # vLLM's own kernels on private packed copies: plain's speed and numerics,
                     # where F.linear on shared weights runs at a third to two thirds of it.
@@ -156,19 +163,19 @@ class DedupModelLoader(BaseModelLoader):
 
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The inner loader's model.  On the CPU backend, with ``cpu_linear="plain"``: plain
-        linear weights, and that graph change in vLLM's compile-cache key; and vLLM's CPU
-        artifacts made loadable (`compile_cache`)."""
+        linear weights (with ``vllm``: those of a dtype vLLM does not pack), and a graph change
+        in vLLM's compile-cache key; and vLLM's CPU artifacts made loadable (`compile_cache`)."""
         model = self.inner.create_model(vllm_config, model_config, prefix)
         if not _is_cpu():
             return model
 
         allow_cpu_aot_loads()
-        plain = self.cpu_linear(model_config) == "plain"
-        marked = _keep_cpu_weights_plain(model) if plain else Counter()
+        mode = self.cpu_linear(model_config)
+        marked = _keep_cpu_weights_plain(model, every_dtype=mode == "plain") if mode in ("plain", "vllm") else Counter()
         key_compile_cache(vllm_config, _changes_graph(marked))
-        if plain:
-            logger.info("cpu_linear=plain: %d linear layers and vocabulary embeddings keep plain weights "
-                        "(F.linear), shared as they are", sum(marked.values()))
+        if marked:
+            logger.info("cpu_linear=%s: %d linear layers and vocabulary embeddings keep plain weights "
+                        "(F.linear), shared as they are", mode, sum(marked.values()))
         return model
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -454,25 +461,32 @@ def _describe_for_upstream_hooks(model, session: EngineSession) -> None:
     model.on_startup_done = session.end_startup
 
 
-def _keep_cpu_weights_plain(model: nn.Module) -> Counter:
+def _keep_cpu_weights_plain(model: nn.Module, every_dtype: bool = True) -> Counter:
     """Mark linear layers with vLLM's ``_cpu_skip_gemm_dispatch`` and give unquantized vocabulary
     embeddings (input and head) a post-processing that keeps ``F.linear`` on the plain weight
     instead of packing a oneDNN copy (their lookup never uses it; the head computes logits with
-    ``layer.cpu_linear``).  Returns the modules changed, counted by their ``weight``'s dtype
-    name (``""`` for a module without one: a quantized layer's kernel is not vLLM's dispatch)."""
+    ``layer.cpu_linear``).  With ``every_dtype`` False (``cpu_linear="vllm"``), a module whose
+    weight has a dtype vLLM packs here (`onednn.vllm_packs`) is left as vLLM makes it.  Returns
+    the modules changed, counted by their ``weight``'s dtype name (``""`` for a module without
+    one: a quantized layer's kernel is not vLLM's dispatch, so the mark changes nothing)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 
     marked = Counter()
     for module in model.modules():
-        if isinstance(module, LinearBase):
-            module._cpu_skip_gemm_dispatch = True
-        elif isinstance(module, VocabParallelEmbedding) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
-            module.quant_method.process_weights_after_loading = _plain_cpu_linear
-        else:
+        linear = isinstance(module, LinearBase)
+        if not linear and not (isinstance(module, VocabParallelEmbedding)
+                               and isinstance(module.quant_method, UnquantizedEmbeddingMethod)):
             continue
         weight = getattr(module, "weight", None)
-        marked[dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else ""] += 1
+        dtype = dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else ""
+        if not every_dtype and dtype and onednn.vllm_packs(dtype):
+            continue
+        if linear:
+            module._cpu_skip_gemm_dispatch = True
+        else:
+            module.quant_method.process_weights_after_loading = _plain_cpu_linear
+        marked[dtype] += 1
     return marked
 
 

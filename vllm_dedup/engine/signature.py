@@ -130,8 +130,8 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
             default the engine's.
         inner_load_format: the vLLM load format that reads the checkpoint.
         cpu_linear: how linear layers run on the CPU backend (`config.DedupConfig.cpu_linear`,
-            as the engine runs it: ``packed``, ``plain`` or ``private``); part of the signature
-            only there.
+            as the engine runs it: ``packed``, ``plain``, ``private`` or ``vllm``,
+            `loader.DedupModelLoader.cpu_linear`); part of the signature only there.
     """
     import torch
     import vllm

@@ -1,0 +1,49 @@
+"""The AVX2 branch of ``cpu_linear`` on vLLM's CPU backend, held to AVX2 on any x86 machine
+(``ONEDNN_MAX_CPU_ISA=AVX2``, ``ATEN_CPU_CAPABILITY=avx2``).  There vLLM runs ``F.linear`` for
+bfloat16 linears (oneDNN has no bfloat16 matmul) but packs float32 ones for oneDNN, so a
+bfloat16 model's float32 router gates (glm4_moe's, `harness.zoo`) run on packed copies.
+
+The default ``cpu_linear="packed"`` cannot share packed bfloat16 weights there, and the engine
+runs ``vllm``: every layer as vLLM runs it, ``F.linear`` on shared weights for the bfloat16
+layers and vLLM's private packed copy for each float32 gate.  A plain (``auto``) engine is the
+reference: the first dedup engine (it publishes) and a second (it maps everything from the
+first's recipe, through a replay that makes the model on the meta device) hold exactly its
+final tensors, its packed gates included, and answer exactly as it does.  Before, the engine
+marked the gates plain too (``F.linear``: another kernel than vLLM's), and the second engine
+crashed in oneDNN (Note [probes under a device context] in vllm_dedup/engine/onednn/probe.py).
+"""
+
+from __future__ import annotations
+
+from harness.engines import EngineProcess
+from harness.oracle import differences
+from harness.zoo import checkpoint
+
+AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def test_held_to_avx2_every_layer_runs_as_vllm_runs_it_on_the_first_and_the_nth_engine(registry):
+    model = checkpoint("glm4_moe")
+    with EngineProcess(model, "auto", env=AVX2, core=0) as plain:
+        plain.wait_ready()
+        (reference,) = plain.final_tensors()
+        ids = plain.generate()
+    packed = sorted(k.removeprefix("packed:") for k in reference if k.startswith("packed:"))
+    assert packed and all(name.endswith(".mlp.gate") for name in packed), packed  # the float32 gates alone
+    checkpoint_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+    with EngineProcess(model, env=AVX2, core=0) as first:
+        first.wait_ready()
+        assert "cpu_linear=vllm" in first.log()
+        (tensors,) = first.final_tensors()
+        assert not differences(tensors, reference), differences(tensors, reference)[:5]
+        assert first.generate() == ids
+        assert registry.engine_loads()[first.pid]["published_bytes"] > 0.9 * checkpoint_bytes
+        with EngineProcess(model, env=AVX2, core=1) as second:
+            second.wait_ready()
+            load = registry.engine_loads()[second.pid]
+            assert (load["load_path"], load["checkpoint_bytes_read"]) == ("full", 0), load
+            assert load["shared_bytes"] > 0.9 * checkpoint_bytes, load
+            (tensors,) = second.final_tensors()
+            assert not differences(tensors, reference), differences(tensors, reference)[:5]
+            assert second.generate() == ids

@@ -3,7 +3,7 @@ tensors exactly as a plain load with the same options leaves them?
 
     .venv/bin/python benchmarks/zoo.py [--arch NAME ...] [--no-plain] [--json] [--render ZOO.JSON]
 
-Checkpoints: tiny random-weight models made here from transformers configs (`harness.zoo`: 23
+Checkpoints: tiny random-weight models made here from transformers configs (`harness.zoo`: 27
 architectures, dense, MoE, BERT, SSMs, hybrid, attention sinks), each with a "last-layers"
 fine-tune (its last two layers perturbed, every other tensor bit-identical) and, where the head
 is tied to the token embedding or a tensor is derived from it, an "embeddings" fine-tune (only

@@ -2,7 +2,7 @@
 plain load's with the same options, or the fast path was declined, saying why; never a wrong
 weight.
 
-The whole zoo (26 architectures) is ``benchmarks/zoo.py``; here `harness.zoo.CI_SUBSET`, the
+The whole zoo (27 architectures) is ``benchmarks/zoo.py``; here `harness.zoo.CI_SUBSET`, the
 riskiest cases: a tied head (Qwen2), untied heads with MoE experts filled through ``copy_`` and
 attention sinks (gpt-oss), a tensor of one module derived from another's checkpoint tensor
 (BertForMaskedLM: the MLM decoder is the word embedding), an SSM whose mixer views a

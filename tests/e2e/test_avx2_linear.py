@@ -4,8 +4,11 @@ bfloat16 linears (oneDNN has no bfloat16 matmul) but packs float32 ones for oneD
 bfloat16 model's float32 router gates (glm4_moe's, `harness.zoo`) run on packed copies.
 
 The default ``cpu_linear="packed"`` cannot share packed bfloat16 weights there, and the engine
-runs ``vllm``: every layer as vLLM runs it, ``F.linear`` on shared weights for the bfloat16
-layers and vLLM's private packed copy for each float32 gate.  A plain (``auto``) engine is the
+runs ``vllm``: each layer runs as vLLM's own dispatch makes it, ``F.linear`` on shared weights
+for the bfloat16 layers (marked so, which lets a recipe replay them) and vLLM's private packed
+copy for each float32 gate (and, on an AMX CPU, whose small-GEMM kernel vLLM picks by the
+hardware whatever ``ONEDNN_MAX_CPU_ISA`` says, for each small bfloat16 layer); the load report
+counts the gates' private copies.  A plain (``auto``) engine is the
 reference: the first dedup engine (it publishes) and a second (it maps everything from the
 first's recipe, through a replay that makes the model on the meta device) hold exactly its
 final tensors, its packed gates included, and answer exactly as it does.  Before, the engine
@@ -29,16 +32,18 @@ def test_held_to_avx2_every_layer_runs_as_vllm_runs_it_on_the_first_and_the_nth_
         (reference,) = plain.final_tensors()
         ids = plain.generate()
     packed = sorted(k.removeprefix("packed:") for k in reference if k.startswith("packed:"))
-    assert packed and all(name.endswith(".mlp.gate") for name in packed), packed  # the float32 gates alone
+    assert packed and all(name.endswith(".mlp.gate") for name in packed), packed  # oneDNN: the float32 gates alone
     checkpoint_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
 
     with EngineProcess(model, env=AVX2, core=0) as first:
         first.wait_ready()
         assert "cpu_linear=vllm" in first.log()
+        load = registry.engine_loads()[first.pid]
+        assert load["private_linears"].startswith(f"{len(packed)} linears of a dtype vLLM packs here (float32)"), load
         (tensors,) = first.final_tensors()
         assert not differences(tensors, reference), differences(tensors, reference)[:5]
         assert first.generate() == ids
-        assert registry.engine_loads()[first.pid]["published_bytes"] > 0.9 * checkpoint_bytes
+        assert load["published_bytes"] > 0.9 * checkpoint_bytes, load
         with EngineProcess(model, env=AVX2, core=1) as second:
             second.wait_ready()
             load = registry.engine_loads()[second.pid]

@@ -36,7 +36,8 @@ def packed_keys(tensors: dict[str, str]) -> list[str]:
 def _vllm_packs():
     """vLLM packs bfloat16 linear weights only where oneDNN has a bfloat16 matmul (AVX-512 and
     up); on AVX2 it runs ``F.linear``, nothing is packed, and dedup engines share the plain
-    weights (cpu_linear falls back to plain: every other engine test covers that branch).  An
+    weights (cpu_linear falls back to vllm: every other engine test covers that branch, and
+    tests/e2e/test_avx2_linear.py holds engines to AVX2 on any machine).  An
     ISA above the machine's cannot be forced, so this test needs such a CPU."""
     from vllm_dedup.engine.onednn import vllm_packs
 

@@ -59,7 +59,7 @@ def test_torchs_inductor_artifact_gets_a_finalize_loading_that_does_nothing():
     assert allow_cpu_aot_loads() is False  # installed once
 
 
-def test_plain_weights_change_the_graph_where_vllm_packs_any_weight_dtype_marked():
+def test_plain_weights_change_the_graph_where_vllm_packs_any_weight_dtype_marked(monkeypatch):
     """A bfloat16 model's float32 router gate (glm4_moe's, minimax_m2's): vLLM packs float32 for
     oneDNN on every x86 ISA, so marking it plain changes the graph even where vLLM runs
     ``F.linear`` itself for bfloat16 (AVX2); a model of bfloat16 layers alone changes it exactly
@@ -86,10 +86,28 @@ def test_plain_weights_change_the_graph_where_vllm_packs_any_weight_dtype_marked
     assert _changes_graph(_keep_cpu_weights_plain(gated))
 
     # cpu_linear="vllm" (the fallback where vLLM runs F.linear for the model's dtype) marks
-    # only layers of a dtype vLLM does not pack: the float32 gate stays vLLM's, the graph too.
-    gated = nn.Sequential(Linear(torch.bfloat16), Linear(torch.float32))
-    marked = _keep_cpu_weights_plain(gated, every_dtype=False)
-    assert marked == ({} if vllm_packs("bfloat16") else {"bfloat16": 1})
-    assert not hasattr(gated[1], "_cpu_skip_gemm_dispatch")
-    assert hasattr(gated[0], "_cpu_skip_gemm_dispatch") == (not vllm_packs("bfloat16"))
-    assert not _changes_graph(marked)
+    # only what vLLM's own dispatch leaves to F.linear: the graph stays vLLM's, and the load
+    # report counts the layers vLLM packs (private copies).  As on AVX2, on every machine:
+    # oneDNN packs float32 only, and AMX's small-GEMM kernel as told.
+    import vllm.model_executor.layers.utils as vllm_utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from vllm_dedup.engine import onednn
+    from vllm_dedup.engine.loader import _packed_by_vllm
+
+    def gated_model():
+        layers = nn.Sequential(Linear(torch.bfloat16), Linear(torch.float32), Linear(torch.bfloat16))
+        for layer in layers:
+            layer.quant_method = UnquantizedLinearMethod()
+        layers[2].quant_method = object()  # a quantized layer: vLLM's FP8 kernels read the mark
+        return layers
+
+    monkeypatch.setattr(onednn, "vllm_packs", lambda dtype: dtype == "float32")
+    monkeypatch.setattr(vllm_utils, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
+    gated = gated_model()
+    marked = _keep_cpu_weights_plain(gated, only_where_vllm_does=True)
+    assert marked == {"bfloat16": 1} and not _changes_graph(marked)
+    assert [hasattr(m, "_cpu_skip_gemm_dispatch") for m in gated] == [True, False, False]
+    assert _packed_by_vllm(gated) == {"float32": 1}
+    monkeypatch.setattr(vllm_utils, "check_cpu_sgl_kernel", lambda n, k, dtype: dtype == torch.bfloat16)
+    assert _keep_cpu_weights_plain(gated_model(), only_where_vllm_does=True) == {}  # AMX packs it

@@ -104,6 +104,7 @@ def test_a_dtype_onednn_cannot_pack_here_declines_with_its_reason():
 
 _PROBE_ANSWERS = """
 import sys, torch
+import vllm._custom_ops  # imported on the CPU, as in an engine: only the probes run under meta
 from vllm_dedup.engine.onednn import probe, vllm_packs
 if sys.argv[1] == "meta":
     torch.set_default_device("meta")  # as a replay's create_model runs: torch.device("meta")

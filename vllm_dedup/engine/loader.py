@@ -32,9 +32,10 @@ vLLM's own oneDNN path as it is: vLLM packs each linear weight into oneDNN memor
 sharing pass shares those packed weights (`packed.py`, `onednn/`), so every engine runs
 vLLM's kernels, with a plain engine's numerics.  Where that cannot work here (`onednn.probe`)
 the engine runs ``private``, or, where vLLM itself runs ``F.linear`` for the model's dtype
-(bfloat16 on AVX2), ``vllm``: each layer runs as vLLM runs it here, ``F.linear`` on shared
-weights for a dtype vLLM does not pack, vLLM's private packed copy for one it packs (a float32
-router gate in a bfloat16 model); it says why once.  ``plain`` keeps linear weights and the output
+(bfloat16 on AVX2), ``vllm``: each layer runs as vLLM's own CPU dispatch makes it, ``F.linear``
+on the plain weight (shared as any tensor, and marked so, which a recipe needs) where vLLM
+falls back to it, vLLM's private packed copy where it packs (a float32 router gate in a
+bfloat16 model, or AMX's small-GEMM kernel); it says why once.  ``plain`` keeps linear weights and the output
 head plain (``F.linear``), shared as any tensor: vLLM's own ``_cpu_skip_gemm_dispatch`` mark
 for linear layers, and for the vocabulary embeddings a post-processing that does not pack.
 That changes the model's graph, so it enters vLLM's compile-cache key (`compile_cache`): a
@@ -133,12 +134,12 @@ class DedupModelLoader(BaseModelLoader):
     def cpu_linear(self, model_config: ModelConfig) -> str:
         """``cpu_linear`` as this engine runs it on the CPU backend: the configured mode; where
         ``packed`` cannot work here (`onednn.probe`), ``vllm`` if vLLM itself runs ``F.linear``
-        for the model's dtype (`onednn.vllm_packs`): every layer as vLLM runs it, ``F.linear``
-        on shared weights where vLLM runs ``F.linear``, vLLM's private packed copy where it
-        packs (a float32 router gate); else ``private`` (said once in the log and in every load
-        report's ``private_linears``).  ``vllm`` is never asked for, only chosen here, and it
-        has a load signature of its own: its final tensors differ from ``plain``'s wherever a
-        layer of a dtype vLLM packs is."""
+        for the model's dtype (`onednn.vllm_packs`): each layer runs as vLLM's own dispatch
+        makes it, ``F.linear`` on a plain weight (shared) where vLLM falls back to it, vLLM's
+        private packed copy where it packs (a float32 router gate); else ``private``
+        (said once in the log and in every load report's ``private_linears``).  ``vllm`` is
+        never asked for, only chosen here, and it has a load signature of its own: its final
+        tensors differ from ``plain``'s wherever vLLM packs a layer."""
         if self._cpu_linear is None:
             mode = self.config.cpu_linear
             if mode == "packed":
@@ -171,11 +172,17 @@ class DedupModelLoader(BaseModelLoader):
 
         allow_cpu_aot_loads()
         mode = self.cpu_linear(model_config)
-        marked = _keep_cpu_weights_plain(model, every_dtype=mode == "plain") if mode in ("plain", "vllm") else Counter()
+        marked = _keep_cpu_weights_plain(model, only_where_vllm_does=mode == "vllm") if mode in ("plain", "vllm") \
+            else Counter()
         key_compile_cache(vllm_config, _changes_graph(marked))
-        if marked:
-            logger.info("cpu_linear=%s: %d linear layers and vocabulary embeddings keep plain weights "
-                        "(F.linear), shared as they are", mode, sum(marked.values()))
+        if mode == "plain":
+            logger.info("cpu_linear=plain: %d linear layers and vocabulary embeddings keep plain weights "
+                        "(F.linear), shared as they are", sum(marked.values()))
+        elif mode == "vllm":
+            packs = _packed_by_vllm(model)
+            if packs:  # said in every load report of this loader (`load_model`)
+                self.packed_declined = (f"{sum(packs.values())} linears of a dtype vLLM packs here "
+                                        f"({', '.join(sorted(packs))}) keep vLLM's private packed copies (cpu_linear=vllm)")
         return model
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -204,6 +211,7 @@ class DedupModelLoader(BaseModelLoader):
             except BaseException:  # the sharing pass lets go of them otherwise (`share_model`)
                 _let_go(staging, in_place)
                 raise
+            report.private_linears = report.private_linears or self.packed_declined  # `create_model` knows it now
             self._share(model, ctx, report, mapped, staging, in_place)
             if in_place is not None and in_place.placed_bytes:
                 logger.info("%s: %s%s", ctx.model_name, in_place.summary(),
@@ -461,15 +469,20 @@ def _describe_for_upstream_hooks(model, session: EngineSession) -> None:
     model.on_startup_done = session.end_startup
 
 
-def _keep_cpu_weights_plain(model: nn.Module, every_dtype: bool = True) -> Counter:
+def _keep_cpu_weights_plain(model: nn.Module, only_where_vllm_does: bool = False) -> Counter:
     """Mark linear layers with vLLM's ``_cpu_skip_gemm_dispatch`` and give unquantized vocabulary
     embeddings (input and head) a post-processing that keeps ``F.linear`` on the plain weight
     instead of packing a oneDNN copy (their lookup never uses it; the head computes logits with
-    ``layer.cpu_linear``).  With ``every_dtype`` False (``cpu_linear="vllm"``), a module whose
-    weight has a dtype vLLM packs here (`onednn.vllm_packs`) is left as vLLM makes it.  Returns
-    the modules changed, counted by their ``weight``'s dtype name (``""`` for a module without
-    one: a quantized layer's kernel is not vLLM's dispatch, so the mark changes nothing)."""
-    from vllm.model_executor.layers.linear import LinearBase
+    ``layer.cpu_linear``).  A marked linear is one whose weight vLLM does not repack, which a
+    recipe relies on (`recipe_builder.unreplayable_reason`).
+
+    With ``only_where_vllm_does`` (``cpu_linear="vllm"``), only modules whose weight vLLM's own
+    dispatch would leave to ``F.linear`` anyway (`_vllm_runs_f_linear`): the mark changes no
+    kernel then.  A quantized layer is left alone there (vLLM's CPU FP8 kernels read the mark).
+
+    Returns the modules changed, counted by their ``weight``'s dtype name (``""`` for a module
+    without one: a quantized layer's kernel is not vLLM's dispatch)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 
     marked = Counter()
@@ -479,15 +492,50 @@ def _keep_cpu_weights_plain(model: nn.Module, every_dtype: bool = True) -> Count
                                and isinstance(module.quant_method, UnquantizedEmbeddingMethod)):
             continue
         weight = getattr(module, "weight", None)
-        dtype = dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else ""
-        if not every_dtype and dtype and onednn.vllm_packs(dtype):
+        if only_where_vllm_does and (
+                (linear and not isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod))
+                or not isinstance(weight, torch.Tensor) or not _vllm_runs_f_linear(weight)):
             continue
         if linear:
             module._cpu_skip_gemm_dispatch = True
         else:
             module.quant_method.process_weights_after_loading = _plain_cpu_linear
-        marked[dtype] += 1
+        marked[dtype_name(weight.dtype) if isinstance(weight, torch.Tensor) else ""] += 1
     return marked
+
+
+def _vllm_runs_f_linear(weight: torch.Tensor) -> bool:
+    """Whether vLLM's CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm``, vLLM's
+    ``model_executor/layers/utils.py``) ends at ``F.linear`` for an unquantized layer's
+    ``weight`` (real or meta: only its shape and dtype are read): a 2-D weight neither its
+    small-GEMM kernel takes (``check_cpu_sgl_kernel``: AMX, by the hardware, whatever
+    ``ONEDNN_MAX_CPU_ISA`` says) nor oneDNN packs (`onednn.vllm_packs`).  A weight of another
+    rank vLLM leaves as it is, but for a bfloat16 causal conv's, which it packs where the CPU
+    has AVX-512-BF16: there vLLM packs bfloat16 linears too and ``vllm`` is not chosen, unless
+    oneDNN is held below the hardware (``ONEDNN_MAX_CPU_ISA=AVX2`` on such a CPU; not
+    modelled).  Nor is zentorch's dispatch (its platform packs bfloat16 too)."""
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    if weight.ndim != 2:
+        return True
+    n, k = weight.shape
+    return not check_cpu_sgl_kernel(n, k, weight.dtype) and not onednn.vllm_packs(dtype_name(weight.dtype))
+
+
+def _packed_by_vllm(model: nn.Module) -> Counter:
+    """Unquantized linear layers whose weight dtype vLLM packs for oneDNN here
+    (`onednn.vllm_packs`), counted by dtype name: under ``cpu_linear="vllm"`` they keep
+    vLLM's private packed copies (AMX's small-GEMM packs, which vLLM decides by shape, are not
+    counted)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    out = Counter()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, LinearBase) and isinstance(module.quant_method, UnquantizedLinearMethod)
+                and isinstance(weight, torch.Tensor) and onednn.vllm_packs(dtype_name(weight.dtype))):
+            out[dtype_name(weight.dtype)] += 1
+    return out
 
 
 def _changes_graph(marked: Counter) -> bool:

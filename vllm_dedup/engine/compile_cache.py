@@ -11,7 +11,8 @@ own factors) and the model's ``forward`` (vLLM's version, its qualified name and
 find each other's artifacts.
 
 That is right where the loader leaves vLLM's graph as it is (on a GPU; on the CPU backend with
-``cpu_linear`` ``packed`` or ``private``) and wrong where the loader changes it: with
+``cpu_linear`` ``packed``, ``private`` or ``vllm``, which marks only layers vLLM runs by
+``F.linear`` itself) and wrong where the loader changes it: with
 ``cpu_linear="plain"`` on the CPU backend, linear layers and the head call ``F.linear`` on a (shared) weight where a plain
 engine calls oneDNN with a handle to its private packed copy (where vLLM packs the dtype: with
 bfloat16 on AVX2 vLLM itself runs ``F.linear``, and the graph is its own; a plain artifact run on such a

@@ -42,7 +42,8 @@ class DedupConfig:
             numerics) and says why in one log line and its load report's ``private_linears``;
             where vLLM itself runs ``F.linear`` for the model's dtype (bfloat16 on AVX2),
             ``vllm``: each layer as vLLM runs it (``F.linear`` on shared weights; a float32
-            router gate, which vLLM packs there, on vLLM's private packed copy).
+            router gate, which vLLM packs there, on its packed copy, shared as ``packed``
+            shares them).
         cpu_share_linear: deprecated spelling: ``true`` is ``cpu_linear="plain"``, ``false``
             ``cpu_linear="private"``.
         registry_address: ``None`` (find or start one: see `registry.discovery.connect_registry`),

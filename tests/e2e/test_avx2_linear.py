@@ -5,13 +5,13 @@ bfloat16 model's float32 router gates (glm4_moe's, `harness.zoo`) run on packed 
 
 The default ``cpu_linear="packed"`` cannot share packed bfloat16 weights there, and the engine
 runs ``vllm``: each layer runs as vLLM's own dispatch makes it, ``F.linear`` on shared weights
-for the bfloat16 layers (marked so, which lets a recipe replay them) and vLLM's private packed
-copy for each float32 gate (and, on an AMX CPU, whose small-GEMM kernel vLLM picks by the
-hardware whatever ``ONEDNN_MAX_CPU_ISA`` says, for each small bfloat16 layer); the load report
-counts the gates' private copies.  A plain (``auto``) engine is the
-reference: the first dedup engine (it publishes) and a second (it maps everything from the
-first's recipe, through a replay that makes the model on the meta device) hold exactly its
-final tensors, its packed gates included, and answer exactly as it does.  Before, the engine
+for the bfloat16 layers (marked so, which lets a recipe replay them) and oneDNN on vLLM's packed
+copy for each float32 gate, shared as ``packed`` shares packed weights (and, on an AMX CPU,
+whose small-GEMM kernel vLLM picks by the hardware whatever ``ONEDNN_MAX_CPU_ISA`` says, that
+kernel for each small bfloat16 layer).  A plain (``auto``) engine is the reference: the first
+dedup engine (it publishes, the gates' packed weights too) and a second (it maps everything
+from the first's recipe, through a replay that makes the model on the meta device) hold
+exactly its final tensors, its packed gates included, and answer exactly as it does.  Before, the engine
 marked the gates plain too (``F.linear``: another kernel than vLLM's), and the second engine
 crashed in oneDNN (Note [probes under a device context] in vllm_dedup/engine/onednn/probe.py).
 """
@@ -39,7 +39,7 @@ def test_held_to_avx2_every_layer_runs_as_vllm_runs_it_on_the_first_and_the_nth_
         first.wait_ready()
         assert "cpu_linear=vllm" in first.log()
         load = registry.engine_loads()[first.pid]
-        assert load["private_linears"].startswith(f"{len(packed)} linears of a dtype vLLM packs here (float32)"), load
+        assert (load["packed_tensors"], load["private_linears"]) == (len(packed), ""), load  # the gates, published
         (tensors,) = first.final_tensors()
         assert not differences(tensors, reference), differences(tensors, reference)[:5]
         assert first.generate() == ids
@@ -48,6 +48,7 @@ def test_held_to_avx2_every_layer_runs_as_vllm_runs_it_on_the_first_and_the_nth_
             second.wait_ready()
             load = registry.engine_loads()[second.pid]
             assert (load["load_path"], load["checkpoint_bytes_read"]) == ("full", 0), load
+            assert (load["packed_tensors"], load["published_tensors"]) == (len(packed), 0), load  # mapped
             assert load["shared_bytes"] > 0.9 * checkpoint_bytes, load
             (tensors,) = second.final_tensors()
             assert not differences(tensors, reference), differences(tensors, reference)[:5]

@@ -42,7 +42,8 @@ class LoadContext:
         create_model: builds the model under the current default device (the loader's
             ``create_model`` for this call); None outside vLLM.
         share_packed: share the packed weights of vLLM's oneDNN handlers too (CPU backend,
-            ``cpu_linear="packed"``: `packed.py`).
+            ``cpu_linear="packed"``, or ``vllm`` where it can: `packed.py`,
+            `loader.DedupModelLoader.shares_packed`).
         handlers: the oneDNN handlers this load created, recorded where vLLM made them, with
             the tensors they read through raw pointers (`handlers.recorded_handlers`).
     """

@@ -34,8 +34,8 @@ vLLM's kernels, with a plain engine's numerics.  Where that cannot work here (`o
 the engine runs ``private``, or, where vLLM itself runs ``F.linear`` for the model's dtype
 (bfloat16 on AVX2), ``vllm``: each layer runs as vLLM's own CPU dispatch makes it, ``F.linear``
 on the plain weight (shared as any tensor, and marked so, which a recipe needs) where vLLM
-falls back to it, vLLM's private packed copy where it packs (a float32 router gate in a
-bfloat16 model, or AMX's small-GEMM kernel); it says why once.  ``plain`` keeps linear weights and the output
+falls back to it, oneDNN where vLLM packs (a float32 router gate in a bfloat16 model: its
+packed weight shared as ``packed`` shares them, `shares_packed`); it says why once.  ``plain`` keeps linear weights and the output
 head plain (``F.linear``), shared as any tensor: vLLM's own ``_cpu_skip_gemm_dispatch`` mark
 for linear layers, and for the vocabulary embeddings a post-processing that does not pack.
 That changes the model's graph, so it enters vLLM's compile-cache key (`compile_cache`): a
@@ -136,7 +136,8 @@ class DedupModelLoader(BaseModelLoader):
         ``packed`` cannot work here (`onednn.probe`), ``vllm`` if vLLM itself runs ``F.linear``
         for the model's dtype (`onednn.vllm_packs`): each layer runs as vLLM's own dispatch
         makes it, ``F.linear`` on a plain weight (shared) where vLLM falls back to it, vLLM's
-        private packed copy where it packs (a float32 router gate); else ``private``
+        packed copy where it packs (a float32 router gate; shared where `shares_packed`); else
+        ``private``
         (said once in the log and in every load report's ``private_linears``).  ``vllm`` is
         never asked for, only chosen here, and it has a load signature of its own: its final
         tensors differ from ``plain``'s wherever vLLM packs a layer."""
@@ -149,8 +150,8 @@ class DedupModelLoader(BaseModelLoader):
                     # vLLM itself runs F.linear here (its oneDNN matmul cannot be made for this
                     # dtype, e.g. bfloat16 on AVX2): so does this engine, on shared weights.
                     logger.info("vLLM runs F.linear for %s linears on this CPU (%s); so does this engine, on "
-                                "shared weights, and a linear of a dtype vLLM packs keeps vLLM's private packed "
-                                "copy (cpu_linear=vllm)", dtype, support.reason)
+                                "shared weights, and a linear of a dtype vLLM packs runs vLLM's oneDNN kernel "
+                                "(cpu_linear=vllm)", dtype, support.reason)
                     mode = "vllm"
                 elif not support.supported:
                     # vLLM's own kernels on private packed copies: plain's speed and numerics,
@@ -161,6 +162,15 @@ class DedupModelLoader(BaseModelLoader):
                     mode = "private"
             self._cpu_linear = mode
         return self._cpu_linear
+
+    def shares_packed(self, model_config: ModelConfig) -> bool:
+        """Whether this engine shares the packed weights of vLLM's oneDNN handlers (`packed.py`):
+        with ``cpu_linear="packed"``; with ``vllm``, those vLLM still makes here (a bfloat16
+        model's float32 router gate: oneDNN packs float32 on every x86 ISA) where the probe
+        passes for float32 (`onednn.probe`; a handler of another dtype is checked alone and
+        keeps its private copy if not understood, as under ``packed``)."""
+        mode = self.cpu_linear(model_config)
+        return mode == "packed" or (mode == "vllm" and onednn.probe("float32").supported)
 
     def create_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """The inner loader's model.  On the CPU backend, with ``cpu_linear="plain"``: plain
@@ -178,7 +188,7 @@ class DedupModelLoader(BaseModelLoader):
         if mode == "plain":
             logger.info("cpu_linear=plain: %d linear layers and vocabulary embeddings keep plain weights "
                         "(F.linear), shared as they are", sum(marked.values()))
-        elif mode == "vllm":
+        elif mode == "vllm" and not self.shares_packed(model_config):
             packs = _packed_by_vllm(model)
             if packs:  # said in every load report of this loader (`load_model`)
                 self.packed_declined = (f"{sum(packs.values())} linears of a dtype vLLM packs here "
@@ -365,13 +375,14 @@ class DedupModelLoader(BaseModelLoader):
                               "loading privately")
             return None
         cpu_linear = self.cpu_linear(model_config) if device.type == "cpu" else ""
+        share_packed = device.type == "cpu" and self.shares_packed(model_config)
         signature = load_signature(vllm_config, model_config, self.config.inner_load_format, cpu_linear)
         lease = EngineSession.current().connect(self.config, str(model_config.model), device_key, signature)
         if lease is None:
             return None
         return LoadContext(self.config, lease, device, device_key, signature, vllm_config, model_config, prefix,
                            create_model=lambda: self.create_model(vllm_config, model_config, prefix),
-                           share_packed=cpu_linear == "packed")
+                           share_packed=share_packed)
 
 
 class _UsualLoad(BaseModelLoader):

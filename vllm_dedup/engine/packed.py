@@ -207,10 +207,12 @@ class ZeroPages:
 
 def packed_and_dropped(module, name: str) -> bool:
     """Whether vLLM's CPU post-processing packs ``module``'s tensor ``name`` for oneDNN and drops
-    it: a linear layer's weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``)."""
+    it: a linear layer's weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``),
+    unless the layer is marked ``_cpu_skip_gemm_dispatch`` (``cpu_linear="vllm"`` marks the
+    layers vLLM runs by ``F.linear``: their weights stay)."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    return name == "weight" and isinstance(module, LinearBase)
+    return name == "weight" and isinstance(module, LinearBase) and not getattr(module, "_cpu_skip_gemm_dispatch", False)
 
 
 def keeps_weight(recipe) -> bool:

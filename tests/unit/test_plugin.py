@@ -62,13 +62,46 @@ def test_where_packed_sharing_cannot_work_linears_keep_vllms_private_packed_copi
     assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "private"
     assert loader.packed_declined == "every linear: packed sharing cannot work here (no bfloat16 here (test))"
     # Where vLLM itself runs F.linear (bfloat16 on AVX2), so does the engine, on shared weights,
-    # and every layer as vLLM runs it ("vllm": a float32 gate vLLM packs keeps its packed copy;
+    # and every layer as vLLM runs it ("vllm": a float32 gate vLLM packs runs on its packed copy,
+    # shared where the float32 probe passes;
     # tests/e2e/test_avx2_linear.py); a load signature of its own, not plain's.
     monkeypatch.setattr(onednn, "vllm_packs", lambda dtype: False)
     loader = DedupModelLoader(LoadConfig(load_format="dedup"))
     assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "vllm" and loader.packed_declined == ""
+    assert not loader.shares_packed(types.SimpleNamespace(dtype="bfloat16"))  # the float32 probe fails too
     asked = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"cpu_linear": "plain"}))
     assert asked.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "plain" and asked.packed_declined == ""
+    assert not asked.shares_packed(types.SimpleNamespace(dtype="bfloat16"))
+    # The packed weights vLLM still makes under "vllm" (float32) are shared where that probe passes.
+    monkeypatch.setattr(onednn, "probe", lambda dtype: onednn.Support(dtype == "float32", "" if dtype == "float32"
+                                                                      else f"no {dtype} here (test)"))
+    loader = DedupModelLoader(LoadConfig(load_format="dedup"))
+    assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "vllm"
+    assert loader.shares_packed(types.SimpleNamespace(dtype="bfloat16"))
+    packed = DedupModelLoader(LoadConfig(load_format="dedup"))
+    monkeypatch.setattr(onednn, "probe", lambda dtype: onednn.Support(True))
+    assert packed.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "packed"
+    assert packed.shares_packed(types.SimpleNamespace(dtype="bfloat16"))
+
+
+def test_a_linear_marked_for_f_linear_keeps_its_weight():
+    """`packed.packed_and_dropped`: vLLM packs and drops an unmarked linear's weight; one marked
+    ``_cpu_skip_gemm_dispatch`` (``plain``, ``vllm``, or vLLM's own mark on MLA's kv_b_proj)
+    keeps it, so an in-place load places it and staging leaves it (nothing of it is packed)."""
+    from torch import nn
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from vllm_dedup.engine.packed import packed_and_dropped
+
+    class Linear(LinearBase):  # only the class matters here
+        def __init__(self):
+            nn.Module.__init__(self)
+
+    layer = Linear()
+    assert packed_and_dropped(layer, "weight") and not packed_and_dropped(layer, "bias")
+    layer._cpu_skip_gemm_dispatch = True
+    assert not packed_and_dropped(layer, "weight")
+    assert not packed_and_dropped(nn.Linear(2, 2), "weight")  # not vLLM's: nothing packs it
 
 
 @pytest.mark.parametrize("extra, words", [

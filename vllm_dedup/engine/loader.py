@@ -255,7 +255,7 @@ class DedupModelLoader(BaseModelLoader):
     def _in_place(ctx: LoadContext, staging) -> InPlace | PackedInPlace | None:
         """Where a load of this context that reads the checkpoint loads its tensors into
         segments of its own: `in_place.InPlace` on the host (a memfd per storage; where packed
-        weights are staged, linear weights stay out: vLLM packs and drops them),
+        weights are staged, the weights vLLM packs and drops stay out: `packed.packed_and_dropped`),
         `in_place_packed.PackedInPlace` where segments come in granules (CUDA); None with
         ``in_place`` off, or where the backend cannot say its granularity."""
         if not ctx.config.in_place:
@@ -535,8 +535,9 @@ def _vllm_runs_f_linear(weight: torch.Tensor) -> bool:
 
 def _packed_by_vllm(model: nn.Module) -> Counter:
     """Unquantized linear layers whose weight dtype vLLM packs for oneDNN here
-    (`onednn.vllm_packs`), counted by dtype name: under ``cpu_linear="vllm"`` they keep
-    vLLM's private packed copies (AMX's small-GEMM packs, which vLLM decides by shape, are not
+    (`onednn.vllm_packs`), counted by dtype name: under ``cpu_linear="vllm"`` where it does
+    not share packed weights (`DedupModelLoader.shares_packed`) they keep vLLM's private packed
+    copies (AMX's small-GEMM packs, which vLLM decides by shape, are not
     counted)."""
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 

@@ -1,4 +1,5 @@
-"""oneDNN packed weights as the engine sees them (CPU backend, ``cpu_linear="packed"``): in the
+"""oneDNN packed weights as the engine sees them (CPU backend, ``cpu_linear="packed"``, and
+``vllm`` where it shares the packed weights vLLM still makes: `loader.DedupModelLoader.shares_packed`): in the
 sharing pass, and in a recipe's replay.
 
 vLLM's CPU backend packs each linear weight (and the vocabulary head's) into memory its oneDNN

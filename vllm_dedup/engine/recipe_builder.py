@@ -2,7 +2,7 @@
 data it fills in, and how a later engine matches it, are in `recipe.py`).
 
 A module's entry says whether it is replayable (`unreplayable_reason`), and, on vLLM's CPU
-backend with ``cpu_linear="packed"``, names its oneDNN handler's packed weight
+backend with packed weights shared (``cpu_linear="packed"``, or ``vllm``), names its oneDNN handler's packed weight
 (`packed_recipe`), so a replay can put the segment back in place of a placeholder's packing.
 A causal-conv weight that vLLM's CPU path packed for its kernel is recorded as the weight it
 was before (`conv_weight_recipe`): a replay binds that, and vLLM packs it again.

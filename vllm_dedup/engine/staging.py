@@ -1,6 +1,7 @@
 """Publish in place: a usual load's oneDNN packed weights go into segments as vLLM makes them.
 
-On vLLM's CPU backend with ``cpu_linear="packed"`` the bytes every kernel reads are the packed
+On vLLM's CPU backend with ``cpu_linear="packed"`` (or ``vllm`` sharing its packed weights,
+`loader.DedupModelLoader.shares_packed`) the bytes every kernel reads are the packed
 weights oneDNN allocates in ``process_weights_after_loading``, one linear layer at a time.  The
 sharing pass used to meet them only after the whole model was post-processed, so for a while
 the load held every packed weight twice (oneDNN's copy and the segment's), and paid a second

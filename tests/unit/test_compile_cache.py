@@ -87,8 +87,8 @@ def test_plain_weights_change_the_graph_where_vllm_packs_any_weight_dtype_marked
 
     # cpu_linear="vllm" (the fallback where vLLM runs F.linear for the model's dtype) marks
     # only what vLLM's own dispatch leaves to F.linear: the graph stays vLLM's, and where packed
-    # weights are not shared the load report counts the layers vLLM packs (private copies).  As on AVX2, on every machine:
-    # oneDNN packs float32 only, and AMX's small-GEMM kernel as told.
+    # weights are not shared the load report counts the layers vLLM packs (private copies).
+    # As on AVX2, on every machine: oneDNN packs float32 only, and AMX's small-GEMM kernel as told.
     import vllm.model_executor.layers.utils as vllm_utils
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 

@@ -63,8 +63,8 @@ def test_where_packed_sharing_cannot_work_linears_keep_vllms_private_packed_copi
     assert loader.packed_declined == "every linear: packed sharing cannot work here (no bfloat16 here (test))"
     # Where vLLM itself runs F.linear (bfloat16 on AVX2), so does the engine, on shared weights,
     # and every layer as vLLM runs it ("vllm": a float32 gate vLLM packs runs on its packed copy,
-    # shared where the float32 probe passes;
-    # tests/e2e/test_avx2_linear.py); a load signature of its own, not plain's.
+    # shared where the float32 probe passes; tests/e2e/test_avx2_linear.py); a load signature of
+    # its own, not plain's.
     monkeypatch.setattr(onednn, "vllm_packs", lambda dtype: False)
     loader = DedupModelLoader(LoadConfig(load_format="dedup"))
     assert loader.cpu_linear(types.SimpleNamespace(dtype="bfloat16")) == "vllm" and loader.packed_declined == ""

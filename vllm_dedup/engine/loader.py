@@ -35,9 +35,10 @@ the engine runs ``private``, or, where vLLM itself runs ``F.linear`` for the mod
 (bfloat16 on AVX2), ``vllm``: each layer runs as vLLM's own CPU dispatch makes it, ``F.linear``
 on the plain weight (shared as any tensor, and marked so, which a recipe needs) where vLLM
 falls back to it, oneDNN where vLLM packs (a float32 router gate in a bfloat16 model: its
-packed weight shared as ``packed`` shares them, `shares_packed`); it says why once.  ``plain`` keeps linear weights and the output
-head plain (``F.linear``), shared as any tensor: vLLM's own ``_cpu_skip_gemm_dispatch`` mark
-for linear layers, and for the vocabulary embeddings a post-processing that does not pack.
+packed weight shared as ``packed`` shares them, `shares_packed`); it says why once.
+``plain`` keeps linear weights and the output head plain (``F.linear``), shared as any tensor:
+vLLM's own ``_cpu_skip_gemm_dispatch`` mark for linear layers, and for the vocabulary embeddings
+a post-processing that does not pack.
 That changes the model's graph, so it enters vLLM's compile-cache key (`compile_cache`): a
 compiled artifact of a plain engine is never loaded into such a model, nor the other way round.
 ``private`` is vLLM's oneDNN path with the packed weights left private.
@@ -137,8 +138,7 @@ class DedupModelLoader(BaseModelLoader):
         for the model's dtype (`onednn.vllm_packs`): each layer runs as vLLM's own dispatch
         makes it, ``F.linear`` on a plain weight (shared) where vLLM falls back to it, vLLM's
         packed copy where it packs (a float32 router gate; shared where `shares_packed`); else
-        ``private``
-        (said once in the log and in every load report's ``private_linears``).  ``vllm`` is
+        ``private`` (said once in the log and in every load report's ``private_linears``).  ``vllm`` is
         never asked for, only chosen here, and it has a load signature of its own: its final
         tensors differ from ``plain``'s wherever vLLM packs a layer."""
         if self._cpu_linear is None:
@@ -207,7 +207,7 @@ class DedupModelLoader(BaseModelLoader):
         ctx = self._context(vllm_config, model_config, prefix)
         if ctx is None:
             return self._load_as_usual(vllm_config, model_config, prefix)
-        report = self.report = LoadReport(private_linears=self.packed_declined)
+        report = self.report = LoadReport()
         staging = self._staging(ctx)
         in_place = self._in_place(ctx, staging)
 
@@ -221,7 +221,7 @@ class DedupModelLoader(BaseModelLoader):
             except BaseException:  # the sharing pass lets go of them otherwise (`share_model`)
                 _let_go(staging, in_place)
                 raise
-            report.private_linears = report.private_linears or self.packed_declined  # `create_model` knows it now
+            report.private_linears = self.packed_declined  # known once `create_model` ran; the sharing pass may say more
             self._share(model, ctx, report, mapped, staging, in_place)
             if in_place is not None and in_place.placed_bytes:
                 logger.info("%s: %s%s", ctx.model_name, in_place.summary(),

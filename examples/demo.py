@@ -105,6 +105,7 @@ def main() -> int:
         # The registry records each engine's model path and what it mapped from the others.
         by_model = {e.model: e.load for e in stats.engines}
         shared = [by_model[str(m)]["shared_bytes"] for m in models]
+        packed = sum(by_model[str(m)].get("packed_tensors", 0) for m in models)  # oneDNN's, shared or published
 
         rows = []
         for i, m in enumerate(models):
@@ -117,7 +118,7 @@ def main() -> int:
             "engines": rows,
             "pss_plain_bytes": sum(plain_pss), "pss_dedup_bytes": sum(dedup_pss),
             "saved_bytes": sum(plain_pss) - sum(dedup_pss),
-            "shared_bytes": sum(shared), "expected_shared_bytes": sum(expected),
+            "shared_bytes": sum(shared), "expected_shared_bytes": sum(expected), "packed_tensors": packed,
         }
     finally:
         leftovers = cleanup(run_dir)
@@ -131,10 +132,13 @@ def main() -> int:
               f"{r['expected_shared_bytes'] / MB:>7.0f}MB  {r['outputs_match']}")
     print(f"{'total':<{w}} {result['pss_plain_bytes'] / MB:>8.0f}MB {result['pss_dedup_bytes'] / MB:>8.0f}MB "
           f"{result['shared_bytes'] / MB:>7.0f}MB {result['expected_shared_bytes'] / MB:>7.0f}MB")
+    # Where vLLM packs weights for oneDNN (bf16 on AVX-512, float32 everywhere) the engines also
+    # share the packed copies, which the checkpoints do not show; on AVX2 a bf16 model has none.
+    also = (f"; the engines also share {result['packed_tensors']} oneDNN packed copies, which the checkpoints "
+            "do not show" if result["packed_tensors"] else "")
     print(f"saved: {result['saved_bytes'] / MB:.0f} MB of PSS with dedup; {result['shared_bytes'] / MB:.0f} MB "
           f"of weights mapped from segments (expected from the checkpoints' keys: "
-          f"{result['expected_shared_bytes'] / MB:.0f} MB; on vLLM's CPU backend the engines also map the "
-          "oneDNN packed copies of the embedding, which the checkpoints do not show)")
+          f"{result['expected_shared_bytes'] / MB:.0f} MB{also})")
     print("left behind: " + (", ".join(leftovers) if leftovers else "nothing (no process, segment or temp file)"))
     if args.json:
         print(json.dumps(result))

@@ -52,7 +52,14 @@ Note [no pages allocated ahead of the weight loaders]
     engine under AVX2, four alternating loads each, median 1.99 s with it against 1.98 s
     without, and its ``load_weights`` copies took 2.42 s and 5.31 s against 2.34 s and 2.95 s
     in two profiles each.  Why was not found (the threads hashing the checkpoint share that
-    core, and the copies fault in the checkpoint's file pages too).  Not kept.
+    core, and the copies fault in the checkpoint's file pages too).  Not kept.  Nor done
+    synchronously: ``posix_fallocate`` and ``MADV_POPULATE_WRITE`` of each segment as `place`
+    makes it cost 0.62 s per GiB against 1.1 s faulted at the writes in a microbenchmark, but
+    in the 1.2B model's first engine (AVX2 VM, 2026-11-28) it took 1.68 s and saved only 0.92 s
+    of the copies (1.54 s to 0.62 s, py-spy), and three alternating loads each gave a median of
+    3.60 s against 3.52 s.  Why the engine differs from the microbenchmark (1 GiB filled again
+    and again in one process) was not found either; on this VM the host takes free pages back
+    (free page reporting), so a load's fresh pages may cost more than a benchmark's.
 
 Note [sealing where it lies]
     ``F_SEAL_WRITE`` fails (EBUSY) while any shared mapping of the memfd may become writable:

@@ -363,6 +363,23 @@ def test_attribute_tensors_reach_module_attributes_and_plain_objects_they_hold()
     assert "norm.kv_cache" not in found and "qkv.other.hidden" not in found
 
 
+def test_the_attribute_walk_leaves_out_inert_values_and_nothing_a_caller_looks_for():
+    from collections import OrderedDict
+
+    from vllm_dedup.engine.attributes import module_attributes
+
+    layer = nn.Linear(4, 4)  # nn.Module's own hook dicts and flags: all inert
+    weight = torch.ones(2)
+    layer.cpu_linear = lambda x, w=None, b=None: weight + x  # a closure over a tensor, as vLLM's dispatch makes
+    layer.impl = Impl()
+    layer.impl.sinks, layer.impl.scale, layer.impl.name = torch.zeros(1), 0.5, "attn"
+    layer.sizes, layer.flags, layer.dtype = [4, 4], {"a": weight}, torch.bfloat16
+    layer.hooks = OrderedDict(h=lambda: None)
+    found = {a.path: a.value for a in module_attributes(layer)}
+    assert set(found) == {"cpu_linear", "impl", "impl.sinks"}, sorted(found)
+    assert dict(attribute_tensors(layer)).keys() == {"<model>.cpu_linear[0]", "<model>.impl.sinks"}
+
+
 def vllm_config(tmp_path, **changes):
     """The parts of a VllmConfig the load signature reads, for a model folder ``tmp_path``."""
     from transformers import LlamaConfig

@@ -138,6 +138,36 @@ def test_only_written_pages_are_copied_and_the_rest_reads_zeros():
     assert torch.equal(dst, t)  # unwritten pages of t read zeros too
 
 
+def test_a_witness_reads_no_page_of_a_segment_that_holds_no_data():
+    """Before loading, a placed memfd nothing was copied into holds no data: the write witness
+    says what reading its zeros would, without reading (which would allocate its pages)."""
+    import warnings
+
+    from vllm_dedup.engine.sources import write_witness
+
+    fresh = mmap.mmap(-1, 4 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as torch.empty's pages
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        weight = torch.frombuffer(fresh, dtype=torch.float32).view(1024, 1024)
+    module = nn.Module()
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.register_buffer("cache", torch.ones(1 << 16))  # written at construction: copied
+    del weight
+    placed = InPlace(min_bytes=4096)
+    placed.place(module)
+    address = module.weight.data_ptr()
+    assert _memfd(module.weight) and _memfd(module.cache)
+    assert placed.holds_no_data(address) and not placed.holds_no_data(module.cache.data_ptr())
+    assert not placed.holds_no_data(address + 4096)  # not the first byte of a segment
+    ranges = AnonymousRanges(placed.holds_no_data)
+    assert ranges.written_runs(address, 4 * MB) == [] and ranges.written_runs(module.cache.data_ptr(), 4) is None
+    witness = write_witness(module.weight, unwritten=ranges)
+    assert placed.holds_no_data(address)  # nothing was read
+    assert witness == write_witness(module.weight)  # what reading the zeros says
+    assert not placed.holds_no_data(address)  # which allocated pages: data now
+    placed.release()
+
+
 def test_a_storage_held_outside_the_models_places_is_not_moved():
     model = _Model()
     model.kept = model.down.weight.data  # another tensor object over the same bytes, in an attribute

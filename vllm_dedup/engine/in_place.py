@@ -102,6 +102,7 @@ Note [a descriptor that goes with its mapping]
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import sys
@@ -215,6 +216,21 @@ class InPlace:
             return
         self._placed[new.data_ptr()] = _Placed(fd, nbytes, weakref.ref(mapping), closer)
         self.placed_bytes += nbytes
+
+    def holds_no_data(self, address: int) -> bool:
+        """Whether ``address`` is the first byte of one of this load's writable segments whose
+        memfd holds no data now: every byte reads zero, so a write witness need not read its
+        pages (`sources.write_witness`; a read would allocate them).  Exact: shmem answers
+        ``lseek(SEEK_DATA)`` from its page cache, where a page written, read or swapped out is
+        data (lseek(2))."""
+        placed = self._placed.get(address)
+        if placed is None:
+            return False
+        try:
+            os.lseek(placed.fd, 0, os.SEEK_DATA)
+        except OSError as e:
+            return e.errno == errno.ENXIO  # no data from offset 0 on: all of it a hole
+        return False
 
     def packs(self, pending: dict) -> tuple[list, list]:
         """Packs of several tensors to publish where they lie, and groups of misses to copy

@@ -431,7 +431,7 @@ class _UsualLoad(BaseModelLoader):
 
         recorded.attrs_before = model_attrs(model)
         recorder = recorded.recorder
-        recorder.wrap(model)
+        recorder.wrap(model, holds_no_data=self.in_place.holds_no_data if self.in_place is not None else None)
         weights = inner.get_all_weights
         inner.get_all_weights = lambda mc, m: recorder.iterate(weights(mc, m))
         try:

@@ -57,9 +57,17 @@ def mappings() -> Iterator[Mapping]:
 
 class AnonymousRanges:
     """The private anonymous mappings of this process now (`mappings`), to tell whether an
-    address range reads zeros where no page is present."""
+    address range reads zeros where no page is present; and, with ``holds_no_data``, whether
+    one that lies elsewhere reads zeros throughout.
 
-    def __init__(self):
+    Args:
+        holds_no_data: ``holds_no_data(address)`` is true where ``address`` starts a mapping
+            whose every byte reads zero now (a memfd of this load's that nothing has written:
+            `in_place.InPlace.holds_no_data`).
+    """
+
+    def __init__(self, holds_no_data=None):
+        self.holds_no_data = holds_no_data
         self.starts, self.ends = [], []
         try:
             for m in mappings():
@@ -80,9 +88,14 @@ class AnonymousRanges:
 
     def written_runs(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
         """`present_runs` of ``[address, address + nbytes)`` where that range lies in one
-        private anonymous range, so every byte outside the runs reads as zero; None where it
-        does not, or pagemap cannot be read (then any byte may be written)."""
-        return present_runs(address, nbytes) if self.contains(address, nbytes) else None
+        private anonymous range, so every byte outside the runs reads as zero; no run where
+        ``holds_no_data`` says the range starts a mapping of zeros; None elsewhere, or where
+        pagemap cannot be read (then any byte may be written)."""
+        if self.contains(address, nbytes):
+            return present_runs(address, nbytes)
+        if self.holds_no_data is not None and self.holds_no_data(address):
+            return []
+        return None
 
 
 def present_runs(address: int, nbytes: int) -> list[tuple[int, int]] | None:

@@ -380,7 +380,8 @@ class Replay:
 
     def _load_unmatched(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         names = self.match.read()
-        self.recorder.wrap(model, self.match.unmatched)
+        self.recorder.wrap(model, self.match.unmatched,
+                           holds_no_data=self.in_place.holds_no_data if self.in_place is not None else None)
         try:
             with self.recorder.tracing(protect=self._bound(modules)):
                 model.load_weights(self.recorder.iterate(read_tensors(sorted(names), self.where, self.identities)))

@@ -105,7 +105,7 @@ def main() -> int:
         # The registry records each engine's model path and what it mapped from the others.
         by_model = {e.model: e.load for e in stats.engines}
         shared = [by_model[str(m)]["shared_bytes"] for m in models]
-        packed = sum(by_model[str(m)].get("packed_tensors", 0) for m in models)  # oneDNN's, shared or published
+        packed = sum(by_model[str(m)].get("packed_tensors", 0) for m in models)  # oneDNN's, published or mapped
 
         rows = []
         for i, m in enumerate(models):
@@ -134,8 +134,8 @@ def main() -> int:
           f"{result['shared_bytes'] / MB:>7.0f}MB {result['expected_shared_bytes'] / MB:>7.0f}MB")
     # Where vLLM packs weights for oneDNN (bf16 on AVX-512, float32 everywhere) the engines also
     # share the packed copies, which the checkpoints do not show; on AVX2 a bf16 model has none.
-    also = (f"; the engines also share {result['packed_tensors']} oneDNN packed copies, which the checkpoints "
-            "do not show" if result["packed_tensors"] else "")
+    also = (f"; {result['packed_tensors']} of the tensors the engines published or mapped are oneDNN packed "
+            "copies, which the checkpoints do not show" if result["packed_tensors"] else "")
     print(f"saved: {result['saved_bytes'] / MB:.0f} MB of PSS with dedup; {result['shared_bytes'] / MB:.0f} MB "
           f"of weights mapped from segments (expected from the checkpoints' keys: "
           f"{result['expected_shared_bytes'] / MB:.0f} MB{also})")

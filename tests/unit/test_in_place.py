@@ -157,8 +157,9 @@ def test_a_witness_reads_no_page_of_a_segment_that_holds_no_data():
     placed.place(module)
     address = module.weight.data_ptr()
     assert _memfd(module.weight) and _memfd(module.cache)
-    assert placed.holds_no_data(address) and not placed.holds_no_data(module.cache.data_ptr())
+    assert placed.holds_no_data(address, 4 * MB) and not placed.holds_no_data(module.cache.data_ptr())
     assert not placed.holds_no_data(address + 4096)  # not the first byte of a segment
+    assert not placed.holds_no_data(address, 4 * MB + 1)  # a range past the segment's end
     ranges = AnonymousRanges(placed.holds_no_data)
     assert ranges.written_runs(address, 4 * MB) == [] and ranges.written_runs(module.cache.data_ptr(), 4) is None
     witness = write_witness(module.weight, unwritten=ranges)

@@ -57,9 +57,10 @@ Note [no pages allocated ahead of the weight loaders]
     makes it cost 0.62 s per GiB against 1.1 s faulted at the writes in a microbenchmark, but
     in the 1.2B model's first engine (AVX2 VM, 2026-11-28) it took 1.68 s and saved only 0.92 s
     of the copies (1.54 s to 0.62 s, py-spy), and three alternating loads each gave a median of
-    3.60 s against 3.52 s.  Why the engine differs from the microbenchmark (1 GiB filled again
-    and again in one process) was not found either; on this VM the host takes free pages back
-    (free page reporting), so a load's fresh pages may cost more than a benchmark's.
+    3.60 s against 3.52 s (that day's figures; the 0.81 s above is another day's).  Why the
+    engine differs from the microbenchmark (1 GiB filled again and again in one process) was
+    not found either; on this VM the host takes free pages back (free page reporting), so a
+    load's fresh pages may cost more than a benchmark's.
 
 Note [sealing where it lies]
     ``F_SEAL_WRITE`` fails (EBUSY) while any shared mapping of the memfd may become writable:
@@ -217,14 +218,15 @@ class InPlace:
         self._placed[new.data_ptr()] = _Placed(fd, nbytes, weakref.ref(mapping), closer)
         self.placed_bytes += nbytes
 
-    def holds_no_data(self, address: int) -> bool:
-        """Whether ``address`` is the first byte of one of this load's writable segments whose
-        memfd holds no data now: every byte reads zero, so a write witness need not read its
-        pages (`sources.write_witness`; a read would allocate them).  Exact: shmem answers
-        ``lseek(SEEK_DATA)`` from its page cache, where a page written, read or swapped out is
-        data (lseek(2))."""
+    def holds_no_data(self, address: int, nbytes: int = 0) -> bool:
+        """Whether ``address`` is the first byte of one of this load's writable segments, still
+        in use and of at least ``nbytes``, whose memfd holds no data now: every byte reads zero,
+        so a write witness need not read its pages (`sources.write_witness`; a read would
+        allocate them).  Exact: shmem answers ``lseek(SEEK_DATA)`` from its page cache, where a
+        page written, read or swapped out is data (lseek(2))."""
         placed = self._placed.get(address)
-        if placed is None:
+        # not ours, or its descriptor went with its mapping (Note [a descriptor that goes with its mapping])
+        if placed is None or placed.mapping() is None or nbytes > placed.nbytes:
             return False
         try:
             os.lseek(placed.fd, 0, os.SEEK_DATA)

@@ -203,7 +203,7 @@ class PackedInPlace:
         placed.members[new.data_ptr()] = _Member(offset, nbytes, weakref.ref(new.untyped_storage()))
         placed.payload_bytes += nbytes
 
-    def holds_no_data(self, address: int) -> bool:
+    def holds_no_data(self, address: int, nbytes: int = 0) -> bool:
         """Always False: a pack's granules are not known to read zeros (`in_place.InPlace`'s
         answer for a memfd of one storage), so a write witness reads them."""
         return False

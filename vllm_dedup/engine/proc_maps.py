@@ -61,9 +61,9 @@ class AnonymousRanges:
     one that lies elsewhere reads zeros throughout.
 
     Args:
-        holds_no_data: ``holds_no_data(address)`` is true where ``address`` starts a mapping
-            whose every byte reads zero now (a memfd of this load's that nothing has written:
-            `in_place.InPlace.holds_no_data`).
+        holds_no_data: ``holds_no_data(address, nbytes)`` is true where ``address`` starts a
+            mapping of at least ``nbytes`` whose every byte reads zero now (a memfd of this
+            load's that nothing has written: `in_place.InPlace.holds_no_data`).
     """
 
     def __init__(self, holds_no_data=None):
@@ -93,7 +93,7 @@ class AnonymousRanges:
         pagemap cannot be read (then any byte may be written)."""
         if self.contains(address, nbytes):
             return present_runs(address, nbytes)
-        if self.holds_no_data is not None and self.holds_no_data(address):
+        if self.holds_no_data is not None and self.holds_no_data(address, nbytes):
             return []
         return None
 

@@ -116,8 +116,8 @@ class SourceRecorder:
         """Wrap the ``weight_loader`` of every parameter and buffer of ``model`` (of the named
         ``modules`` only, when given), and take each one's `write_witness`.  A tensor owned by
         several modules (tied weights) is attributed to the first name `named_modules` gives it.
-        ``holds_no_data(address)``: whether the tensor whose storage starts there reads zeros
-        throughout (`in_place.InPlace.holds_no_data`; Note [reading a parameter before it is
+        ``holds_no_data(address, nbytes)``: whether the tensor whose first byte is there reads
+        zeros throughout (`in_place.InPlace.holds_no_data`; Note [reading a parameter before it is
         written])."""
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
@@ -302,7 +302,7 @@ def write_witness(t, samples: int = 256, unwritten: AnonymousRanges | None = Non
         nothing of a memfd that holds no data yet (``holds_no_data``).  The 1.2B model's first
         engine (91 such parameters, 256 pages each read before) then spent 3.03 s in the kernel
         against 3.38 s, and loaded in 3.49 s against 3.91 s, medians of five alternating loads
-        on a noisy VM (AVX2, 2026-11-28)."""
+        on a noisy VM whose rounds spread by more than that (AVX2, 2026-11-28)."""
     import torch
 
     if t.is_meta or t.numel() == 0:

@@ -4,8 +4,9 @@ The creator copies the tensor's bytes into a fresh memfd and then seals it
 (``F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``).  After that the kernel refuses
 any writable shared mapping and any ``write`` to it, in every process, the creator's included:
 a stray in-place write into a shared weight faults instead of silently changing another
-engine's model.  All processes map it ``PROT_READ``, ``MAP_SHARED``, so its pages exist once
-and are counted once across processes (PSS splits them).
+engine's model.  All processes map it ``PROT_READ``, ``MAP_SHARED`` (``MAP_PRIVATE`` where an
+older kernel refuses that: Note [a read-only mapping of a write-sealed memfd]), so its pages exist
+once and are counted once across processes (PSS splits them).
 
 A segment sealed where it was loaded (`engine.in_place`) is sealed with ``F_SEAL_FUTURE_WRITE``
 instead of ``F_SEAL_WRITE`` (`seal_future_writes`; Note [sealing where it lies] there): the
@@ -29,11 +30,26 @@ Note [huge pages for segments]
     default).  With ``within_size`` or ``always`` the kernel uses huge pages without being
     asked, for segments written with ``pwrite`` too (staged packed weights: `sealed_memfd`),
     which ``advise`` leaves in 4 KiB pages.  With ``never`` the advice does nothing.
+
+Note [a read-only mapping of a write-sealed memfd]
+    Older kernels refuse every ``MAP_SHARED`` mapping of a memfd sealed with ``F_SEAL_WRITE``,
+    read-only ones too (EPERM): ``mmap_region`` calls ``mapping_map_writable`` for any shared
+    mapping, and the seal has denied it.  Ubuntu 22.04's 5.15 does (iree-org/iree#23776);
+    later kernels check only mappings that may be written (``VM_MAYWRITE``), as the seal's
+    documentation says.  There every segment made by copying (`HostSegment.create_packed`:
+    packed weights, copied tensors) and every recipe (`HostSegment.from_bytes`) would fail to
+    map, and the engine would silently share little and replay nothing.  So `map_read_only`
+    maps ``MAP_PRIVATE`` where ``MAP_SHARED`` is refused: a private mapping of a shmem file
+    reads the memfd's own pages (a page is copied only when written, and ``PROT_READ`` never
+    writes), so the pages still exist once and PSS splits them as before.  What changes is
+    only what an ``mprotect`` of this process could do: make its own mapping writable and get
+    private copies on write, which no other engine ever sees.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import functools
 import mmap
@@ -46,7 +62,7 @@ from ..errors import SegmentError
 from .base import Segment
 
 __all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
-           "protect_read_only", "seal", "seal_future_writes", "seal_where_it_lies", "sealed_memfd", "seals_future_writes",
+           "map_read_only", "protect_read_only", "seal", "seal_future_writes", "seal_where_it_lies", "sealed_memfd", "seals_future_writes",
            "writable_memfd", "write_all"]
 
 HUGE_PAGE_BYTES = 2 << 20  # a PMD-mapped page on x86-64: Note [huge pages for segments]
@@ -95,6 +111,24 @@ def write_all(fd: int, data, offset: int) -> None:
     view, done = memoryview(data).cast("B"), 0
     while done < view.nbytes:
         done += os.pwrite(fd, view[done:], offset + done)
+
+
+def map_read_only(fd: int, nbytes: int) -> mmap.mmap:
+    """A read-only mapping of ``nbytes`` of the sealed memfd ``fd``, its page tables filled
+    (``MAP_POPULATE``): ``MAP_SHARED``, or ``MAP_PRIVATE`` where the kernel refuses a shared
+    mapping of a memfd sealed with ``F_SEAL_WRITE`` (Note [a read-only mapping of a
+    write-sealed memfd]).
+
+    Raises:
+        OSError: the kernel refused both (or refused for another reason than that seal).
+        ValueError: the memfd is shorter than ``nbytes``.
+    """
+    try:
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+    except PermissionError as e:
+        if e.errno != errno.EPERM or not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE:
+            raise
+    return mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE | mmap.MAP_POPULATE, mmap.PROT_READ)
 
 
 def seal(fd: int) -> None:
@@ -253,7 +287,7 @@ class HostSegment(Segment):
         # for the GIL between segments while the build runs Python.  Not worth a thread.  An
         # empty tensor still needs a (1-byte) mapping: mmap of length 0 is an error.
         try:
-            self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
+            self._map = map_read_only(fd, max(nbytes, 1))
         except (OSError, ValueError) as e:  # ValueError: the memfd is shorter than that (an empty one)
             self.close_fd()
             raise SegmentError(f"cannot map a {nbytes}-byte memfd segment: {e}") from None

@@ -1,0 +1,91 @@
+"""Host segments where the kernel refuses a shared mapping of a write-sealed memfd.
+
+This machine's kernel maps such a memfd read-only and shared; older ones (Ubuntu 22.04's 5.15)
+refuse every ``MAP_SHARED`` mapping of a memfd sealed with ``F_SEAL_WRITE``, read-only ones too,
+with EPERM (Note [a read-only mapping of a write-sealed memfd] in ``vllm_dedup/segments/host.py``).
+`_old_kernel_mmap` is a model of that rule over the real ``mmap``: it refuses where such a
+kernel does, and maps for real otherwise; the memfds, seals and pages are real.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+
+import pytest
+import torch
+
+from vllm_dedup.segments.host import HostSegment, map_read_only, writable_memfd
+
+MB = 1 << 20
+
+
+def _old_kernel_mmap(real, refuse_every_shared: bool = False):
+    """``mmap.mmap`` as a kernel before the ``VM_MAYWRITE`` check behaves (a model): EPERM for a
+    shared mapping of a memfd sealed with ``F_SEAL_WRITE`` (of any file, with
+    ``refuse_every_shared``)."""
+
+    def model(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, *args, **kwargs):
+        if fd >= 0 and flags & mmap.MAP_SHARED and (
+                refuse_every_shared or fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real(fd, length, flags, prot, *args, **kwargs)
+
+    return model
+
+
+def _mapping_line(address: int) -> str:
+    """The /proc/self/maps line of the mapping holding ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            begin, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if begin <= address < end:
+                return line
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def test_a_write_sealed_segment_maps_privately_where_the_kernel_refuses_a_shared_mapping(monkeypatch):
+    data = torch.arange(64 * MB // 4, dtype=torch.int32)
+    monkeypatch.setattr(mmap, "mmap", _old_kernel_mmap(mmap.mmap))
+    made = HostSegment.create_packed([(data, 0)], data.numel() * 4)  # copied, sealed F_SEAL_WRITE, mapped
+    anon_before = _rss_anon()
+    received = HostSegment.attach(os.dup(made._fd), made.nbytes)  # another engine's view of it
+    try:
+        for seg in (made, received):
+            t = seg.tensor(0, torch.int32, tuple(data.shape), (1,))
+            assert torch.equal(t, data)
+            line = _mapping_line(t.data_ptr())
+            assert line.split()[1] == "r--p" and "/memfd:vllm-dedup" in line, line
+        # The private mapping reads the memfd's own pages: reading all of them made no copy.
+        assert _rss_anon() - anon_before < 8 * MB
+        with pytest.raises(TypeError):  # and it cannot be written through
+            received._map[0] = 1
+    finally:
+        received.close_fd()
+        made.close_fd()
+
+
+def test_the_kernel_that_allows_it_maps_shared_and_other_refusals_are_not_hidden(monkeypatch):
+    data = torch.arange(1024, dtype=torch.int64)
+    seg = HostSegment.create_packed([(data, 0)], data.numel() * 8)
+    try:
+        line = _mapping_line(seg.tensor(0, torch.int64, (1024,), (1,)).data_ptr())
+        assert line.split()[1] == "r--s", line  # this machine's kernel: shared, as before
+    finally:
+        seg.close_fd()
+
+    fd, mapping = writable_memfd(MB)  # not sealed: an EPERM here is not the seal's, and is raised
+    mapping.close()
+    monkeypatch.setattr(mmap, "mmap", _old_kernel_mmap(mmap.mmap, refuse_every_shared=True))
+    try:
+        with pytest.raises(PermissionError):
+            map_read_only(fd, MB)
+    finally:
+        os.close(fd)

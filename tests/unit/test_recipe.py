@@ -229,3 +229,32 @@ def test_a_packed_conv_weight_in_no_segment_is_inline_or_refused_with_its_size()
     assert torch.equal(restored.view(6, 4), unpacked)
     entry, why = conv_weight_recipe(unpacked, {}, inline_max=47)
     assert entry is None and "48 bytes" in why and "segment" in why
+
+
+def test_a_recipe_sets_only_plain_attributes_of_the_model():
+    from torch import nn
+
+    from vllm_dedup.engine.replay import settable_attribute
+
+    class Model(nn.Module):
+        supports_pp = False  # a class flag an instance may shadow
+
+        def __init__(self):
+            super().__init__()
+            self.config = object()
+            self.logits_as_input = None
+            self.inner = nn.Linear(2, 2)
+
+        def compute_logits(self, x):
+            return x
+
+        @property
+        def size(self):
+            return 1
+
+    model = Model()
+    assert settable_attribute(model, "logits_as_input", True)
+    assert settable_attribute(model, "supports_pp", True) and settable_attribute(model, "new_flag", 3)
+    for key, value in [("compute_logits", 1), ("size", 2), ("config", "x"), ("inner", None), ("_private", 1),
+                       ("logits_as_input", [1]), ("logits_as_input", object())]:
+        assert not settable_attribute(model, key, value), key

@@ -62,7 +62,7 @@ from .recipe import Match, RecipeDeclined, TensorRecipe
 from .resident import map_resident
 from .sources import SourceRecorder
 
-__all__ = ["Replay"]
+__all__ = ["Replay", "settable_attribute"]
 
 logger = init_logger(__name__)
 
@@ -137,7 +137,7 @@ class Replay:
                 self._alias(model)
                 self._restore_attributes(modules)
                 for key, value in self.match.recipe.attrs.items():
-                    if key.startswith("_") or key in model._modules or key in model._parameters or key in model._buffers:
+                    if not settable_attribute(model, key, value):
                         raise RecipeDeclined(f"the recipe would set the model's {key!r}, which is not a plain attribute")
                     setattr(model, key, value)
                 if self.match.unmatched:
@@ -325,7 +325,7 @@ class Replay:
                 if t.view is None:
                     continue
                 base = _named_tensor(model, t.alias)
-                if (t.dtype != dtype_name(base.dtype) or base.is_meta
+                if (t.dtype != dtype_name(base.dtype) or base.is_meta or not base.is_contiguous()
                         or t.view + element_span(t.shape, t.stride) > base.numel()):
                     raise RecipeDeclined(f"module {name}: {t.name} is not a view of {t.alias} as the recipe says")
                 want = base.detach().as_strided(t.shape, t.stride, base.storage_offset() + t.view)
@@ -440,6 +440,23 @@ def _named_tensor(model: nn.Module, qualified: str) -> torch.Tensor:
     """The tensor at ``"module.name"`` of ``model`` (a recipe's ``alias``)."""
     owner, _, attr = qualified.rpartition(".")
     return getattr(model.get_submodule(owner), attr)
+
+
+def settable_attribute(model, key: str, value) -> bool:
+    """Whether a recipe may set ``model.<key> = value``: a plain value (None, bool, int, float or
+    str: what `recipe_builder.model_attrs` records) in place of no value or a plain one, and over
+    no method, property, submodule, parameter or buffer.  A recipe is another engine's data: one
+    that would replace ``compute_logits`` or ``config`` would load and then fail at the first
+    forward pass, so it is declined instead."""
+    import inspect
+
+    plain = (type(None), bool, int, float, str)
+    if key.startswith("_") or key in model._modules or key in model._parameters or key in model._buffers:
+        return False
+    if not isinstance(value, plain) or not isinstance(vars(model).get(key), plain):
+        return False
+    declared = inspect.getattr_static(type(model), key, None)
+    return not (callable(declared) or hasattr(declared, "__get__"))
 
 
 def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:

@@ -215,3 +215,31 @@ def test_a_pack_is_copied_when_more_than_a_granule_was_replaced_or_a_member_is_s
             kept.add_(1)  # still writable: a write does not fault
     finally:
         ctx.lease.close()
+
+
+def test_a_pack_to_copy_is_not_sealed_where_a_copy_would_lay_it_out_alike(registry_server):
+    """The pack's one live member lies at offset 0, where the copy's plan puts it too; the 3 MiB
+    replaced after loading must not be published with it as padding (Note [what a pack may
+    hold when it is published]): the live member is copied, the pack is not sealed."""
+
+    class TwoWeights(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.live = nn.Parameter(torch.zeros(3 * GRANULARITY // 16), requires_grad=False)  # 0.75 MiB, first
+            self.replaced = nn.Parameter(torch.zeros(3 * GRANULARITY // 4), requires_grad=False)  # 3 MiB
+
+    model = TwoWeights()
+    ctx = _context(registry_server.path, "copied-same-layout")
+    try:
+        placed = _placer()
+        placed.place(model)
+        model.live.data.copy_(torch.arange(model.live.numel(), dtype=torch.float32))
+        model.replaced = nn.Parameter(torch.ones(4), requires_grad=False)  # post-processing's new one
+        want = model.live.detach().clone()
+        report = share_model(model, ctx, pack_granularity=GRANULARITY, in_place=placed)
+        assert placed.sealed_bytes == 0 and report.created_bytes == GRANULARITY, (placed.failures, report)
+        assert "were replaced" in placed.failures[0], placed.failures
+        assert torch.equal(model.live, want)
+        placed.release()
+    finally:
+        ctx.lease.close()

@@ -263,8 +263,11 @@ class PackedInPlace:
         if pack is None or any(ptr not in pack.members or pack.members[ptr].offset != off
                                for ptr, off in layout.items()):
             return None
-        if any(m.storage() is not None for ptr, m in pack.members.items() if ptr not in layout):
+        others = [m for ptr, m in pack.members.items() if ptr not in layout]
+        if any(m.storage() is not None for m in others):
             return None  # a member not published is still in use: it would become read-only
+        if sum(m.nbytes for m in others) > self.granularity:
+            return None  # what `packs` copies: a copy laid out as the pack is must not seal it
         self._packs.remove(pack)
         try:
             pack.seg.freeze()

@@ -5,6 +5,7 @@ page tables (``/proc/self/pagemap``); the model is a small ``nn.Module`` standin
 from __future__ import annotations
 
 import ctypes
+import errno
 import faulthandler
 import fcntl
 import gc
@@ -252,18 +253,22 @@ def test_a_storage_something_else_still_views_is_published_by_a_copy(registry_se
         ctx.lease.close()
 
 
-def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_their_bytes(registry_server):
+@pytest.mark.parametrize("error", [RegistryUnavailable("the registry failed for the test"),
+                                   OSError(errno.EMFILE, "Too many open files (failed for the test)")])
+def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_their_bytes(registry_server, error):
     """Note [one publish in flight] in `share.py`: a publish fails while the next segment is
-    sealed; the segments sealed but not published stay this engine's, and nothing is lost."""
+    sealed; the segments sealed but not published stay this engine's, and nothing is lost.  An
+    error other than the registry's (no descriptor left for ``Lease.publish``'s ``dup``) is
+    handled alike: the engine goes on."""
     model = _Model()
-    ctx = _context(registry_server.path, "mid-publish", on_registry_error="fallback")
+    ctx = _context(registry_server.path, f"mid-publish-{type(error).__name__}", on_registry_error="fallback")
     lease = ctx.lease
     calls, publish = [], lease.publish
 
     def failing_after_one(*args, **kwargs):
         calls.append(args[1])
         if len(calls) > 1:
-            raise RegistryUnavailable("the registry failed for the test")
+            raise error
         return publish(*args, **kwargs)
 
     lease.publish = failing_after_one

@@ -197,12 +197,20 @@ class SharingPass:
         except (RegistryUnavailable, TimeoutError) as e:
             if self.ctx.failures_stop_the_engine:
                 raise RegistryUnavailable(str(e)) from None
-            self.report.errors.append(str(e))
-            logger.warning("registry failed mid-load (%s); the remaining tensors stay private", e)
-            for group in self.pending.values():
-                self.keep_private(group)
-            self.pending.clear()
+            self._stop_publishing(str(e), "registry failed mid-load")
+        except Exception as e:  # no thread or descriptor left (EMFILE, a pids limit), a surprise:
+            if self.ctx.failures_stop_the_engine:  # never an engine stopped that could load privately
+                raise SegmentError(f"{type(e).__name__}: {e}") from e
+            self._stop_publishing(f"{type(e).__name__}: {e}", "sharing failed mid-load")
         self._finish()
+
+    def _stop_publishing(self, error: str, what: str) -> None:
+        """Keep every tensor not adopted yet private, and say why once."""
+        self.report.errors.append(error)
+        logger.warning("%s (%s); the remaining tensors stay private", what, error)
+        for group in self.pending.values():
+            self.keep_private(group)
+        self.pending.clear()
 
     def _finish(self) -> None:
         if self.segment_failures:

@@ -258,3 +258,21 @@ def test_a_recipe_sets_only_plain_attributes_of_the_model():
     for key, value in [("compute_logits", 1), ("size", 2), ("config", "x"), ("inner", None), ("_private", 1),
                        ("logits_as_input", [1]), ("logits_as_input", object())]:
         assert not settable_attribute(model, key, value), key
+
+
+def test_a_replay_gives_back_every_segment_nothing_it_bound_reads():
+    """A segment acquired whose every hit went unused (a demoted module's, a layout refused, a
+    tensor post-processing replaced, an embedding's packed copy no handler took) is released at
+    the end of the build; the segments of tensors and handlers bound stay held."""
+    from types import SimpleNamespace
+
+    from vllm_dedup.engine.context import Placement
+    from vllm_dedup.engine.replay import Replay
+
+    released = []
+    replay = Replay(SimpleNamespace(lease=SimpleNamespace(release=released.extend)), match=None, where={})
+    replay._segment_of = {"u-tensor": 1, "u-demoted": 2, "u-handler": 3}
+    replay.held = [1, 2, 3]
+    replay.placement = {101: Placement("k-weight", "u-tensor"), 102: Placement("k-packed", "u-handler")}
+    replay._release_unused()
+    assert released == [2] and replay.held == [1, 3]

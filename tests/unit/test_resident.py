@@ -74,7 +74,9 @@ def test_a_recipe_layout_is_trusted_only_within_its_keys_type_and_bytes():
         return TensorRecipe("weight", True, dtype, shape, stride, key=key)
 
     assert _fits(entry(), key, 64)
-    assert _fits(entry(shape=(8, 4), stride=(4, 1)), key, 64)  # another layout of the same bytes
+    assert _fits(entry(shape=(4, 1, 8), stride=(8, 8, 1)), key, 64)  # a causal-conv weight over its buffer
+    assert not _fits(entry(shape=(8, 4), stride=(4, 1)), key, 64)  # another shape than the one published
+    assert not _fits(entry(shape=(8, 4), stride=(1, 8)), key, 64)  # the bytes read transposed
     assert not _fits(entry(dtype="float16"), key, 64)  # the bytes read as another type
     assert not _fits(entry(dtype="load"), key, 64)  # not a dtype at all
     assert not _fits(entry(shape=(4, 8), stride=(9, 1)), key, 64)  # reaches past the tensor's bytes

@@ -92,7 +92,6 @@ class Replay:
         self.mapped_bytes = 0
         self._zeros = ZeroPages()  # Note [packed weights replayed]
         self._segment_of: dict[str, int] = {}  # uid -> segment id, of what was acquired
-        self._unused: dict[str, int] = {}  # uid -> segment id of embeddings' packed copies not installed
         self.recorder = SourceRecorder(hash_keys=False)
         self.held: list[int] = []
         self._mapped: list[tuple[torch.Tensor, int, int]] = []  # (bound tensor, its data_ptr, bytes)
@@ -157,7 +156,6 @@ class Replay:
             # usual load that follows, and these hold tensors over the released segments.
             self._mapped.clear()
             self.placement.clear()
-            self._unused.clear()
             if self.in_place is not None:
                 self.in_place.discard()
             forget_layers(self.ctx.vllm_config, layers_before)
@@ -283,15 +281,18 @@ class Replay:
         tensor, uid = found
         handler = install_replayed(name, module, recipe, tensor)
         if handler is None:  # an embedding whose own packing differs: the sharing pass keys it
-            self._unused.setdefault(uid, self._segment_of.get(uid, -1))
-            return
-        self._unused[uid] = None  # a handler reads it: `_release_unused` keeps it held
+            return  # (`_release_unused` gives its segment back unless something else reads it)
         self.placement[id(handler)] = Placement(entry.key, uid)
         self.mapped_bytes += entry.nbytes
 
     def _release_unused(self) -> None:
-        """Give back the segments of embeddings' packed copies that no handler took."""
-        unused = [seg for seg in self._unused.values() if seg is not None and seg >= 0]
+        """Give back every segment acquired that nothing bound in the model reads (no tensor or
+        handler in `placement`): an embedding's packed copy that no handler took, and a segment
+        whose every hit was a demoted module's, did not fit its recipe entry, or was replaced by
+        post-processing.  Held, it would stay resident as long as this engine lives, for nothing
+        (the sharing pass maps again what it needs)."""
+        used = {p.uid for p in self.placement.values()}
+        unused = [seg for uid, seg in self._segment_of.items() if uid not in used]
         if unused:
             self.held = [s for s in self.held if s not in unused]
             with contextlib.suppress(Exception):
@@ -467,15 +468,25 @@ def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride).to(device)
 
 
+def _squeezed(shape, stride) -> tuple:
+    """A layout without its dimensions of size 1 (whose strides address nothing)."""
+    return tuple((int(n), int(s)) for n, s in zip(shape, stride) if n != 1)
+
+
 def _fits(t: TensorRecipe, key: str, nbytes: int) -> bool:
     """Whether tensor recipe ``t`` may be read from the ``nbytes`` bytes of content key ``key``:
     the key's element type (a oneDNN packed weight's key names its layout, and it is read as
-    bytes: Note [a packed weight's content key] in `packed.py`), and every element it addresses
+    bytes: Note [a packed weight's content key] in `packed.py`), the key's own layout but for
+    dimensions of size 1 (a causal-conv weight's (dim, 1, width) over the (dim, width) buffer
+    that holds its bytes: `recipe_builder.conv_weight_recipe`), and every element it addresses
     (shape and non-negative strides, as ``as_strided`` would) inside those bytes.  A recipe is
     another engine's data: a layout that reads past its tensor's bytes, or reinterprets them
-    as another type, is refused."""
+    as another type or shape, is refused."""
     try:
-        keyed = ContentKey.parse(key).dtype
+        parsed = ContentKey.parse(key)
+        if _squeezed(t.shape, t.stride) != _squeezed(parsed.shape, parsed.stride):
+            return False
+        keyed = parsed.dtype
         if keyed.startswith("onednn:"):
             keyed = "uint8"
         if not isinstance(getattr(torch, t.dtype), torch.dtype) or keyed != t.dtype:

@@ -404,6 +404,14 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert load_signature(vllm_config(tmp_path, vocab_size=101)) != base  # vocabulary-sized buffers
     modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
     assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
+    for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG")]:
+        with pytest.MonkeyPatch.context() as env:  # another core, another log level: the same tensors
+            env.setenv(name, value)
+            assert load_signature(vllm_config(tmp_path)) == base, name
+    for name, value in [("VLLM_USE_DEEP_GEMM", "0"), ("VLLM_MARLIN_INPUT_DTYPE", "fp8"), ("VLLM_ZENTORCH_WEIGHT_PREPACK", "0")]:
+        with pytest.MonkeyPatch.context() as env:  # another kernel's layout of the weights
+            env.setenv(name, value)
+            assert load_signature(vllm_config(tmp_path)) != base, name
     (tmp_path / "preprocessor_config.json").write_text('{"image_mean": [0.5]}')
     assert load_signature(vllm_config(tmp_path)) != base  # folded into some models' modules
     # A sentence-transformers Dense projector: vLLM's pooler loads it while building the model.

@@ -17,7 +17,9 @@ resident").  So the signature covers:
   subfolder: a ``Dense`` projector's config and weights, read outside ``load_weights``);
 - the engine: TP and PP size and this worker's rank in each (each rank holds other shards),
   the inner load format, this loader's options that change post-processing
-  (``cpu_linear`` on the CPU backend), the device type.
+  (``cpu_linear`` on the CPU backend), the device type, and vLLM's environment variables
+  that may choose another post-processing (`env_digest`: weights laid out for DeepGEMM or Marlin,
+  zentorch's prepacking), but not the cores an engine is bound to.
 
 The model's path is not in it: a copy of a checkpoint, or a fine-tune with the same config,
 has the same signature and is matched tensor by tensor.  For a drafter (EAGLE, MTP) the loader
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import blake3
 
-__all__ = ["CONFIG_KEYS_WITHOUT_EFFECT", "load_signature"]
+__all__ = ["CONFIG_KEYS_WITHOUT_EFFECT", "ENV_WITHOUT_EFFECT", "ENV_WITH_EFFECT", "env_digest", "load_signature"]
 
 # Keys of an HF config that change no tensor of a model built from it.  ``vocab_size`` is not
 # one: besides the embedding's shape, buffers with no checkpoint source can depend on it.
@@ -42,6 +44,11 @@ CONFIG_KEYS_WITHOUT_EFFECT = frozenset({
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     "use_cache", "output_attentions", "output_hidden_states", "return_dict",
 })
+# vLLM's environment variables in its compile-cache key (`env_digest`) that change no tensor:
+# the CPU cores an engine is bound to, which differ between engines sharing one machine.
+ENV_WITHOUT_EFFECT = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"})
+# ... and those vLLM leaves out of that key that do change post-processing (zentorch's prepacking).
+ENV_WITH_EFFECT = ("VLLM_ZENTORCH_WEIGHT_PREPACK",)
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 ST_MODULES = "modules.json"  # sentence-transformers' list of modules, each in a subfolder
 
@@ -57,6 +64,25 @@ def _ranks() -> tuple[int, int]:
 
 def _digest(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()[:16]
+
+
+def env_digest() -> str:
+    """A digest of this process's vLLM environment variables that may change post-processing:
+    those vLLM keys its compile cache by (``vllm.envs.compile_factors``: every variable vLLM
+    knows but those it lists as changing no compiled graph; ``VLLM_USE_DEEP_GEMM`` and
+    ``VLLM_MARLIN_INPUT_DTYPE`` among them, which lay out weights and scales for another
+    kernel), less `ENV_WITHOUT_EFFECT`, plus `ENV_WITH_EFFECT`.  A variable that changes nothing
+    but is in it splits recipes between engines (each loads as usual and still shares); one that
+    changes post-processing and is not would let an engine replay a recipe made for another
+    kernel.  ``""`` where vLLM has no ``compile_factors``."""
+    import vllm.envs as envs
+
+    factors = getattr(envs, "compile_factors", None)
+    if factors is None:
+        return ""
+    values = {k: v for k, v in factors().items() if k not in ENV_WITHOUT_EFFECT}
+    values.update({k: envs.environment_variables[k]() for k in ENV_WITH_EFFECT if k in envs.environment_variables})
+    return _digest(json.dumps(values, sort_keys=True, default=str).encode())
 
 
 def _config_digest(hf_config) -> str:
@@ -159,4 +185,4 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
             f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}"
             f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|transformers{transformers}"
             f"|torch{torch.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
-            f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}")
+            f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}|env:{env_digest()}")

@@ -404,8 +404,9 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert load_signature(vllm_config(tmp_path, vocab_size=101)) != base  # vocabulary-sized buffers
     modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
     assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
-    for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG")]:
-        with pytest.MonkeyPatch.context() as env:  # another core, another log level: the same tensors
+    for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG"),
+                        ("VLLM_NIXL_SIDE_CHANNEL_PORT", "5601"), ("VLLM_RAY_BUNDLE_INDICES", "1"), ("VLLM_DP_RANK", "1")]:
+        with pytest.MonkeyPatch.context() as env:  # another core, log level, Serve replica: the same tensors
             env.setenv(name, value)
             assert load_signature(vllm_config(tmp_path)) == base, name
     for name, value in [("VLLM_USE_DEEP_GEMM", "0"), ("VLLM_MARLIN_INPUT_DTYPE", "fp8"), ("VLLM_ZENTORCH_WEIGHT_PREPACK", "0")]:

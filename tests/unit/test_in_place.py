@@ -463,3 +463,31 @@ def test_a_segment_of_2_mib_or_more_asks_for_huge_pages_when_told(nbytes, huge, 
     finally:
         mapping.close()
         os.close(fd)
+
+
+def test_no_thread_to_publish_with_leaves_every_tensor_private_and_writable(registry_server, monkeypatch):
+    """The publish thread starts before anything is sealed: where none can start (a pids limit:
+    ``RuntimeError: can't start new thread``), every tensor stays private, writable, with its
+    bytes, and the engine goes on."""
+    from vllm_dedup.engine import share as share_module
+
+    class NoThreads(share_module.ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(share_module, "ThreadPoolExecutor", NoThreads)
+    model = _Model()
+    ctx = _context(registry_server.path, "no-thread", on_registry_error="fallback")
+    try:
+        placed = InPlace(min_bytes=4096)
+        placed.place(model)
+        weights = model.load(4)
+        report = share_model(model, ctx, in_place=placed)
+        assert report.published_tensors == 0 and report.segment_bytes == 0, report
+        assert any("can't start new thread" in e for e in report.errors), report.errors
+        assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+        # none sealed: nothing read-only that the engine's weight updates would not know of
+        assert all(_mapping(t).split()[1][:2] == "rw" for t in (model.up.weight, model.down.weight, model.cache))
+        placed.release()
+    finally:
+        ctx.lease.close()

@@ -276,3 +276,31 @@ def test_a_replay_gives_back_every_segment_nothing_it_bound_reads():
     replay.placement = {101: Placement("k-weight", "u-tensor"), 102: Placement("k-packed", "u-handler")}
     replay._release_unused()
     assert released == [2] and replay.held == [1, 3]
+
+
+def test_a_view_is_bound_only_within_a_contiguous_base():
+    """A view's bounds are its base's elements: a base the recipe made stride-0 over a few
+    elements would let a view reach the bytes beyond them in the segment."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+    from torch import nn
+
+    from vllm_dedup.engine.recipe import RecipeDeclined
+    from vllm_dedup.engine.replay import Replay
+
+    def bind(base: torch.Tensor) -> nn.Module:
+        model = nn.Module()
+        model.layer = nn.Module()
+        model.layer.register_buffer("base", base)
+        view = TensorRecipe("view", False, "float32", (4,), (1,), alias="layer.base", view=2)
+        recipe = SimpleNamespace(modules={"layer": SimpleNamespace(tensors=[view])})
+        Replay(SimpleNamespace(), match=SimpleNamespace(matched=["layer"], recipe=recipe), where={})._bind_views(model)
+        return model
+
+    segment = torch.arange(16, dtype=torch.float32)
+    model = bind(segment[:8])
+    assert torch.equal(model.layer.view, segment[2:6])
+    with pytest.raises(RecipeDeclined):
+        bind(segment[:1].expand(8))  # eight elements by its shape, one in memory

@@ -82,8 +82,9 @@ Note [sealing under a tensor]
     the tensor must read valid pages all the time, so `InPlace.seal` moves it in three steps:
     to a private read-only mapping of the memfd (the *bridge*: it reads the same pages, and a
     private mapping does not block the seal), then the writable mapping is closed and the
-    memfd sealed, then the tensor goes to the segment's shared read-only mapping
-    (`HostSegment`) and the bridge goes with its last view.
+    memfd sealed, then the tensor goes to the segment's read-only mapping (`HostSegment`:
+    shared, or private over the same pages where the kernel refuses a shared mapping of a
+    write-sealed memfd, `host.map_read_only`) and the bridge goes with its last view.
 
 Note [descriptors]
     A writable segment holds two descriptors while it is writable: its own and the one
@@ -279,7 +280,7 @@ class InPlace:
             self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
             return None
         try:
-            seg = HostSegment(placed.fd, placed.nbytes)  # read-only and shared: the same pages
+            seg = HostSegment(placed.fd, placed.nbytes)  # read-only, over the same pages
         except SegmentError as e:  # it closed the descriptor; the bridge keeps the pages
             self.failures.append(str(e))
             return None

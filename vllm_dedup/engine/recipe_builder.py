@@ -119,8 +119,10 @@ def conv_weight_recipe(unpacked, placed: dict[tuple, list], inline_max: int) -> 
     entry = TensorRecipe("weight", True, str(unpacked.dtype).removeprefix("torch."), (dim, 1, width),
                          (width, width, 1))
     flat = unpacked.reshape(-1)
+    dims = [n for n in unpacked.shape if n != 1]
     for t, where in placed.get((unpacked.dtype, unpacked.numel()), ()):
-        if torch.equal(t.reshape(-1), flat):
+        # Of that layout but for size-1 dimensions: a replay binds a key only so (`replay._fits`).
+        if [n for n in t.shape if n != 1] == dims and torch.equal(t.reshape(-1), flat):
             entry.key, entry.uid = where.key, where.uid
             return entry, ""
     nbytes = unpacked.numel() * unpacked.element_size()

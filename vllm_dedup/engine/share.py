@@ -103,6 +103,8 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
     Raises:
         RegistryUnavailable: the registry failed mid-way and ``on_registry_error`` is ``fail``.
         SegmentError: a segment could not be created or mapped and ``on_registry_error`` is ``fail``.
+        Exception: any other error of the pass, as it is, only where ``on_registry_error`` is
+            ``fail`` (else the tensors not shared yet stay private and it is logged).
     """
     start = time.perf_counter()
     report = report if report is not None else LoadReport()
@@ -200,7 +202,7 @@ class SharingPass:
             self._stop_publishing(str(e), "registry failed mid-load")
         except Exception as e:  # no thread or descriptor left (EMFILE, a pids limit), a surprise:
             if self.ctx.failures_stop_the_engine:  # never an engine stopped that could load privately
-                raise SegmentError(f"{type(e).__name__}: {e}") from e
+                raise  # as it is: a SegmentError says what to do, anything else what went wrong
             self._stop_publishing(f"{type(e).__name__}: {e}", "sharing failed mid-load")
         self._finish()
 
@@ -321,6 +323,9 @@ class SharingPass:
         for group in [*regroup, [key for key in self.pending if key not in laid_out]]:
             packs += self.planned(group)
         with ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-publish") as rpc:
+            # Its one thread starts now, before anything is sealed: where none can start (a
+            # pids limit), nothing is read-only yet and every tensor stays private as it is.
+            rpc.submit(lambda: None).result()
             in_flight = None
             try:
                 for keys, offsets, nbytes in packs:

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from importlib import metadata
 from pathlib import Path
 
 import blake3
 
-__all__ = ["CONFIG_KEYS_WITHOUT_EFFECT", "ENV_WITHOUT_EFFECT", "ENV_WITH_EFFECT", "env_digest", "load_signature"]
+__all__ = ["CONFIG_KEYS_WITHOUT_EFFECT", "ENV_NAMES_WITHOUT_EFFECT", "ENV_WITHOUT_EFFECT", "ENV_WITH_EFFECT",
+           "env_digest", "load_signature"]
 
 # Keys of an HF config that change no tensor of a model built from it.  ``vocab_size`` is not
 # one: besides the embedding's shape, buffers with no checkpoint source can depend on it.
@@ -44,9 +46,13 @@ CONFIG_KEYS_WITHOUT_EFFECT = frozenset({
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     "use_cache", "output_attentions", "output_hidden_states", "return_dict",
 })
-# vLLM's environment variables in its compile-cache key (`env_digest`) that change no tensor:
-# the CPU cores an engine is bound to, which differ between engines sharing one machine.
-ENV_WITHOUT_EFFECT = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"})
+# vLLM's environment variables in its compile-cache key (`env_digest`) that change no tensor
+# and differ between engines sharing one machine: the CPU cores an engine is bound to, and
+# (by name) where and which process it is: ports, hosts, paths, ranks, timeouts (Ray Serve
+# gives each replica its own side-channel port and placement-group bundle).
+ENV_WITHOUT_EFFECT = frozenset({"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_PROCESS_NAME_PREFIX",
+                                "VLLM_RAY_BUNDLE_INDICES", "VLLM_SYSTEM_START_DATE", "VLLM_USAGE_SOURCE"})
+ENV_NAMES_WITHOUT_EFFECT = re.compile(r"_(PORT|HOST|HOSTNAME|IP|IPS|PATH|HOME|DIR|RANK|RANK_LOCAL|SIZE)$|TIMEOUT")
 # ... and those vLLM leaves out of that key that do change post-processing (zentorch's prepacking).
 ENV_WITH_EFFECT = ("VLLM_ZENTORCH_WEIGHT_PREPACK",)
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -71,7 +77,7 @@ def env_digest() -> str:
     those vLLM keys its compile cache by (``vllm.envs.compile_factors``: every variable vLLM
     knows but those it lists as changing no compiled graph; ``VLLM_USE_DEEP_GEMM`` and
     ``VLLM_MARLIN_INPUT_DTYPE`` among them, which lay out weights and scales for another
-    kernel), less `ENV_WITHOUT_EFFECT`, plus `ENV_WITH_EFFECT`.  A variable that changes nothing
+    kernel), less `ENV_WITHOUT_EFFECT` and `ENV_NAMES_WITHOUT_EFFECT`, plus `ENV_WITH_EFFECT`.  A variable that changes nothing
     but is in it splits recipes between engines (each loads as usual and still shares); one that
     changes post-processing and is not would let an engine replay a recipe made for another
     kernel.  ``""`` where vLLM has no ``compile_factors``."""
@@ -80,7 +86,8 @@ def env_digest() -> str:
     factors = getattr(envs, "compile_factors", None)
     if factors is None:
         return ""
-    values = {k: v for k, v in factors().items() if k not in ENV_WITHOUT_EFFECT}
+    values = {k: v for k, v in factors().items()
+              if k not in ENV_WITHOUT_EFFECT and not ENV_NAMES_WITHOUT_EFFECT.search(k)}
     values.update({k: envs.environment_variables[k]() for k in ENV_WITH_EFFECT if k in envs.environment_variables})
     return _digest(json.dumps(values, sort_keys=True, default=str).encode())
 

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from test_in_place import _mapping
 from vllm_dedup.segments.host import HostSegment, map_read_only, writable_memfd
 
 MB = 1 << 20
@@ -34,16 +35,6 @@ def _old_kernel_mmap(real, refuse_every_shared: bool = False):
         return real(fd, length, flags, prot, *args, **kwargs)
 
     return model
-
-
-def _mapping_line(address: int) -> str:
-    """The /proc/self/maps line of the mapping holding ``address``."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            begin, end = (int(x, 16) for x in line.split()[0].split("-"))
-            if begin <= address < end:
-                return line
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def _kernel_maps_write_sealed_memfds_shared() -> bool:
@@ -76,7 +67,7 @@ def test_a_write_sealed_segment_maps_privately_where_the_kernel_refuses_a_shared
         for seg in (made, received):
             t = seg.tensor(0, torch.int32, tuple(data.shape), (1,))
             assert torch.equal(t, data)
-            line = _mapping_line(t.data_ptr())
+            line = _mapping(t)
             assert line.split()[1] == "r--p" and "/memfd:vllm-dedup" in line, line
         # The private mapping reads the memfd's own pages: reading all of them made no copy.
         assert _rss_anon() - anon_before < 8 * MB
@@ -91,7 +82,7 @@ def test_the_kernel_that_allows_it_maps_shared_and_other_refusals_are_not_hidden
     data = torch.arange(1024, dtype=torch.int64)
     seg = HostSegment.create_packed([(data, 0)], data.numel() * 8)
     try:
-        line = _mapping_line(seg.tensor(0, torch.int64, (1024,), (1,)).data_ptr())
+        line = _mapping(seg.tensor(0, torch.int64, (1024,), (1,)))
         # This machine's own kernel: shared where it allows it (Linux 6.18 here), else private.
         assert line.split()[1] == ("r--s" if _kernel_maps_write_sealed_memfds_shared() else "r--p"), line
     finally:

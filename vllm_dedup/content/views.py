@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["contiguous_stride", "dtype_name", "element_span", "int_view", "tensor_bytes", "typed_view"]
+__all__ = ["contiguous_stride", "dtype_name", "element_span", "int_view", "squeezed_layout", "tensor_bytes",
+           "typed_view"]
 
 
 def dtype_name(dtype) -> str:
@@ -30,6 +31,12 @@ def element_span(shape: Sequence[int], stride: Sequence[int]) -> int:
     """How many elements a strided tensor reaches from its first one, the last included: 0 when
     it has none (strides of at least 0)."""
     return 1 + sum((int(n) - 1) * int(s) for n, s in zip(shape, stride)) if all(shape) else 0
+
+
+def squeezed_layout(shape: Sequence[int], stride: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """A strided layout's (size, stride) pairs without its dimensions of size 1, whose strides
+    address nothing: two layouts equal here read the same elements in the same order."""
+    return tuple((int(n), int(s)) for n, s in zip(shape, stride) if n != 1)
 
 
 def tensor_bytes(tensor) -> memoryview:

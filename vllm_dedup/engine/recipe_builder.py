@@ -10,12 +10,12 @@ was before (`conv_weight_recipe`): a replay binds that, and vLLM packs it again.
 
 from __future__ import annotations
 
-from ..content.views import element_span
+from ..content.views import element_span, squeezed_layout
 from .attributes import module_attributes
 from .recipe import ModuleRecipe, Recipe, TensorRecipe
 from .slots import covers_storage, storage_id
 
-__all__ = ["build_recipe", "conv_weight_recipe", "model_attrs", "packed_recipe", "unpacked_conv_weight",
+__all__ = ["PLAIN_TYPES", "build_recipe", "conv_weight_recipe", "model_attrs", "packed_recipe", "unpacked_conv_weight",
            "unreplayable_reason"]
 
 
@@ -119,10 +119,10 @@ def conv_weight_recipe(unpacked, placed: dict[tuple, list], inline_max: int) -> 
     entry = TensorRecipe("weight", True, str(unpacked.dtype).removeprefix("torch."), (dim, 1, width),
                          (width, width, 1))
     flat = unpacked.reshape(-1)
-    dims = [n for n in unpacked.shape if n != 1]
+    layout = squeezed_layout(entry.shape, entry.stride)
     for t, where in placed.get((unpacked.dtype, unpacked.numel()), ()):
         # Of that layout but for size-1 dimensions: a replay binds a key only so (`replay._fits`).
-        if [n for n in t.shape if n != 1] == dims and torch.equal(t.reshape(-1), flat):
+        if squeezed_layout(t.shape, t.stride()) == layout and torch.equal(t.reshape(-1), flat):
             entry.key, entry.uid = where.key, where.uid
             return entry, ""
     nbytes = unpacked.numel() * unpacked.element_size()
@@ -133,10 +133,12 @@ def conv_weight_recipe(unpacked, placed: dict[tuple, list], inline_max: int) -> 
                   "enough to keep in the recipe")
 
 
+PLAIN_TYPES = (type(None), bool, int, float, str)  # the model attributes a recipe records and sets
+
+
 def model_attrs(model) -> dict:
     """The model's own public attributes whose values are numbers, strings, booleans or None."""
-    return {k: v for k, v in vars(model).items()
-            if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
+    return {k: v for k, v in vars(model).items() if not k.startswith("_") and isinstance(v, PLAIN_TYPES)}
 
 
 def build_recipe(model, signature: str, sources: dict[str, str], recording, placement: dict, inline_max: int,

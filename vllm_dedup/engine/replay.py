@@ -49,7 +49,7 @@ from torch import nn
 
 from ..checkpoint.loading import read_tensors
 from ..content.keys import ContentKey
-from ..content.views import dtype_name, element_span
+from ..content.views import dtype_name, element_span, squeezed_layout
 from ..errors import SegmentError
 from ..log import init_logger
 from ..segments import segment_class
@@ -59,6 +59,7 @@ from .meta_model import check_no_meta, forget_layers, like_meta, registered_laye
 from .packed import ZeroPages, install_replayed, keeps_weight
 from .post_processing import post_processing_hooks
 from .recipe import Match, RecipeDeclined, TensorRecipe
+from .recipe_builder import PLAIN_TYPES
 from .resident import map_resident
 from .sources import SourceRecorder
 
@@ -451,10 +452,9 @@ def settable_attribute(model, key: str, value) -> bool:
     forward pass, so it is declined instead."""
     import inspect
 
-    plain = (type(None), bool, int, float, str)
     if key.startswith("_") or key in model._modules or key in model._parameters or key in model._buffers:
         return False
-    if not isinstance(value, plain) or not isinstance(vars(model).get(key), plain):
+    if not isinstance(value, PLAIN_TYPES) or not isinstance(vars(model).get(key), PLAIN_TYPES):
         return False
     declared = inspect.getattr_static(type(model), key, None)
     return not (callable(declared) or hasattr(declared, "__get__"))
@@ -468,11 +468,6 @@ def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride).to(device)
 
 
-def _squeezed(shape, stride) -> tuple:
-    """A layout without its dimensions of size 1 (whose strides address nothing)."""
-    return tuple((int(n), int(s)) for n, s in zip(shape, stride) if n != 1)
-
-
 def _fits(t: TensorRecipe, key: str, nbytes: int) -> bool:
     """Whether tensor recipe ``t`` may be read from the ``nbytes`` bytes of content key ``key``:
     the key's element type (a oneDNN packed weight's key names its layout, and it is read as
@@ -484,7 +479,7 @@ def _fits(t: TensorRecipe, key: str, nbytes: int) -> bool:
     as another type or shape, is refused."""
     try:
         parsed = ContentKey.parse(key)
-        if _squeezed(t.shape, t.stride) != _squeezed(parsed.shape, parsed.stride):
+        if squeezed_layout(t.shape, t.stride) != squeezed_layout(parsed.shape, parsed.stride):
             return False
         keyed = parsed.dtype
         if keyed.startswith("onednn:"):

@@ -147,8 +147,11 @@ def main() -> int:
         ray.init(address=args.address, **quiet)
     else:
         # A private single-node cluster on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps
-        # Ray on 127.0.0.1 instead of the machine's interface address).
-        for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        # Ray on 127.0.0.1 instead of the machine's interface address).  Serve kills an HTTP
+        # proxy that is not up within 5 s, and `serve.start` then fails: on a small machine
+        # busy loading engines, starting its worker process can take longer.
+        for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}.items():
             os.environ.setdefault(key, value)
         # address="local": a new cluster even where one runs on this machine (`ray start`).
         ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,

@@ -152,7 +152,12 @@ def registry_server(tmp_path):
 
 
 # Ray on loopback only (single-machine mode), and no auth token written into a home directory.
-RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Serve's controller gives a new HTTP proxy 5 s (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S) to start
+# its worker process and answer; on 2 cores beside a loading engine that can take longer, and
+# then the controller kills it and `serve.start` fails with ActorDiedError ("killed by
+# `ray.kill`", "never ran"), as CI saw.  The holder's environment is every Ray process's.
+RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
 
 RAY_HOLDER = """
 import os, signal, sys, time, ray

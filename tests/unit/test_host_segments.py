@@ -96,3 +96,23 @@ def test_the_kernel_that_allows_it_maps_shared_and_other_refusals_are_not_hidden
             map_read_only(fd, MB)
     finally:
         os.close(fd)
+
+
+def test_a_memfd_that_cannot_be_sealed_where_it_lies_stays_writable():
+    """Where the seal fails (here: the memfd already carries ``F_SEAL_SEAL``, so the kernel
+    refuses every new seal with EPERM), the tensors over the writable mapping stay writable:
+    the engine keeps them private and may still write them.  Made read-only first, they
+    would fault on their first write."""
+    fd, mapping = writable_memfd(MB)
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+        t = torch.frombuffer(mapping, dtype=torch.uint8)
+        with pytest.raises(PermissionError):
+            HostSegment.sealed_where_it_lies(fd, MB, mapping)
+        assert _mapping(t).split()[1] == "rw-s", _mapping(t)
+        t[:4] = 7  # a write through the mapping, as a weight loader may still make
+        assert bytes(mapping[:4]) == b"\x07" * 4
+        del t
+    finally:
+        mapping.close()
+        os.close(fd)

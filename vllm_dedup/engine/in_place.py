@@ -74,7 +74,9 @@ Note [sealing where it lies]
     this engine could make its own mapping writable again, by calling ``mprotect`` itself; a
     peer in its share group is trusted that far already (a recipe is mapped without reading
     it: docs/architecture.md, "Trust"), and a CUDA exporter keeps its allocation writable in
-    the same way.  Receivers accept either seal (`host.check_sealed_memfd`).
+    the same way.  Receivers accept either seal (`host.check_sealed_memfd`).  The seal comes
+    before the mprotect, so that a seal the kernel refuses leaves the tensors writable, kept
+    private (`host.seal_where_it_lies`).
 
 Note [sealing under a tensor]
     Where the kernel does not take ``F_SEAL_FUTURE_WRITE`` (before Linux 5.1; tried once,

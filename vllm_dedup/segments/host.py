@@ -187,16 +187,22 @@ def _address(mapping: mmap.mmap) -> int:
 
 
 def seal_where_it_lies(fd: int, mapping: mmap.mmap, nbytes: int) -> None:
-    """Make this process's writable ``mapping`` of the memfd ``fd`` read-only over ``nbytes``
-    (`protect_read_only`) and seal the memfd against every new writer (`seal_future_writes`):
-    the pages stay where they are (Linux 5.1).
+    """Seal the memfd ``fd`` against every new writer (`seal_future_writes`) and make this
+    process's writable ``mapping`` of it read-only over ``nbytes`` (`protect_read_only`): the
+    pages stay where they are (Linux 5.1).
+
+    The seal comes first: where it fails nothing has changed, and the caller's tensors over
+    ``mapping`` stay writable (made read-only first, a tensor kept private after a failed seal
+    would fault on its first write).  The seal leaves existing writable mappings alone, so the
+    mprotect that follows still may; where it fails the memfd is sealed but this process can
+    still write it, and the caller must not publish it.
 
     Raises:
-        OSError: mprotect or sealing failed (the mapping may be read-only already; nothing is
-            sealed then).
+        OSError: sealing failed (nothing changed) or mprotect failed (the mapping stays
+            writable); either way the caller still owns ``fd`` and must keep it private.
     """
-    protect_read_only(_address(mapping), nbytes)
     seal_future_writes(fd)
+    protect_read_only(_address(mapping), nbytes)
 
 
 def seal_future_writes(fd: int) -> None:
@@ -301,8 +307,8 @@ class HostSegment(Segment):
         `seal` with the writable mapping closed instead.
 
         Raises:
-            OSError: mprotect or sealing failed (the mapping may be read-only already; nothing
-                is sealed then, and the caller still owns ``fd``).
+            OSError: sealing or mprotect failed (`seal_where_it_lies`): the mapping stays
+                writable, and the caller still owns ``fd``.
         """
         seal_where_it_lies(fd, mapping, nbytes)
         return cls(fd, nbytes, device, mapping=mapping)

@@ -13,6 +13,8 @@ import json
 import os
 import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -323,3 +325,51 @@ def test_a_client_waits_while_the_registry_backlog_is_full(tmp_path):
     assert waited >= 0.25 and len(accepted) == 2
     for s in (*accepted, first, listener):
         s.close()
+
+
+ACQUIRER_NEAR_ITS_FD_LIMIT = r"""
+import json, os, resource, sys, time
+from vllm_dedup.registry.client import RegistryClient
+client = RegistryClient(sys.argv[1])
+client.hello("reader", "cpu", "default")
+top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (top + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    client.acquire(sys.argv[2:])
+    error = ""
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+print(json.dumps({"error": error, "broken": getattr(client, "broken", "")}), flush=True)
+time.sleep(60)  # alive: whatever the registry still holds for it, it holds for a live engine
+"""
+
+
+def test_an_acquire_reply_the_engine_cannot_read_holds_nothing_for_it(registry_server):
+    """Near its descriptor limit, an engine cannot receive an acquire reply's descriptors (the
+    kernel truncates them).  The registry holds those segments for it already; the engine, not
+    knowing their ids, could never release them.  It closes the connection instead (Note [a
+    reply that cannot be read] in ``client.py``), and the registry lets go of them while the
+    engine lives on."""
+    owner = RegistryClient(registry_server.path)
+    owner.hello("owner", "cpu", "default")
+    keys = [f"uint8[4096]/[1]:{i:032x}" for i in range(12)]
+    for key in keys:
+        fd = memfd(4096)
+        owner.publish(fd, 4096, [(key, 0, 4096)])
+        os.close(fd)
+    reader = subprocess.Popen([sys.executable, "-c", ACQUIRER_NEAR_ITS_FD_LIMIT, str(registry_server.path), *keys],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        said = json.loads(reader.stdout.readline())
+        assert said["error"].startswith("ProtocolError") and "descriptors" in said["error"], said
+        assert reader.poll() is None
+        # Only the owner's lease is left, and every segment is held once: by the owner.
+        wait_for(lambda: len(engine_ids(registry_server)) == 1)
+        with registry_server._mutex:
+            holds = [len(e.segments) for e in registry_server.registry.engines.values()]
+        assert holds == [len(keys)], holds
+        assert said["broken"], said
+    finally:
+        reader.kill()
+        reader.wait()
+        owner.close()

@@ -3,6 +3,16 @@
 For an engine, the connection is its lease (docs/architecture.md, "Registry"): keep the client
 open as long as the engine maps shared tensors; when it closes, however the engine ended, the
 registry drops the engine's references and locks.
+
+Note [a reply that cannot be read]
+    The registry acts on a request before it answers: by the time an acquire's reply is sent,
+    the engine holds every segment in it.  A reply this side cannot read (truncated because
+    its descriptors would pass this process's ``RLIMIT_NOFILE``, not JSON, a field out of its
+    limits, descriptors that do not match its segments) leaves holds the engine cannot name,
+    so it could never release them: those segments would stay resident as long as the engine
+    lives.  So the connection is closed (`RegistryClient.abandon`), as after a timeout: the
+    registry drops everything it recorded for it, and the lease's watcher re-registers what
+    the engine does hold on a new connection.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ class RegistryClient:
 
     Attributes:
         timed_out: a reply did not come within ``timeout_s`` (the connection is closed).
+        broken: why this side closed the connection after a reply it could not read (else
+            ""): Note [a reply that cannot be read].
 
     Raises (the constructor and every method):
         RegistryUnavailable: cannot connect, refused, the registry went away or answered an
@@ -60,6 +72,7 @@ class RegistryClient:
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.timed_out = False
+        self.broken = ""
         self._address = wire.socket_address(self.path)
         wire.ensure_private_dir(self.path.parent)
         try:
@@ -114,9 +127,15 @@ class RegistryClient:
             if self.timed_out:
                 raise RegistryTimeout(f"the registry at {self.path} did not answer an earlier request within "
                                       f"{self.timeout_s:g} s; this connection is closed")
+            if self.broken:
+                raise ProtocolError(f"registry at {self.path}: {self.broken}; this connection is closed")
             try:
-                wire.send(self._sock, request.to_wire(), fds)
-                reply, got = wire.recv(self._sock, wire.MAX_REPLY)
+                wire.send(self._sock, request.to_wire(), fds)  # ProtocolError: nothing was sent
+                try:
+                    reply, got = wire.recv(self._sock, wire.MAX_REPLY)
+                except ProtocolError as e:
+                    self.abandon(str(e))
+                    raise
             except ProtocolError:
                 raise
             except TimeoutError:
@@ -134,11 +153,21 @@ class RegistryClient:
         try:
             if "error" in reply:
                 raise RegistryUnavailable(f"registry at {self.path}: {reply['error']}")
-            return (reply_type.from_wire(reply) if reply_type else reply), got
+            try:
+                return (reply_type.from_wire(reply) if reply_type else reply), got
+            except ProtocolError as e:
+                self.abandon(str(e))
+                raise
         except BaseException:
             for fd in got:
                 os.close(fd)
             raise
+
+    def abandon(self, why: str) -> None:
+        """Close this connection because of a reply it could not read (``why``): Note [a reply
+        that cannot be read].  Every later call fails at once."""
+        self.broken = why
+        self._sock.close()
 
     def hello(self, model: str, device: str, group: str, signature: str = "") -> int:
         """Make this connection an engine's lease.  ``device`` is a device key
@@ -167,8 +196,9 @@ class RegistryClient:
                 if len(fds) != len(reply.segments):
                     for fd in fds:
                         os.close(fd)
-                    raise ProtocolError(f"registry at {self.path}: {len(fds)} descriptors for "
-                                        f"{len(reply.segments)} segments in an acquire reply")
+                    why = f"{len(fds)} descriptors for {len(reply.segments)} segments in an acquire reply"
+                    self.abandon(why)
+                    raise ProtocolError(f"registry at {self.path}: {why}")
                 for seg, fd, uid, size in zip(reply.segments, fds, reply.uids, reply.sizes):
                     if seg in out:  # held already through an earlier chunk
                         os.close(fd)

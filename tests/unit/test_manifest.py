@@ -70,6 +70,26 @@ def _damage_other_files_manifest(text: str, other: str) -> str:
     return other
 
 
+def _damage_a_byte_not_utf8(text: str, other: str) -> bytes:
+    # One byte of the file damaged on disk: not UTF-8 any more.
+    data = bytearray(text.encode())
+    data[10] = 0xFF
+    return bytes(data)
+
+
+def _damage_a_key_not_a_string(text: str, other: str) -> str:
+    # Crafted: a content key that is a number, under a checksum made to match.
+    import json
+
+    import xxhash
+
+    outer = json.loads(text)
+    outer["body"]["tensors"][0][4] = 5
+    canonical = json.dumps(outer["body"], separators=(",", ":"), sort_keys=True)
+    outer["checksum"] = xxhash.xxh3_128_hexdigest(canonical.encode())
+    return json.dumps(outer)
+
+
 def _scan(*models, cache, no_cache: bool = False) -> dict:
     """What ``vllm-dedup scan --json`` reports, computed in this process (same code, no
     interpreter start-up per scan)."""
@@ -81,7 +101,8 @@ def _scan(*models, cache, no_cache: bool = False) -> dict:
     return Report([scan_model(m, cache=store, progress=False) for m in models]).to_dict()
 
 
-@pytest.mark.parametrize("damage", [_damage_invalid_json, _damage_a_key_digit, _damage_other_files_manifest])
+@pytest.mark.parametrize("damage", [_damage_invalid_json, _damage_a_key_digit, _damage_other_files_manifest,
+                                    _damage_a_byte_not_utf8, _damage_a_key_not_a_string])
 def test_damaged_or_stale_manifest_is_detected_and_recomputed(minilm, tmp_path, damage):
     model = _copy(minilm, tmp_path / "m")
     other_cache = tmp_path / "other"
@@ -92,7 +113,8 @@ def test_damaged_or_stale_manifest_is_detected_and_recomputed(minilm, tmp_path, 
     clean = _scan(model, minilm, cache=cache, no_cache=True)
     _scan(model, cache=cache)
     (entry,) = (cache / "manifests").glob("*.json")
-    entry.write_text(damage(entry.read_text(), other_entry.read_text()))
+    damaged = damage(entry.read_text(), other_entry.read_text())
+    entry.write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
 
     again = _scan(model, minilm, cache=cache)
     assert again["models"][0]["hashed_bytes"] == again["models"][0]["bytes"]

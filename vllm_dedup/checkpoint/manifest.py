@@ -97,11 +97,12 @@ class Manifest:
         return json.dumps({"body": body, "checksum": xxhash.xxh3_128_hexdigest(text.encode())})
 
     @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        """Parse and check a stored manifest.
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse and check a stored manifest (its file's bytes, or their text).
 
         Raises:
-            ValueError: it does not parse, its checksum fails, or its version is not ours.
+            ValueError: it is not UTF-8 JSON (`UnicodeDecodeError` is one), its checksum
+                fails, its version is not ours, or a field is not of its type.
         """
         outer = json.loads(text)
         body = outer["body"]
@@ -113,6 +114,8 @@ class Manifest:
         identity = FileIdentity(*body["identity"])
         entries, keys = [], []
         for name, dtype, shape, nbytes, key in body["tensors"]:
+            if not all(isinstance(s, str) for s in (name, dtype, key)):  # a checksum proves no type
+                raise ValueError(f"a tensor entry's name, dtype and key must be strings: {[name, dtype, key]!r}")
             entries.append(TensorEntry(name, dtype, tuple(shape), int(nbytes)))
             keys.append(ContentKey.parse(key))
         return cls(identity, tuple(entries), tuple(keys))
@@ -134,7 +137,7 @@ class ManifestCache:
             return None
         path = self.dir / identity.cache_name()
         try:
-            text = path.read_text()
+            text = path.read_bytes()  # decoded by the parse below: a damaged byte is a damaged entry
         except FileNotFoundError:
             return None
         except OSError:

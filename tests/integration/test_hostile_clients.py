@@ -153,6 +153,7 @@ BAD_FIELDS = [
     ({"op": "publish", "nbytes": NBYTES, "keys": [[KEY, NBYTES - 4, 8]]},
      f"request 'publish': key 0 ({NBYTES - 4} + 8 bytes) ends past nbytes {NBYTES}"),
     ({"op": "publish", "nbytes": NBYTES, "keys": []}, "request 'publish': no keys"),
+    ({"op": "put_recipe", "nbytes": (256 << 20) + 1}, "field 'nbytes' must be between 0 and 268435456"),
     ({"op": "report", "load": {"collisions": "many"}}, "request 'report': load 'collisions' must be an int >= 0"),
     ({"op": "report", "load": {"collisions": -3}}, "request 'report': load 'collisions' must be an int >= 0"),
     ({"op": "report", "load": {"shared_bytes": "x"}}, "request 'report': load 'shared_bytes' must be an int >= 0"),
@@ -171,7 +172,7 @@ def test_field_values_out_of_range_are_refused_and_change_nothing(published, req
         else:
             raw.ask({"op": "stats"})  # the registry has accepted the connection: its socket is counted
         fds_before, state_before = fd_kinds(), registry_state(published)
-        fd = memfd(NBYTES) if request_["op"] == "publish" else None
+        fd = memfd(NBYTES) if request_["op"] in ("publish", "put_recipe") else None
         wire.send(raw.sock, request_, [fd] if fd is not None else [])  # framed as a real client would
         reply, _ = raw.recv()
         if fd is not None:
@@ -180,6 +181,26 @@ def test_field_values_out_of_range_are_refused_and_change_nothing(published, req
         assert registry_state(published) == state_before and fd_kinds() == fds_before
         assert "groups" in raw.ask({"op": "stats"})  # the connection still serves
     assert well_behaved(published) < 2.0
+
+
+@pytest.mark.parametrize("size", ["1e300", "-4096", "true", '"8"'])
+def test_a_recipe_whose_final_sizes_are_not_byte_counts_is_refused(published, size):
+    """Its sizes are summed into every later engine's `expected_shared_bytes`: one out of range
+    made that reply break the protocol for each of them."""
+    key = KEY  # `publisher`'s segment
+    writer, reader = RegistryClient(published.path), RegistryClient(published.path)
+    try:
+        writer.hello("m", "cpu", "default")
+        reader.hello("m", "cpu", "default")
+        recipe = f'{{"signature": "m", "id": "r1", "final": {{"{key}": {size}}}}}'.encode()
+        with pytest.raises(RegistryUnavailable, match="final sizes must be whole numbers of bytes"):
+            writer.put_recipe(recipe)
+        assert reader.expected_shared_bytes() == 0
+        writer.put_recipe(f'{{"signature": "m", "id": "r2", "final": {{"{key}": {NBYTES}}}}}'.encode())
+        assert reader.expected_shared_bytes() == NBYTES
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_an_error_reply_never_breaks_the_registry(published):

@@ -113,6 +113,10 @@ class Range:
 MAX_BYTES = (1 << 63) - 1  # sizes and offsets: what fits in an off_t
 Bytes = typing.Annotated[int, Range(0, MAX_BYTES)]
 _INT64 = Range(-(1 << 63), (1 << 63) - 1)  # any int: what other languages' JSON readers hold
+# A recipe's JSON: the registry maps and parses it on the thread that serves every engine, so
+# a peer may not make it read gigabytes.  A recipe holds one entry per tensor of the model:
+# this is far above any model's.
+MAX_RECIPE_BYTES = 256 << 20
 
 
 def _convert(value, hint, where: str, bounds: Range = _INT64):
@@ -250,9 +254,9 @@ class Expect(Message, op="expect"):
 @dataclass(frozen=True)
 class PutRecipe(Message, op="put_recipe", fds=1):
     """A recipe for the engine's share group: its JSON (`engine.recipe.Recipe.to_bytes`) in a
-    sealed memfd of ``nbytes`` bytes, attached."""
+    sealed memfd of ``nbytes`` bytes (at most `MAX_RECIPE_BYTES`), attached."""
 
-    nbytes: Bytes
+    nbytes: typing.Annotated[int, Range(0, MAX_RECIPE_BYTES)]
 
 
 @dataclass(frozen=True)

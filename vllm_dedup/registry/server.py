@@ -416,7 +416,8 @@ class RegistryServer:
 
     def _expect(self, conn, engine, req: m.Expect, fds):
         e = self.registry.engines[engine]
-        return m.ExpectReply(self.registry.expected_shared_bytes(e.device, e.group, e.signature)), []
+        expected = self.registry.expected_shared_bytes(e.device, e.group, e.signature)
+        return m.ExpectReply(min(expected, m.MAX_BYTES)), []  # each size is in range; their sum may not be
 
     def _put_recipe(self, conn, engine, req: m.PutRecipe, fds):
         signature, recipe_id, final = _recipe_summary(fds[0], req.nbytes)
@@ -453,7 +454,9 @@ def _recipe_summary(fd: int, nbytes: int) -> tuple[str, str, dict[str, int]]:
         raise ValueError(f"a recipe must come as a sealed memfd: {e}") from None
     try:
         recipe = json.loads(data)
-        final = {str(k): int(v) for k, v in recipe["final"].items()}
+        final = {str(k): v for k, v in recipe["final"].items()}
+        if not all(type(v) is int and 0 <= v <= m.MAX_BYTES for v in final.values()):  # summed for `expect`
+            raise ValueError("a recipe's final sizes must be whole numbers of bytes, 0 to 2**63 - 1")
         return str(recipe["signature"]), str(recipe["id"]), final
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"not a recipe ({type(e).__name__}: {e})") from None

@@ -279,7 +279,8 @@ class Registry:
         if seg is not None and (seg.device, seg.group) == (engine.device, engine.group):
             self._close(fd)
             keys = [k for k in keys if k[1] + k[2] <= seg.nbytes]
-            seg.keys += [k for k in keys if k not in seg.keys]
+            known = set(seg.keys)  # a set: a list scanned per key made a big re-publish quadratic
+            seg.keys += [k for k in keys if k not in known]
         else:
             seg = SegmentEntry(next(self._ids), fd, nbytes, engine.device, engine.group, list(keys), uid=uid)
             self.segments[seg.id] = seg

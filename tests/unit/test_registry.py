@@ -119,6 +119,32 @@ def test_a_recipe_of_the_same_checkpoint_replaces_the_old_one_and_old_ones_go_be
     assert sorted(reg.closed) == sorted([300, 301, *range(400, 400 + MAX_RECIPES)])
 
 
+def test_recipes_of_many_signatures_keep_at_most_the_limit_the_oldest_going_first(reg, monkeypatch):
+    """A peer drawing new signatures cannot make the registry keep descriptors without end."""
+    import vllm_dedup.registry.state as state
+
+    monkeypatch.setattr(state, "MAX_KEPT_RECIPES", 5)
+    e = engine(reg, 1)
+    for i in range(12):
+        reg.put_recipe(e, 500 + i, 10, f"sig-{i % 4}", f"r{i}", {})
+    assert reg.closed == list(range(500, 507))  # in the order they were kept, whatever their signature
+    assert sum(len(reg.recipes_for(e, f"sig-{i}")) for i in range(4)) == 5
+    assert [r.fd for r in reg.recipes_for(e, "sig-3")] == [511, 507]  # newest first
+    assert all(reg.recipes.values())  # no slot left empty
+
+
+def test_an_engine_holds_at_most_the_lock_limit(reg):
+    from vllm_dedup.registry.state import MAX_LOCKS_PER_ENGINE
+
+    e, other = engine(reg, 1), engine(reg, 2)
+    assert reg.try_lock(e, [f"n{i}" for i in range(MAX_LOCKS_PER_ENGINE - 1)]) is None
+    assert reg.try_lock(e, ["n0", "last"]) is None  # one held already: 64 in all
+    with pytest.raises(ValueError, match=f"at most {MAX_LOCKS_PER_ENGINE} registry locks"):
+        reg.try_lock(e, "one-more")
+    assert "one-more" not in reg.locks
+    assert reg.try_lock(other, "one-more") is None  # the limit is each engine's
+
+
 def test_a_registry_replacing_a_dead_one_grants_only_reclaims_for_a_while(reg, monkeypatch):
     import vllm_dedup.registry.state as state
 

@@ -44,6 +44,13 @@ __all__ = ["EngineEntry", "EngineStats", "GroupStats", "Hit", "LockEntry", "Reci
 
 STARTUP_LOCK_PREFIX = "startup:"
 MAX_RECIPES = 8  # per (share group, load signature): a base model and a few fine-tunes of it
+# Recipes in all, over every share group and signature: each keeps a descriptor and is listed
+# nowhere an engine could clean up, so peers drawing new signatures could otherwise exhaust
+# the registry's descriptors.  Beyond it the oldest recipe goes (its engines load as usual).
+MAX_KEPT_RECIPES = 512
+# Locks one engine may hold: a start-up lock per device and the publish lock are what engines
+# take; each is kept while its connection lives and listed by every `stats` reply.
+MAX_LOCKS_PER_ENGINE = 64
 # Seconds a registry that replaced a dead one refuses new locks (reclaims are granted): live
 # engines notice the death at once and re-register within about a second (their lease starts a
 # daemon again if needed); ten leaves room for a machine under load.
@@ -103,6 +110,7 @@ class RecipeEntry:
     fd: int
     nbytes: int
     final: dict[str, int]
+    order: int = 0  # when it was kept: the oldest of all goes first beyond `MAX_KEPT_RECIPES`
 
 
 @dataclass(frozen=True)
@@ -315,9 +323,14 @@ class Registry:
         for old in [r for r in kept if r.id == recipe_id]:
             kept.remove(old)
             self._close(old.fd)
-        kept.append(RecipeEntry(recipe_id, fd, nbytes, dict(final)))
+        kept.append(RecipeEntry(recipe_id, fd, nbytes, dict(final), next(self._ids)))
         while len(kept) > MAX_RECIPES:
             self._close(kept.pop(0).fd)
+        while sum(map(len, self.recipes.values())) > MAX_KEPT_RECIPES:
+            slot = min(self.recipes, key=lambda s: self.recipes[s][0].order)
+            self._close(self.recipes[slot].pop(0).fd)
+            if not self.recipes[slot]:
+                del self.recipes[slot]
 
     def recipes_for(self, engine_id: int, signature: str) -> list[RecipeEntry]:
         """The recipes kept for the engine's share group and ``signature``, newest first."""
@@ -351,6 +364,9 @@ class Registry:
             or 0 when refused because the reclaim period is not over.
         """
         names = [names] if isinstance(names, str) else list(names)
+        held = {name for name, lock in self.locks.items() if engine_id in lock.holders}
+        if len(held | set(names)) > MAX_LOCKS_PER_ENGINE:
+            raise ValueError(f"an engine may hold at most {MAX_LOCKS_PER_ENGINE} registry locks")
         if not reclaim and time.monotonic() < self.reclaim_until:
             return 0
         owner = owner or f"engine:{engine_id}"

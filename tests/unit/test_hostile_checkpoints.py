@@ -26,7 +26,7 @@ def _write(path, header, data: bytes = b"\0" * 64) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
 
 
-def _entry(begin=0, end=8, shape=(2,), dtype="F32"):
+def _entry(begin=0, end=64, shape=(16,), dtype="F32"):  # default: the whole 64-byte data section
     return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
 
 
@@ -39,7 +39,17 @@ CRAFTED = {
     "shape not a list": ({"w": {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}}, "shape"),
     "three offsets": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 9]}}, "data_offsets"),
     "entry not an object": ({"w": [1, 2]}, "malformed"),
-    "unknown dtype": ({"w": _entry(dtype="F13")}, "malformed"),
+    "unknown dtype": ({"w": _entry(dtype="F13")}, "cannot read into torch"),
+    "a gap before a tensor": ({"w": _entry(8, 64, (14,))}, "8 bytes before tensor 'w' belong to no tensor"),
+    "bytes after the last": ({"w": _entry(0, 60, (15,))}, "the last 4 bytes of the data section belong to no tensor"),
+    "metadata not a map": ({"__metadata__": 5, "w": _entry()}, "__metadata__ is not a map"),
+    "metadata of numbers": ({"__metadata__": {"format": 1}, "w": _entry()}, "__metadata__ is not a map"),
+    "NaN in the metadata": (b'{"__metadata__": {"x": NaN}, "w": {"dtype": "F32", "shape": [16], '
+                            b'"data_offsets": [0, 64]}}', "NaN is not a number JSON allows"),
+    "a UTF-16 header": ('{"w": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}}'.encode("utf-16"), "JSON"),
+    "a byte-order mark": (b'\xef\xbb\xbf{"w": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}}', "JSON"),
+    "a lone surrogate in a name": (b'{"w\\ud800": {"dtype": "F32", "shape": [16], "data_offsets": [0, 64]}}',
+                                   "not valid Unicode"),
     "end before begin": ({"w": _entry(8, 0)}, "does not fit"),
     "past the data": ({"w": _entry(60, 68)}, "does not fit"),
     "size not the shape's": ({"w": _entry(0, 12)}, "does not fit"),
@@ -102,7 +112,7 @@ def test_a_file_shortened_after_its_header_was_read_is_an_error_not_short_bytes(
         assert len(f.data("a")) == 32
         with pytest.raises(CheckpointError, match="past the file"):
             f.data("b")
-    _write(path, {"a": _entry(0, 32, (8,))})
+    _write(path, {"a": _entry(0, 32, (8,))}, b"\0" * 32)
     with SafetensorsFile(path) as f:  # emptied before its first tensor is read
         os.truncate(path, 0)
         with pytest.raises(CheckpointError, match="cannot map"):
@@ -306,3 +316,28 @@ def test_views_of_one_storage_in_a_pickle_are_each_read_and_never_copied_past_th
     torch.save({f"t{i}": big[i:].t() for i in range(20)}, path)
     with pytest.raises(CheckpointError, match="not contiguous add up to more than the file"):
         TorchFile(path)
+
+
+NOT_PLAIN = {
+    "sparse": (lambda: torch.eye(4).to_sparse(), "not dense"),
+    "sparse CSR": (lambda: torch.eye(4).to_sparse_csr(), "not dense"),
+    "quantized": (lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8), "quantized"),
+    "on meta": (lambda: torch.empty(4, device="meta"), "on meta"),
+    "a conjugate view": (lambda: torch.ones(4, dtype=torch.complex64).conj(), "conjugate or negative"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_PLAIN)
+def test_a_pickled_tensor_whose_bytes_are_not_its_values_is_refused(tmp_path, case):
+    """Its bytes alone would give another tensor's key (a quantized tensor without its scale)
+    or no bytes at all: a CheckpointError, never a raw exception or a misread."""
+    make, words = NOT_PLAIN[case]
+    path = tmp_path / "model.pt"
+    import warnings
+
+    with warnings.catch_warnings():  # quantized tensors are deprecated: still loadable, so still refused
+        warnings.simplefilter("ignore")
+        torch.save({"w": make(), "b": torch.ones(2)}, path)
+        with pytest.raises(CheckpointError, match=words) as caught:
+            TorchFile(path)
+    assert caught.value.path == str(path)

@@ -226,12 +226,18 @@ class SafetensorsFile(WeightFile):
         return header
 
     def _check_layout(self, data_bytes: int) -> dict[str, dict]:
-        """name -> {"dtype", "shape", "data_offsets"}, checked as the format requires: a JSON
-        object without repeated names; each entry a known dtype, a shape of at most `MAX_RANK`
-        non-negative integers and two integer offsets inside the data section whose distance is
-        the shape's size; no two tensors' bytes overlapping.  The checked values are what is
-        kept (a string or a float where an integer belongs is refused, never converted)."""
+        """name -> {"dtype", "shape", "data_offsets"}, checked as the format requires (what
+        the safetensors library refuses is refused here too): a UTF-8 JSON object without
+        repeated names, NaN or infinities, names that are valid Unicode, ``__metadata__`` if
+        any a map of strings to strings; each entry a known dtype, a shape of at most
+        `MAX_RANK` non-negative integers and two integer offsets inside the data section whose
+        distance is the shape's size; the tensors, in order of their offsets, covering the data
+        section with neither gap nor overlap.  The checked values are what is kept (a string or
+        a float where an integer belongs is refused, never converted)."""
         from safetensors.torch import _getdtype
+
+        def no_constant(name: str):
+            raise ValueError(f"{name} is not a number JSON allows")
 
         def unique(pairs):
             seen = set()
@@ -241,19 +247,31 @@ class SafetensorsFile(WeightFile):
                 seen.add(name)
             return dict(pairs)
 
-        try:
-            raw = json.loads(self._header, object_pairs_hook=unique)
+        try:  # strict UTF-8 (json.loads of bytes would also take UTF-16 and a byte-order mark)
+            raw = json.loads(self._header.decode("utf-8"), object_pairs_hook=unique, parse_constant=no_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise self._corrupt(f"its header is not a JSON object safetensors can read: {e}") from None
         if not isinstance(raw, dict):
             raise self._corrupt("its header is not a JSON object")
-        raw.pop("__metadata__", None)
+        metadata = raw.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._corrupt("its __metadata__ is not a map of strings to strings")
         layout: dict[str, dict] = {}
         for name, info in raw.items():
             try:
+                name.encode("utf-8")  # a lone surrogate (an escaped \ud800) is no Unicode name
+            except UnicodeEncodeError:
+                raise self._corrupt(f"a tensor name is not valid Unicode ({name!r})") from None
+            try:
                 if not isinstance(info, dict):
                     raise TypeError("not an object")
-                itemsize = _getdtype(info["dtype"]).itemsize
+                dtype = info["dtype"]
+                try:
+                    itemsize = _getdtype(dtype).itemsize
+                except KeyError:  # a dtype newer than this safetensors.torch: the file is fine
+                    raise CheckpointError(self.path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}, which the "
+                                          "installed safetensors cannot read into torch: it is loaded as "
+                                          "usual, not shared (a newer safetensors may know it)") from None
                 shape, offsets = info["shape"], info["data_offsets"]
                 if not isinstance(shape, list) or len(shape) > self.MAX_RANK or not _naturals(shape):
                     raise ValueError(f"shape {str(shape)[:80]} is not a list of at most {self.MAX_RANK} "
@@ -272,12 +290,15 @@ class SafetensorsFile(WeightFile):
                 raise self._corrupt(f"tensor {name!r} at bytes {begin}..{end} does not fit its shape or the "
                                     f"{data_bytes}-byte data section")
             layout[name] = {"dtype": info["dtype"], "shape": list(shape), "data_offsets": (begin, end)}
-        reach, last = 0, None  # the furthest end so far, and whose
+        reach, last = 0, None  # where the previous tensor ends, and which it is
         for (begin, end), name in sorted((info["data_offsets"], name) for name, info in layout.items()):
             if begin < reach:
                 raise self._corrupt(f"tensors {last!r} and {name!r} overlap")
-            if end > reach:
-                reach, last = end, name
+            if begin > reach:
+                raise self._corrupt(f"{begin - reach} bytes before tensor {name!r} belong to no tensor")
+            reach, last = end, name
+        if reach != data_bytes:
+            raise self._corrupt(f"the last {data_bytes - reach} bytes of the data section belong to no tensor")
         return layout
 
     def header(self) -> bytes:
@@ -445,6 +466,9 @@ class TorchFile(WeightFile):
         seen: set[tuple] = set()
         copied, budget = 0, os.path.getsize(path)
         for name, t in _flatten(obj):
+            kind = _not_plain(t)
+            if kind:  # its bytes are not its values, or it has no bytes here: refused, never misread
+                raise CheckpointError(path, f"tensor {name!r} is {kind}; re-save it as a plain dense tensor")
             nbytes = t.numel() * t.element_size()
             if nbytes > t.untyped_storage().nbytes():  # an expanded view: contiguous() would allocate it all
                 raise CheckpointError(path, f"tensor {name!r} views {nbytes} bytes of a "
@@ -478,6 +502,23 @@ class TorchFile(WeightFile):
     def close(self) -> None:
         self._tensors = {}
         super().close()
+
+
+def _not_plain(t) -> str:
+    """What makes ``t`` other than a dense CPU tensor whose bytes are its values (else ""): a
+    sparse layout, a device other than the CPU (meta), quantization (its scale is not in the
+    bytes), or a conjugate or negative bit (the values are the bytes transformed)."""
+    import torch
+
+    if t.layout != torch.strided:
+        return f"{t.layout} (not dense)"
+    if t.device.type != "cpu":
+        return f"on {t.device}"
+    if t.is_quantized:
+        return "quantized (its scale and zero point are not in its bytes)"
+    if t.is_conj() or t.is_neg():
+        return "a conjugate or negative view"
+    return ""
 
 
 def _flatten(obj, prefix: str = ""):

@@ -341,3 +341,40 @@ def test_a_pickled_tensor_whose_bytes_are_not_its_values_is_refused(tmp_path, ca
         with pytest.raises(CheckpointError, match=words) as caught:
             TorchFile(path)
     assert caught.value.path == str(path)
+
+
+@pytest.mark.parametrize("reader", ["TorchFile", "GGUFFile"])
+def test_a_file_replaced_while_a_reader_opens_it_by_path_has_no_keys_and_no_cached_manifest(tmp_path, monkeypatch,
+                                                                                          reader):
+    """Pickle and GGUF readers open the path themselves (no descriptor of ours): a file saved by
+    rename right after their open would otherwise be keyed with the old bytes under the new
+    file's identity, and that manifest served to every later scan and engine."""
+    from vllm_dedup.checkpoint import readers
+
+    if reader == "TorchFile":
+        path, new = tmp_path / "model.pt", tmp_path / "new.pt"
+        torch.save({"w": torch.ones(64)}, path)
+        torch.save({"w": torch.zeros(64)}, new)
+    else:
+        import gguf
+
+        path, new = tmp_path / "model.gguf", tmp_path / "new.gguf"
+        for where, value in ((path, 1.0), (new, 0.0)):
+            writer = gguf.GGUFWriter(str(where), "llama")
+            writer.add_tensor("w", torch.full((64,), value).numpy())
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+    cls = getattr(readers, reader)
+    opened = cls.__init__
+
+    def then_replaced(self, p):
+        opened(self, p)
+        os.replace(new, path)
+
+    monkeypatch.setattr(cls, "__init__", then_replaced)
+    cache = ManifestCache(tmp_path / "cache")
+    with pytest.raises(CheckpointError, match="changed while it was opened"):
+        file_manifest(path, cache)
+    assert not list((tmp_path / "cache").glob("manifests/*.json"))

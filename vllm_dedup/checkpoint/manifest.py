@@ -171,6 +171,13 @@ class ManifestCache:
             logger.warning("manifest cache %s not written (%s); the next scan hashes again", self.dir, e)
 
 
+def _stat_part(st) -> tuple:
+    """The part of a `FileIdentity` a ``stat`` gives (from an ``os.stat_result`` or an identity)."""
+    if isinstance(st, FileIdentity):
+        return st.dev, st.ino, st.size, st.mtime_ns, st.ctime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
                   progress=None) -> tuple[Manifest, int]:
     """The manifest of one weight file: from the cache, or by hashing its tensors (then cached).
@@ -188,8 +195,16 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
         CheckpointError: the file cannot be read, or changed while it was (its size, times or
             inode: a write within the same timestamp tick as the first look goes unseen).
     """
+    try:
+        before = _stat_part(os.stat(path))  # for readers that open by path (below)
+    except OSError:
+        before = None  # `open_weight_file` says what is wrong; a file that appears meanwhile: changed
     with open_weight_file(path) as wf:
         identity = FileIdentity.of(path, wf.header(), wf.descriptor())  # Note [one descriptor per weight file]
+        if wf.descriptor() is None and before != _stat_part(identity):
+            # GGUF and pickle readers open the path themselves: replaced between their open and
+            # this identity, the keys would be the old file's under the new one's identity.
+            raise CheckpointError(path, "the file changed while it was opened; read it again once it is written")
         manifest = cache.get(identity)
         if manifest is not None:
             if progress is not None:

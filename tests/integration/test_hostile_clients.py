@@ -10,6 +10,7 @@ The registry runs in the test process, so ``/proc/self/fd`` shows its descriptor
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import resource
 import socket
@@ -393,4 +394,53 @@ def test_an_acquire_reply_the_engine_cannot_read_holds_nothing_for_it(registry_s
     finally:
         reader.kill()
         reader.wait()
+        owner.close()
+
+
+@pytest.mark.parametrize("call", ["acquire", "publish"])
+def test_a_lease_out_of_descriptors_after_the_registry_recorded_a_hold_leaves_none(published, monkeypatch, call):
+    """The registry records the hold before the lease keeps its own descriptor of the segment
+    (to re-register it after a registry restart).  Where that ``dup`` fails (EMFILE), the lease
+    could neither release nor re-register the hold: it closes its connection, so the registry
+    drops it, and no descriptor is left open.  The failing ``dup`` is a model of a process at
+    its descriptor limit: it fails in this (the engine's) thread only, never in the registry's."""
+    import errno
+
+    from vllm_dedup.registry import lease as lease_module
+    from vllm_dedup.registry.lease import Lease
+
+    owner = RegistryClient(published.path)  # a segment with a uid: the kind a lease keeps a descriptor of
+    owner.hello("owner", "cpu", "default")
+    fd = memfd(NBYTES)
+    owner.publish(fd, NBYTES, [("uint8[8192]/[1]:" + "c7" * 16, 0, NBYTES)], uid="d" * 32)
+    os.close(fd)
+    lease = Lease(RegistryClient(published.path), "reader", "cpu", "default", "sig")
+    before = fd_kinds()
+    real_dup, engine_thread = os.dup, threading.current_thread()
+
+    def dup(fd):
+        if threading.current_thread() is engine_thread:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_dup(fd)
+
+    monkeypatch.setattr(lease_module.os, "dup", dup)
+    try:
+        with pytest.raises(RegistryUnavailable, match="out of descriptors"):
+            if call == "acquire":
+                lease.acquire([KEY, "uint8[8192]/[1]:" + "c7" * 16])
+            else:
+                fd = memfd(NBYTES)
+                try:
+                    lease.publish(fd, NBYTES, [("uint8[8192]/[1]:" + "b6" * 16, 0, NBYTES)])
+                finally:
+                    os.close(fd)
+        monkeypatch.undo()
+        assert wait_for(lambda: len(engine_ids(published)) == 2)  # the reader's connection, and holds, are gone
+        with published._mutex:
+            holders = [len(s.holders) for s in published.registry.segments.values()]
+        assert holders == [1, 1], holders  # each held by its publisher alone
+        assert fd_kinds() - before == Counter(), fd_kinds() - before  # nothing of the reply left open
+    finally:
+        monkeypatch.undo()
+        lease.close()
         owner.close()

@@ -171,8 +171,14 @@ class Lease:
                 if lease_id is None and seg.uid:
                     lease_id = self._by_uid.get(seg.uid)
                 if lease_id is None:
+                    try:
+                        fd = os.dup(seg.fd) if seg.uid else -1
+                    except OSError as e:  # out of descriptors: these holds cannot be kept
+                        for unkept in found:
+                            os.close(unkept.fd)
+                        raise self._lost_track(f"acquire: {e}") from None
                     lease_id = next(self._ids)
-                    self._held[lease_id] = _Held(os.dup(seg.fd) if seg.uid else -1, seg.nbytes, seg.uid, seg.segment)
+                    self._held[lease_id] = _Held(fd, seg.nbytes, seg.uid, seg.segment)
                     if seg.uid:
                         self._by_uid[seg.uid] = lease_id
                 else:
@@ -184,6 +190,16 @@ class Lease:
                 seg.segment = lease_id
                 seg.hits = [dataclasses.replace(hit, segment=lease_id) for hit in seg.hits]
             return found
+
+    def _lost_track(self, why: str) -> RegistryUnavailable:
+        """The registry recorded holds that this lease cannot keep (no descriptor left to keep
+        one with): the connection is closed, so that the registry drops them, as for a reply
+        that cannot be read (Note [a reply that cannot be read] in ``client.py``); the watcher
+        re-registers what the lease does hold.  The caller holds ``self._lock``; returns the
+        error to raise."""
+        self._client.abandon(f"a descriptor could not be kept ({why})")
+        return RegistryUnavailable(f"registry at {self.path}: out of descriptors to keep what it holds ({why}); "
+                                   "the connection is closed and its holds dropped")
 
     def uid_of(self, segment: int) -> str:
         """The uid of a segment this engine holds (by this lease's id of it), or ""."""
@@ -201,8 +217,12 @@ class Lease:
         with self._lock:
             self._check_locks()
             seg_id = self._call(lambda c: c.publish(fd, nbytes, keys, uid))
+            try:
+                kept = os.dup(fd)
+            except OSError as e:  # out of descriptors: a hold this lease could not re-register
+                raise self._lost_track(f"publish: {e}") from None
             lease_id = next(self._ids)
-            self._held[lease_id] = _Held(os.dup(fd), nbytes, uid, seg_id, {k: (o, n) for k, o, n in keys})
+            self._held[lease_id] = _Held(kept, nbytes, uid, seg_id, {k: (o, n) for k, o, n in keys})
             self._by_uid[uid] = lease_id
             self._by_registry[seg_id] = lease_id
             self._publishes += 1

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import openai_complete  # noqa: E402
-from harness.procs import free_port, serve_replica_pids, tree_pss_bytes  # noqa: E402
+from harness.procs import free_port, serve_replica_pids, tree_pss_bytes, tree_pss_parts  # noqa: E402
 from harness.variants import smollm2_family  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 
@@ -75,11 +75,16 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
         time.sleep(1)
         pss = {model: sum(tree_pss_bytes(p) for p in serve_replica_pids(app_name, f"LLMServer:{model}"))
                for model in models}
+        # The file-backed part (torch's libraries), whose PSS moves with every other process on
+        # the machine that maps them: reported, so that a busy machine's comparison can leave it out.
+        file_pss = {model: sum(tree_pss_parts(p)["Pss_File"] for p in serve_replica_pids(app_name, f"LLMServer:{model}"))
+                    for model in models}
         stats = registry_stats() if dedup else None
         registry_pss = tree_pss_bytes(stats.registry_pid) if dedup else 0
     finally:
         serve.delete(app_name)
-    return {"deploy_s": deploy_s, "answers": answers, "pss": pss, "registry_pss": registry_pss, "stats": stats}
+    return {"deploy_s": deploy_s, "answers": answers, "pss": pss, "file_pss": file_pss, "registry_pss": registry_pss,
+            "stats": stats}
 
 
 def smoke(models: dict, port: int) -> dict:
@@ -93,6 +98,7 @@ def smoke(models: dict, port: int) -> dict:
             "model": model,
             "answered_by": dedup["answers"][model]["answered_by"],
             "pss_plain_bytes": plain["pss"][model], "pss_dedup_bytes": dedup["pss"][model],
+            "file_pss_plain_bytes": plain["file_pss"][model], "file_pss_dedup_bytes": dedup["file_pss"][model],
             "mapped_from_others_bytes": load.get("shared_bytes", 0),
             "same_text": plain["answers"][model]["text"] == dedup["answers"][model]["text"],
             "text": dedup["answers"][model]["text"],

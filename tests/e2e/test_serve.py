@@ -86,7 +86,10 @@ def test_serve_example_smoke_shares_memory_and_every_model_answers(smollm2, regi
     # with it the application still holds less than plain's.  (Where vLLM packs linear weights,
     # AVX-512, the replicas also share oneDNN's packed copies of the embedding, which the
     # checkpoints do not show, so they save more than this; on AVX2 they save about this.)
-    replicas_saved = sum(r["pss_plain_bytes"] - r["pss_dedup_bytes"] for r in result["models"])
+    # Without file-backed pages (torch's libraries), whose PSS moves with other tests' engines
+    # between the plain and the dedup phase (CI once saw 218 MB saved in total so).
+    replicas_saved = sum((r["pss_plain_bytes"] - r["file_pss_plain_bytes"]) - (r["pss_dedup_bytes"] - r["file_pss_dedup_bytes"])
+                         for r in result["models"])
     assert replicas_saved >= 0.9 * expected, result
     assert result["registry_pss_bytes"] < 128 << 20, result
     assert result["pss_dedup_bytes"] < result["pss_plain_bytes"], result

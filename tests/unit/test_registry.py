@@ -229,3 +229,34 @@ def test_a_known_segment_gains_only_the_keys_that_lie_within_it(reg):
     assert again == first and 102 in reg.closed
     assert (GPU0, "default", "a") in reg.index and (GPU0, "default", "b") not in reg.index
     assert reg.segments[first].keys == [("a", 0, 4096)]
+
+
+def test_a_key_two_engines_published_stays_found_when_the_first_copy_goes(reg):
+    """Two engines that missed a key at the same moment each publish it; the index names the
+    first copy, and when that copy is freed the second one, still resident, must be found."""
+    a, b, c = engine(reg, 1), engine(reg, 2), engine(reg, 3)
+    first = reg.publish(a, 101, 8192, [("k", 0, 4096), ("only-a", 4096, 4096)])
+    second = reg.publish(b, 102, 8192, [("other", 0, 4096), ("k", 4096, 4096)])
+    assert reg.index[(GPU0, "default", "k")] == (first, 0, 4096)
+    reg.drop_engine(a)
+    assert 101 in reg.closed and first not in reg.segments
+    assert reg.index[(GPU0, "default", "k")] == (second, 4096, 4096)
+    assert (GPU0, "default", "only-a") not in reg.index
+    assert [(h.key, h.segment, h.offset) for h in reg.acquire(c, ["k", "only-a"])] == [("k", second, 4096)]
+
+
+def test_a_uid_names_a_segment_only_in_its_own_device_and_group(reg):
+    """A publish on another device that repeats a resident segment's uid makes a segment of its
+    own there, and takes nothing away from the first: engines of the first pair still find
+    keys by that uid, and a re-registration there still joins the first segment."""
+    a, other = engine(reg, 1), engine(reg, 2, GPU1)
+    first = reg.publish(a, 101, 4096, [("k", 0, 4096)], uid="u")
+    elsewhere = reg.publish(other, 102, 4096, [("k", 0, 4096)], uid="u")
+    assert elsewhere != first and 102 not in reg.closed
+    reader = engine(reg, 3)
+    assert [h.segment for h in reg.acquire(reader, ["k"], uids=["u"])] == [first]
+    again = reg.publish(engine(reg, 4), 103, 4096, [("k", 0, 4096)], uid="u")
+    assert again == first and 103 in reg.closed
+    reg.drop_engine(other)  # frees the other device's copy; the first pair's uid stays
+    assert 102 in reg.closed
+    assert [h.segment for h in reg.acquire(engine(reg, 5), ["k"], uids=["u"])] == [first]

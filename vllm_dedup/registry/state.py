@@ -218,7 +218,9 @@ class Registry:
         self.engines: dict[int, EngineEntry] = {}
         self.locks: dict[str, LockEntry] = {}
         self.recipes: dict[tuple[str, str], list[RecipeEntry]] = {}  # (group, signature) -> oldest first
-        self._uids: dict[str, int] = {}  # segment uid -> id
+        # (device, share group, segment uid) -> id: a uid names a segment only where it lies,
+        # so a peer repeating one in another pair cannot take it over.
+        self._uids: dict[tuple[str, str, str], int] = {}
         self._ids = itertools.count(1)
         self.collisions = 0  # caught by engines' exact compares, over the registry's life
         self.reclaim_until = 0.0  # time.monotonic() until which only reclaimed locks are granted
@@ -267,8 +269,8 @@ class Registry:
     def _in_segment(self, engine: EngineEntry, key: str, uid: str) -> tuple[int, int, int] | None:
         """(segment, offset, bytes) of ``key`` in the segment named ``uid``, if it is resident in
         the engine's (device, group) and holds that key."""
-        seg = self.segments.get(self._uids.get(uid, -1))
-        if seg is None or (seg.device, seg.group) != (engine.device, engine.group):
+        seg = self.segments.get(self._uids.get((engine.device, engine.group, uid), -1))
+        if seg is None:
             return None
         return next(((seg.id, offset, size) for k, offset, size in seg.keys if k == key), None)
 
@@ -283,8 +285,8 @@ class Registry:
         that says another size, could only fail every acquire of that key), and the engine
         holds it."""
         engine = self.engines[engine_id]
-        seg = self.segments.get(self._uids.get(uid)) if uid else None
-        if seg is not None and (seg.device, seg.group) == (engine.device, engine.group):
+        seg = self.segments.get(self._uids.get((engine.device, engine.group, uid), -1)) if uid else None
+        if seg is not None:
             self._close(fd)
             keys = [k for k in keys if k[1] + k[2] <= seg.nbytes]
             known = set(seg.keys)  # a set: a list scanned per key made a big re-publish quadratic
@@ -293,7 +295,7 @@ class Registry:
             seg = SegmentEntry(next(self._ids), fd, nbytes, engine.device, engine.group, list(keys), uid=uid)
             self.segments[seg.id] = seg
             if uid:
-                self._uids[uid] = seg.id
+                self._uids[(engine.device, engine.group, uid)] = seg.id
         for key, offset, size in keys:
             self.index.setdefault((engine.device, engine.group, key), (seg.id, offset, size))
         self._hold(seg.id, engine_id)
@@ -427,19 +429,36 @@ class Registry:
             self._free(seg)
         return len(due)
 
-    def _free(self, seg: SegmentEntry) -> None:
+    def _free(self, seg: SegmentEntry, reindex: bool = True) -> None:
         del self.segments[seg.id]
-        if self._uids.get(seg.uid) == seg.id:
-            del self._uids[seg.uid]
-        for key, _, _ in seg.keys:
-            if self.index.get((seg.device, seg.group, key), (None,))[0] == seg.id:
-                del self.index[(seg.device, seg.group, key)]
+        self._uids.pop((seg.device, seg.group, seg.uid), None)
+        orphans = {key for key, _, _ in seg.keys
+                   if self.index.get((seg.device, seg.group, key), (None,))[0] == seg.id}
+        for key in orphans:
+            del self.index[(seg.device, seg.group, key)]
+        if orphans and reindex:
+            self._reindex(seg.device, seg.group, orphans)
         self._close(seg.fd)
+
+    def _reindex(self, device: str, group: str, keys: set[str]) -> None:
+        """Point ``keys`` at another resident segment of (``device``, ``group``) that holds them.
+
+        Two engines that missed a key at the same moment may each publish it; the index names
+        the first segment, and when that one goes the second still holds the bytes.  One pass
+        over the pair's segments, oldest first, so the index keeps naming the oldest copy."""
+        for other in sorted((s for s in self.segments.values() if (s.device, s.group) == (device, group)),
+                            key=lambda s: s.id):
+            for key, offset, size in other.keys:
+                if key in keys:
+                    self.index[(device, group, key)] = (other.id, offset, size)
+                    keys.discard(key)
+            if not keys:
+                return
 
     def close(self) -> None:
         """Free everything (the registry is shutting down)."""
         for seg in list(self.segments.values()):
-            self._free(seg)
+            self._free(seg, reindex=False)
         for kept in self.recipes.values():
             for recipe in kept:
                 self._close(recipe.fd)

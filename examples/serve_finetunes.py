@@ -73,12 +73,13 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
             answers[model] = {"answered_by": reply["model"], "text": choice["text"],
                               "logprob": choice["logprobs"]["token_logprobs"][0]}
         time.sleep(1)
-        pss = {model: sum(tree_pss_bytes(p) for p in serve_replica_pids(app_name, f"LLMServer:{model}"))
-               for model in models}
-        # The file-backed part (torch's libraries), whose PSS moves with every other process on
-        # the machine that maps them: reported, so that a busy machine's comparison can leave it out.
-        file_pss = {model: sum(tree_pss_parts(p)["Pss_File"] for p in serve_replica_pids(app_name, f"LLMServer:{model}"))
-                    for model in models}
+        # Each model's replicas' process trees, read once.  The file-backed part (torch's
+        # libraries), whose PSS moves with every other process on the machine that maps them,
+        # is reported beside the total, so that a busy machine's comparison can leave it out.
+        parts = {model: [tree_pss_parts(p) for p in serve_replica_pids(app_name, f"LLMServer:{model}")]
+                 for model in models}
+        pss = {model: sum(one["Pss"] for one in trees) for model, trees in parts.items()}
+        file_pss = {model: sum(one["Pss_File"] for one in trees) for model, trees in parts.items()}
         stats = registry_stats() if dedup else None
         registry_pss = tree_pss_bytes(stats.registry_pid) if dedup else 0
     finally:

@@ -361,7 +361,7 @@ try:
     error = ""
 except Exception as e:
     error = f"{type(e).__name__}: {e}"
-print(json.dumps({"error": error, "broken": getattr(client, "broken", "")}), flush=True)
+print(json.dumps({"error": error, "closed_by_us": str(client.closed_by_us or "")}), flush=True)
 time.sleep(60)  # alive: whatever the registry still holds for it, it holds for a live engine
 """
 
@@ -390,7 +390,7 @@ def test_an_acquire_reply_the_engine_cannot_read_holds_nothing_for_it(registry_s
         with registry_server._mutex:
             holds = [len(e.segments) for e in registry_server.registry.engines.values()]
         assert holds == [len(keys)], holds
-        assert said["broken"], said
+        assert said["closed_by_us"], said
     finally:
         reader.kill()
         reader.wait()

@@ -57,9 +57,9 @@ class RegistryClient:
             later call fails at once.
 
     Attributes:
-        timed_out: a reply did not come within ``timeout_s`` (the connection is closed).
-        broken: why this side closed the connection after a reply it could not read (else
-            ""): Note [a reply that cannot be read].
+        closed_by_us: why this side closed the connection, else None: a `RegistryTimeout` (a
+            reply did not come within ``timeout_s``) or a `ProtocolError` (a reply it could not
+            read, Note [a reply that cannot be read]).  Every later call raises the same type.
 
     Raises (the constructor and every method):
         RegistryUnavailable: cannot connect, refused, the registry went away or answered an
@@ -71,8 +71,7 @@ class RegistryClient:
     def __init__(self, path: Path, timeout_s: float = 30.0):
         self.path = Path(path)
         self.timeout_s = timeout_s
-        self.timed_out = False
-        self.broken = ""
+        self.closed_by_us: RegistryUnavailable | None = None
         self._address = wire.socket_address(self.path)
         wire.ensure_private_dir(self.path.parent)
         try:
@@ -124,11 +123,8 @@ class RegistryClient:
         """Send ``request``, return ``(reply, descriptors)``; ``reply`` is a ``reply_type``
         (or the raw dict when None).  The caller owns the descriptors."""
         with self._lock:
-            if self.timed_out:
-                raise RegistryTimeout(f"the registry at {self.path} did not answer an earlier request within "
-                                      f"{self.timeout_s:g} s; this connection is closed")
-            if self.broken:
-                raise ProtocolError(f"registry at {self.path}: {self.broken}; this connection is closed")
+            if self.closed_by_us is not None:
+                raise type(self.closed_by_us)(f"{self.closed_by_us} (an earlier request)")
             try:
                 wire.send(self._sock, request.to_wire(), fds)  # ProtocolError: nothing was sent
                 try:
@@ -140,10 +136,9 @@ class RegistryClient:
                 raise
             except TimeoutError:
                 # A late reply must never be read as the answer to a later request: close.
-                self.timed_out = True
-                self._sock.close()
-                raise RegistryTimeout(f"the registry at {self.path} did not answer within {self.timeout_s:g} s "
-                                      "(hung or stopped?); this connection is closed") from None
+                raise self._close_because(RegistryTimeout(
+                    f"the registry at {self.path} did not answer within {self.timeout_s:g} s (hung or stopped?); "
+                    "this connection is closed")) from None
             except OSError as e:
                 if isinstance(e, ConnectionError) and (parting := self._parting_words()) is not None:
                     raise RegistryUnavailable(f"registry at {self.path}: {parting}") from None
@@ -166,8 +161,12 @@ class RegistryClient:
     def abandon(self, why: str) -> None:
         """Close this connection because of a reply it could not read (``why``): Note [a reply
         that cannot be read].  Every later call fails at once."""
-        self.broken = why
+        self._close_because(ProtocolError(f"registry at {self.path}: {why}; this connection is closed"))
+
+    def _close_because(self, error: RegistryUnavailable) -> RegistryUnavailable:
+        self.closed_by_us = error
         self._sock.close()
+        return error
 
     def hello(self, model: str, device: str, group: str, signature: str = "") -> int:
         """Make this connection an engine's lease.  ``device`` is a device key
@@ -333,7 +332,7 @@ class RegistryClient:
     def hung_up(self) -> bool:
         """Whether the registry closed this connection (it died, or dropped this client); False
         for a connection this client closed itself (`close`, or after a timeout)."""
-        if self.timed_out or self._sock.fileno() < 0:
+        if self.closed_by_us is not None or self._sock.fileno() < 0:
             return False
         poller = select.poll()
         poller.register(self._sock, select.POLLRDHUP)

@@ -512,7 +512,7 @@ def test_a_name_two_files_hold_has_no_source_key_and_leaves_no_manifest(tmp_path
     from safetensors.torch import save_file
 
     from vllm_dedup.checkpoint.loading import write_manifests
-    from vllm_dedup.checkpoint.manifest import FileIdentity, ManifestCache
+    from vllm_dedup.checkpoint.manifest import RACY_WINDOW_NS, FileIdentity, ManifestCache
     from vllm_dedup.checkpoint.readers import SafetensorsFile
 
     tensors = checkpoint()
@@ -535,7 +535,8 @@ def test_a_name_two_files_hold_has_no_source_key_and_leaves_no_manifest(tmp_path
             identities[path] = FileIdentity.of(path, wf.header())
     cache = ManifestCache(tmp_path / "cache")
     # Even handed a key for the name, neither file is cached: the key may be the other's tensor's.
-    assert write_manifests([a, b], identities, {**keys, "norm": keys["embed"]}, cache) == 0
+    settled_ns = max(i.ctime_ns for i in identities.values()) + RACY_WINDOW_NS
+    assert write_manifests([a, b], identities, {**keys, "norm": keys["embed"]}, cache, settled_ns) == 0
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
@@ -560,3 +561,25 @@ def test_a_recipe_of_another_signature_is_never_chosen(tmp_path):
     assert chosen.match is not None and chosen.match.recipe.id == recipe.id
     other = decide(ctx("another"), [tmp_path / "model.safetensors"], cache)
     assert other.match is None and "another load signature" in other.why
+
+
+def test_an_engine_stores_no_manifest_for_a_file_changed_just_before_it_took_its_identity(tmp_path):
+    """Note [racily clean files]: a load's identities taken within `RACY_WINDOW_NS` of a file's
+    last change could miss a write in the same timestamp tick, so its keys are not cached."""
+    from safetensors.torch import save_file
+
+    from vllm_dedup.checkpoint.loading import write_manifests
+    from vllm_dedup.checkpoint.manifest import RACY_WINDOW_NS, FileIdentity, ManifestCache, file_manifest
+    from vllm_dedup.checkpoint.readers import SafetensorsFile
+
+    path = tmp_path / "model.safetensors"
+    save_file(checkpoint(), path)
+    manifest, _ = file_manifest(path, ManifestCache(None))
+    keys = {e.name: str(k) for e, k in zip(manifest.entries, manifest.keys)}
+    with SafetensorsFile(path) as wf:
+        identity = FileIdentity.of(path, wf.header())
+    cache = ManifestCache(tmp_path / "cache")
+    racy_ns = identity.ctime_ns + RACY_WINDOW_NS - 1
+    assert write_manifests([path], {path: identity}, keys, cache, racy_ns) == 0
+    assert write_manifests([path], {path: identity}, keys, cache, racy_ns + 1) == 1
+    assert cache.get(identity) is not None

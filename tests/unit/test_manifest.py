@@ -121,3 +121,37 @@ def test_damaged_or_stale_manifest_is_detected_and_recomputed(minilm, tmp_path, 
     assert again["pairs"] == clean["pairs"]
     # ...and the entry was rewritten, so the next scan trusts it again.
     assert _scan(model, cache=cache)["models"][0]["hashed_bytes"] == 0
+
+
+def test_a_file_changed_a_moment_ago_is_cached_only_once_its_tick_has_passed(minilm, tmp_path, monkeypatch):
+    """Note [racily clean files]: a file whose ctime is under `RACY_WINDOW_NS` old is looked at
+    again after that wait.  If it changed meanwhile (here a write during the wait, standing in
+    for one within the same timestamp tick, which this kernel's fine-grained times do not
+    allow), its manifest is not stored and the next look hashes it again; if it did not, the
+    manifest is stored and the next look reads no tensor bytes."""
+    from vllm_dedup.checkpoint import manifest as mf
+
+    model = _copy(minilm, tmp_path / "m")
+    f = model / "model.safetensors"
+    real_sleep, waits = mf.time.sleep, []
+
+    def write_while_waiting(seconds):
+        waits.append(seconds)
+        real_sleep(seconds)
+        with open(f, "r+b") as fh:  # the same bytes again: only the times change
+            fh.seek(os.stat(f).st_size - 4096)
+            tail = fh.read(4096)
+            fh.seek(-4096, os.SEEK_END)
+            fh.write(tail)
+
+    cache = mf.ManifestCache(tmp_path / "cache")
+    monkeypatch.setattr(mf.time, "sleep", write_while_waiting)
+    os.utime(f)  # changed just now
+    _, hashed = mf.file_manifest(f, cache)
+    assert hashed > 0 and len(waits) == 1 and 0 < waits[0] <= mf.RACY_WINDOW_NS / 1e9
+    monkeypatch.setattr(mf.time, "sleep", lambda s: (waits.append(s), real_sleep(s)))
+    os.utime(f)
+    _, hashed = mf.file_manifest(f, cache)  # not stored above: hashed again, after a wait
+    assert hashed > 0 and len(waits) == 2
+    _, hashed = mf.file_manifest(f, cache)  # settled and stored: no wait, no bytes read
+    assert hashed == 0 and len(waits) == 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..log import init_logger
-from .manifest import FileIdentity, Manifest, ManifestCache, file_manifest
+from .manifest import FileIdentity, Manifest, ManifestCache, file_manifest, settled
 from .readers import SafetensorsFile, index_shards
 
 __all__ = ["changed_files", "checkpoint_files", "checkpoint_keys", "read_tensors", "write_manifests"]
@@ -127,10 +127,11 @@ def read_tensors(names: Iterable[str], where: dict[str, Path],
 
 
 def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], keys: dict[str, str],
-                    cache: ManifestCache) -> int:
+                    cache: ManifestCache, taken_ns: int) -> int:
     """Store a manifest for each of ``files`` whose every tensor was hashed during the load and
-    whose identity is still the one taken before the load (a file changed meanwhile is left
-    out: its keys might describe neither version).  ``keys`` names tensors, not files, so a
+    whose identity is still the one taken before the load, at ``taken_ns`` (`time.time_ns`) or
+    later (a file changed meanwhile is left out: its keys might describe neither version; so
+    is one changed too shortly before to tell, `manifest.settled`).  ``keys`` names tensors, not files, so a
     file holding a name another of ``files`` holds too is left out: the key may be the other's
     tensor's.  Returns the number written."""
     from ..content.keys import ContentKey
@@ -145,7 +146,8 @@ def write_manifests(files: list[Path], identities: dict[Path, FileIdentity], key
     holders = Counter(e.name for _, entries in read.values() for e in entries)
     written = 0
     for path, (now, entries) in read.items():
-        if now != identities.get(path) or any(e.name not in keys or holders[e.name] > 1 for e in entries):
+        if (now != identities.get(path) or not settled(now, taken_ns)
+                or any(e.name not in keys or holders[e.name] > 1 for e in entries)):
             continue
         cache.put(Manifest(now, tuple(entries), tuple(ContentKey.parse(keys[e.name]) for e in entries)))
         written += 1

@@ -16,6 +16,9 @@ with its size, header and mtime restored therefore gets a new identity and is ha
 trusts these keys without reading the file (docs/architecture.md, "Loading only what is not
 resident"), which is why the identity must catch every rewrite.
 
+An identity is taken only once the tick of the file's last change has passed (Note [racily
+clean files]).
+
 A manifest is never trusted blindly: its JSON carries the identity it was made for and an
 XXH3-128 checksum over its body.  An entry that does not parse, whose checksum fails, or whose
 identity differs from the file's is recomputed and rewritten (atomically: write to a temporary
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +41,21 @@ from ..errors import CheckpointError
 from ..log import init_logger
 from .readers import TensorEntry, open_weight_file
 
-__all__ = ["FileIdentity", "Manifest", "ManifestCache", "default_cache_dir", "file_manifest"]
+__all__ = ["FileIdentity", "Manifest", "ManifestCache", "default_cache_dir", "file_manifest", "settled"]
 
 logger = init_logger(__name__)
 
 _VERSION = 4  # 2: identity carries st_ctime_ns; 3: source keys are BLAKE3-256; 4: a pickle's views each listed
+
+# Note [racily clean files]
+# A file's times come from the kernel's coarse clock, which moves one tick at a time (a jiffy,
+# 1 to 10 ms, on ext4, XFS, btrfs and tmpfs before Linux 6.13's fine-grained timestamps).  A
+# write within the tick of the ctime we saw would leave the identity as it was, and a manifest
+# stored then could be served for bytes it was not made from.  Git calls such index entries
+# "racily clean".  Here an identity whose ctime lies less than `RACY_WINDOW_NS` before now is
+# taken again once that much time has passed: any later write then lands in a later tick and
+# changes the ctime.  A file still changing then is hashed, and its manifest is not stored.
+RACY_WINDOW_NS = 100_000_000  # ten ticks at HZ=100; only a file changed that recently waits
 
 
 def default_cache_dir() -> Path:
@@ -178,6 +192,28 @@ def _stat_part(st) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def settled(identity: FileIdentity, taken_ns: int) -> bool:
+    """Whether no write after ``identity`` was taken (at ``taken_ns``, `time.time_ns`, or
+    before) could leave it unchanged: the file's last change lies `RACY_WINDOW_NS` or more
+    before then (Note [racily clean files])."""
+    return taken_ns - identity.ctime_ns >= RACY_WINDOW_NS
+
+
+def _settled_identity(path: Path, wf) -> tuple[FileIdentity, bool]:
+    """(identity of the open weight file ``wf``, whether no write could go unseen by it): Note
+    [racily clean files], Note [one descriptor per weight file]."""
+    taken_ns = time.time_ns()
+    identity = FileIdentity.of(path, wf.header(), wf.descriptor())
+    if settled(identity, taken_ns):
+        return identity, True
+    age_ns = taken_ns - identity.ctime_ns
+    if age_ns < 0:  # changed "in the future": another machine's clock (NFS); no wait would tell
+        return identity, False
+    time.sleep((RACY_WINDOW_NS - age_ns) / 1e9)
+    again = FileIdentity.of(path, wf.header(), wf.descriptor())
+    return again, again == identity
+
+
 def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
                   progress=None) -> tuple[Manifest, int]:
     """The manifest of one weight file: from the cache, or by hashing its tensors (then cached).
@@ -193,14 +229,15 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
 
     Raises:
         CheckpointError: the file cannot be read, or changed while it was (its size, times or
-            inode: a write within the same timestamp tick as the first look goes unseen).
+            inode).  A file changed within `RACY_WINDOW_NS` is looked at again after that
+            wait, and its manifest is not stored if it changed meanwhile.
     """
     try:
         before = _stat_part(os.stat(path))  # for readers that open by path (below)
     except OSError:
         before = None  # `open_weight_file` says what is wrong; a file that appears meanwhile: changed
     with open_weight_file(path) as wf:
-        identity = FileIdentity.of(path, wf.header(), wf.descriptor())  # Note [one descriptor per weight file]
+        identity, settled = _settled_identity(path, wf)
         if wf.descriptor() is None and before != _stat_part(identity):
             # GGUF and pickle readers open the path themselves: replaced between their open and
             # this identity, the keys would be the old file's under the new one's identity.
@@ -223,5 +260,6 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
         if FileIdentity.of(path, wf.header(), wf.descriptor()) != identity:  # written meanwhile: keys of neither version
             raise CheckpointError(path, "the file changed while it was read; read it again once it is written")
     manifest = Manifest(identity, tuple(entries), tuple(keys))
-    cache.put(manifest)
+    if settled:
+        cache.put(manifest)
     return manifest, sum(e.nbytes for e in entries)

@@ -15,6 +15,7 @@ one log line, and the load goes on without the fast path (or without leaving a r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +136,7 @@ class RecordedLoad:
         self.identities = {}
         known: dict[str, str] = {}  # keys the manifest cache has: not hashed again while loading
         self.cached: list[Path] = []
+        self.taken_ns = time.time_ns()  # before the identities: Note [racily clean files]
         for path in files:
             with SafetensorsFile(path) as f:
                 self.identities[path] = FileIdentity.of(path, f.header(), f.descriptor())
@@ -156,7 +158,7 @@ class RecordedLoad:
             self.recorder.unhashable.extend(map(str, changed))
             self.keys = {}
         uncached = [p for p in self.files if p not in self.cached]
-        write_manifests(uncached, self.identities, self.keys, self.cache)
+        write_manifests(uncached, self.identities, self.keys, self.cache, self.taken_ns)
 
 
 def leave_recipe(ctx: LoadContext, model, report: LoadReport, recorded: RecordedLoad | None = None,

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from ..content.views import element_span
+from ..content.views import contiguous_stride, element_span, squeezed_layout
 
 __all__ = ["Match", "ModuleRecipe", "Recipe", "RecipeDeclined", "TensorRecipe", "choose", "match"]
 
@@ -120,7 +120,8 @@ class TensorRecipe:
         """Raises:
             ValueError: more than one of key, inline and alias; or none, where ``placed`` (a
                 replayable module's tensor) asks for one; a view without an alias, or at a
-                negative offset."""
+                negative offset; inline bytes that are not exactly a dense tensor of its
+                dtype and shape (`_check_inline`)."""
         t = cls(str(d["name"]), bool(d["param"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]),
                 tuple(int(x) for x in d["stride"]), d.get("key"), str(d.get("uid", "")),
                 base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"), str(d.get("layout", "")),
@@ -132,7 +133,28 @@ class TensorRecipe:
         if t.view is not None and (t.alias is None or t.view < 0 or any(x < 0 for x in t.stride)):
             raise ValueError(f"tensor {t.name!r}: a view names the tensor it views (alias), at an offset and "
                              "strides of at least 0")
+        if t.inline is not None:
+            t._check_inline()
         return t
+
+    def _check_inline(self) -> None:
+        """Inline bytes are a dense tensor's, as the builder keeps them (contiguous tensors
+        only): a dense layout (strides of size-1 dimensions aside) and exactly its bytes.  A
+        replay binds them with ``as_strided``; a peer's stride of 0 over a huge shape, or an
+        overlapping one, would give a tensor no plain load has."""
+        import torch
+
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or len(self.shape) != len(self.stride) or min(self.shape, default=0) < 0:
+            raise ValueError(f"tensor {self.name!r}: inline bytes need a torch dtype and one stride per dimension")
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        if numel and squeezed_layout(self.shape, self.stride) != squeezed_layout(self.shape,
+                                                                                 contiguous_stride(self.shape)):
+            raise ValueError(f"tensor {self.name!r}: inline bytes are a dense tensor's, not strided {self.stride}")
+        if len(self.inline) != numel * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"tensor {self.name!r}: {len(self.inline)} inline bytes for {numel} {self.dtype} elements")
 
 
 @dataclass
@@ -276,37 +298,53 @@ class Match:
         """Checkpoint tensor names the unmatched modules need."""
         return set().union(*(self.recipe.modules[m].sources for m in self.unmatched)) if self.unmatched else set()
 
-    def demote(self, module: str, why: str) -> None:
-        """Load ``module`` from the checkpoint after all (e.g. a tensor of it is not resident).
+    def demote(self, why: dict[str, str]) -> None:
+        """Load these modules (name -> why) from the checkpoint after all (e.g. a tensor of
+        theirs is not resident), and those they take with them: one `settle` for all.
 
         Raises:
-            RecipeDeclined: the module, or one it takes with it, cannot be loaded on its own.
+            RecipeDeclined: a module to load cannot be loaded on its own.
         """
-        if module in self.matched:
-            self.matched.discard(module)
-            self.unmatched[module] = why
-            self.settle()
+        for module, reason in why.items():
+            if module in self.matched:
+                self.matched.discard(module)
+                self.unmatched[module] = reason
+        self.settle()
 
     def settle(self) -> None:
         """Restore the invariant (class docstring): demote every mapped module that shares a
-        checkpoint tensor with a loaded one, until none does; recount the mapped bytes.
+        checkpoint tensor with a loaded one, and so on, and every eager one once any module is
+        loaded; recount the mapped bytes.  One pass over the sources through an index (a
+        recipe is a peer's input: a chain of modules each sharing a name with the next, demoted
+        one per pass over all modules, made a 2 MB recipe cost 12 s).
 
         Raises:
             RecipeDeclined: a module to load is not traced.
         """
         modules = self.recipe.modules
+        mapped_by_source: dict[str, list[str]] = {}
+        for m in self.matched:
+            for s in modules[m].sources:
+                mapped_by_source.setdefault(s, []).append(m)
+        todo = list(self.read())
+        seen = set(todo)
+
+        def load(m: str, why: str) -> None:
+            self.matched.discard(m)
+            self.unmatched[m] = why
+            todo.extend(s for s in modules[m].sources if s not in seen)
+            seen.update(modules[m].sources)
+
         while True:
-            read = self.read()
-            taken = {m for m in self.matched if read & set(modules[m].sources)}
-            eager = {m for m in self.matched if modules[m].eager} if self.unmatched else set()
-            if not taken and not eager:
+            while todo:
+                for m in mapped_by_source.get(todo.pop(), ()):
+                    if m in self.matched:
+                        load(m, "it shares a checkpoint tensor with a module loaded from the checkpoint")
+            eager = sorted(m for m in self.matched if modules[m].eager) if self.unmatched else []
+            if not eager:
                 break
-            for m in taken:
-                self.matched.discard(m)
-                self.unmatched[m] = "it shares a checkpoint tensor with a module loaded from the checkpoint"
-            for m in eager - taken:
-                self.matched.discard(m)
-                self.unmatched[m] = f"a partial load writes it ({modules[m].eager})"
+            for m in eager:
+                load(m, f"a partial load writes it ({modules[m].eager})")
         for name, why in sorted(self.unmatched.items()):
             if not modules[name].traced:
                 raise RecipeDeclined(f"module {name} must be loaded ({why}) but cannot be loaded on its own: "

@@ -206,12 +206,15 @@ class Replay:
                     logger.debug("%s cannot be viewed in its segment (%s)", hit.key, e)
                     continue
                 resident[asked] = (tensor, got.found.uid)
-        for name in list(self.match.matched):
+        gone = {}
+        for name in self.match.matched:
             optional = recipe.modules[name].packed if keeps_weight(recipe.modules[name]) else None
             missing = [t.name for t in recipe.modules[name].keyed()
                        if t is not optional and (t.key, t.uid if strict else "") not in resident]
             if missing:
-                self.match.demote(name, f"{missing[0]} is no longer resident")
+                gone[name] = f"{missing[0]} is no longer resident"
+        if gone:
+            self.match.demote(gone)
         return resident
 
     # 3. bind -------------------------------------------------------------------------------

@@ -444,3 +444,44 @@ def test_a_lease_out_of_descriptors_after_the_registry_recorded_a_hold_leaves_no
         monkeypatch.undo()
         lease.close()
         owner.close()
+
+
+def test_an_acquire_of_many_round_trips_that_fails_leaves_no_hold(published, monkeypatch):
+    """An acquire of more keys than one reply can carry descriptors for goes in round trips,
+    and the registry records each one's holds as it answers.  A key the registry would refuse
+    (a recipe is a peer's input) is found before anything is sent; a later round trip the
+    registry refuses all the same (here a registry whose `acquire` raises on the second one, a
+    model of one stricter than this client) closes the connection, so that the registry drops
+    the earlier holds nobody could release."""
+    many = [KEY] * wire.MAX_FDS
+    reader = RegistryClient(published.path)
+    reader.hello("reader", "cpu", "default")
+    before = fd_kinds()
+
+    def holders() -> list[int]:
+        with published._mutex:
+            return [len(s.holders) for s in published.registry.segments.values()]
+
+    with pytest.raises(ProtocolError, match="5000 characters"):
+        reader.acquire([*many, "k" * 5000])
+    assert holders() == [1] and reader.closed_by_us is None  # nothing sent: the connection goes on
+    (found,) = reader.acquire([KEY])
+    os.close(found.fd)
+    reader.release([found.segment])
+
+    real, calls = published.registry.acquire, []
+
+    def refuses_the_second(engine_id, keys, uids=None):
+        calls.append(len(keys))
+        if len(calls) == 2:
+            raise ValueError("refused by a stricter registry")
+        return real(engine_id, keys, uids)
+
+    monkeypatch.setattr(published.registry, "acquire", refuses_the_second)
+    with pytest.raises(RegistryUnavailable, match="stricter registry"):
+        reader.acquire([*many, KEY])
+    assert calls == [wire.MAX_FDS, 1] and reader.closed_by_us is not None
+    assert wait_for(lambda: len(engine_ids(published)) == 1)  # the reader's lease, and its holds, are gone
+    assert holders() == [1]
+    assert fd_kinds() - before == Counter(), fd_kinds() - before
+    reader.close()

@@ -126,6 +126,8 @@ class TensorRecipe:
                 tuple(int(x) for x in d["stride"]), d.get("key"), str(d.get("uid", "")),
                 base64.b64decode(d["inline"]) if "inline" in d else None, d.get("alias"), str(d.get("layout", "")),
                 int(d["view"]) if d.get("view") is not None else None)
+        if not all(x is None or isinstance(x, str) for x in (t.key, t.alias)):
+            raise ValueError(f"tensor {t.name!r}: a key and an alias are strings")
         places = sum(x is not None for x in (t.key, t.inline, t.alias))
         if places > 1 or (placed and places == 0):
             raise ValueError(f"tensor {t.name!r} must have exactly one of key, inline and alias"

@@ -185,13 +185,20 @@ class RegistryClient:
         """Look up ``keys`` (with ``uids``, one per key: each only in the segment of that uid;
         one round trip per `wire.MAX_FDS` keys); returns the hits grouped by segment, one
         descriptor each (the caller owns them).  The registry holds every segment returned until
-        `release`.  When a later round trip fails, the descriptors of the earlier ones are closed
-        before the error is raised."""
+        `release`.  Every round trip's request is checked as the registry will check it before
+        the first is sent; when a later round trip fails all the same, the descriptors of the
+        earlier ones are closed and, the registry having recorded their holds, so is this
+        connection (Note [a reply that cannot be read])."""
+        requests = [m.Acquire(keys[s:s + wire.MAX_FDS], list(uids[s:s + wire.MAX_FDS]) if uids else [])
+                    for s in range(0, len(keys), wire.MAX_FDS)]
+        for request in requests:  # ProtocolError: a key or uid the registry would refuse; nothing sent
+            m.Acquire.from_wire(request.to_wire())
         out: dict[int, SegmentHits] = {}
+        done = 0
         try:
-            for start in range(0, len(keys), wire.MAX_FDS):
-                chunk = slice(start, start + wire.MAX_FDS)
-                reply, fds = self._call(m.Acquire(keys[chunk], list(uids[chunk]) if uids else []), m.AcquireReply)
+            for request in requests:
+                reply, fds = self._call(request, m.AcquireReply)
+                done += 1
                 if len(fds) != len(reply.segments):
                     for fd in fds:
                         os.close(fd)
@@ -206,9 +213,11 @@ class RegistryClient:
                 for key, seg, offset, nbytes in reply.hits:
                     found = out[seg]
                     found.hits.append(Hit(key, seg, offset, nbytes, found.uid, found.nbytes))
-        except BaseException:
+        except BaseException as e:
             for found in out.values():
                 os.close(found.fd)
+            if done and self.closed_by_us is None and self._sock.fileno() >= 0:
+                self.abandon(f"acquire round trip {done + 1} failed after {done} recorded holds ({e})")
             raise
         return list(out.values())
 

@@ -155,9 +155,9 @@ def _module(draw) -> ModuleRecipe:
     replayable = draw(st.booleans())
     return ModuleRecipe(
         draw(st.lists(_NAMES, max_size=4, unique=True).map(sorted)),  # as `build_recipe` writes them
-        draw(st.lists(_tensor(placed=replayable), max_size=4)), replayable,
+        draw(st.lists(_tensor(placed=replayable), max_size=4, unique_by=lambda t: t.name)), replayable,
         "" if replayable else draw(st.text(max_size=20)), traced := draw(st.booleans()),
-        "" if traced else draw(st.text(max_size=20)), draw(st.lists(_tensor(place="inline"), max_size=2)),
+        "" if traced else draw(st.text(max_size=20)), draw(st.lists(_tensor(place="inline"), max_size=2, unique_by=lambda t: t.name)),
         draw(st.one_of(st.none(), _packed())), draw(st.text(max_size=20)) if traced else "")
 
 
@@ -349,3 +349,49 @@ def test_inline_bytes_are_exactly_a_dense_tensors(shape, stride, nbytes, why):
         Recipe("sig", {}, {"m": ModuleRecipe([], [bad])}).checked_bytes()
     ok = TensorRecipe("weight", True, "float32", (1, 4), (7, 1), inline=b"\0" * 16)  # a size-1 dimension's stride
     Recipe("sig", {}, {"m": ModuleRecipe([], [ok])}).checked_bytes()
+
+
+def test_a_module_naming_a_tensor_twice_is_refused():
+    """A replay binds a module's tensors by name: of two entries of one name the last would be
+    bound and the first's segment held for nothing."""
+    twice = ModuleRecipe([], [weight("weight", "A"), weight("weight", "B")])
+    with pytest.raises(ValueError, match="names a tensor twice"):
+        Recipe("sig", {}, {"m": twice}).checked_bytes()
+
+
+def test_a_mapped_tensor_that_loading_replaced_gives_its_segment_back():
+    """A partial replay maps a head and loads an embedding with equal bytes; vLLM's
+    ``maybe_retie_word_embeddings`` then binds the head to the embedding's parameter, and the
+    mapped head weight dies.  Its placement goes (a dead object's id would name the next object
+    made with it) and so does its segment's hold; a mapped tensor still bound keeps both."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from vllm_dedup.engine.replay import Replay
+
+    released = []
+    ctx = SimpleNamespace(config=SimpleNamespace(verify=True), device=torch.device("cpu"),
+                          lease=SimpleNamespace(release=released.extend))
+    model = nn.Module()
+    model.head, model.norm, model.embed = nn.Module(), nn.Module(), nn.Module()
+    with torch.device("meta"):
+        model.head.weight = nn.Parameter(torch.empty(16))
+        model.norm.weight = nn.Parameter(torch.empty(16))
+    recipe = SimpleNamespace(modules={
+        "head": ModuleRecipe([], [TensorRecipe("weight", True, "float32", (16,), (1,), key="K-head", uid="u-head")]),
+        "norm": ModuleRecipe([], [TensorRecipe("weight", True, "float32", (16,), (1,), key="K-norm", uid="u-norm")])})
+    replay = Replay(ctx, match=SimpleNamespace(recipe=recipe, matched={"head", "norm"}), where={})
+    resident = {("K-head", "u-head"): (torch.arange(16.0), "u-head"), ("K-norm", "u-norm"): (torch.ones(16), "u-norm")}
+    replay._segment_of, replay.held = {"u-head": 7, "u-norm": 8}, [7, 8]
+    for name in ("head", "norm"):
+        replay._bind(getattr(model, name), name, resident, {})
+    resident.clear()
+    model.embed.weight = nn.Parameter(torch.arange(16.0), requires_grad=False)  # loaded, equal bytes
+    model.head.weight = model.embed.weight  # the retie
+    replay._forget_replaced()
+    replay._release_unused()
+    assert list(replay.placement.values()) == [replay.placement[id(model.norm.weight)]]
+    assert released == [7] and replay.held == [8]
+    assert replay.mapped_bytes == 64  # the norm's

@@ -197,7 +197,11 @@ class ModuleRecipe:
                                    or (packed.inline is not None and not packed.layout.startswith("onednn:"))):
             raise ValueError("a packed weight is a uint8 vector under a content key, or inline with its layout")
         replayable = bool(d["replayable"])
-        return cls([str(s) for s in d["sources"]], [TensorRecipe.from_json(t, placed=replayable) for t in d["tensors"]],
+        tensors = [TensorRecipe.from_json(t, placed=replayable) for t in d["tensors"]]
+        for kind, named in (("tensor", tensors), ("attribute", attributes)):
+            if len({t.name for t in named}) != len(named):  # a replay would bind the last, the first left held
+                raise ValueError(f"a module names a {kind} twice")
+        return cls([str(s) for s in d["sources"]], tensors,
                    replayable, str(d.get("why", "")), bool(d["traced"]), str(d.get("why_untraced", "")),
                    attributes, packed, str(d.get("eager", "")))
 

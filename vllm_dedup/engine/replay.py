@@ -43,6 +43,7 @@ key's type and bytes (`_fits`), and the model attributes it sets must be plain o
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -95,7 +96,8 @@ class Replay:
         self._segment_of: dict[str, int] = {}  # uid -> segment id, of what was acquired
         self.recorder = SourceRecorder(hash_keys=False)
         self.held: list[int] = []
-        self._mapped: list[tuple[torch.Tensor, int, int]] = []  # (bound tensor, its data_ptr, bytes)
+        # (weak reference to a bound tensor, its id, its data_ptr, its bytes): `_forget_replaced`
+        self._mapped: list[tuple[weakref.ref, int, int, int]] = []
 
     @property
     def bytes_read(self) -> int:
@@ -145,6 +147,8 @@ class Replay:
                         self.in_place.place(model, [modules[name] for name in self.match.unmatched])
                     self._load_unmatched(model, modules)
                 self._post_process(model, {m: modules[m] for m in self.match.matched}, resident)
+                resident.clear()  # the last references of this build to the mapped tensors
+                replaced.clear()
                 self._forget_replaced()
                 self._bind_views(model)
                 self._release_unused()
@@ -252,7 +256,7 @@ class Replay:
                 replaced[id(old)] = (old, new)
             if t.key is not None:
                 self.placement[id(new)] = Placement(t.key, uid)
-                self._mapped.append((new, new.data_ptr(), t.nbytes))
+                self._mapped.append((weakref.ref(new), id(new), new.data_ptr(), t.nbytes))
 
     def _placeholder(self, module: nn.Module, name: str, replaced: dict) -> None:
         """A linear layer whose packed weight the recipe names: its ``weight`` (packed and
@@ -303,11 +307,17 @@ class Replay:
                 self.ctx.lease.release(unused)
 
     def _forget_replaced(self) -> None:
-        """Drop the placement of each mapped parameter whose data post-processing replaced (a
-        causal-conv weight vLLM packed again): it is private now, and the sharing pass keys it."""
-        for tensor, ptr, nbytes in self._mapped:
-            if tensor.data_ptr() != ptr:
-                del self.placement[id(tensor)]
+        """Drop the placement of each mapped tensor that loading or post-processing replaced:
+        its data (a causal-conv weight vLLM packed again: private now, the sharing pass keys
+        it), or the tensor itself, which nothing holds any more (vLLM's
+        ``maybe_retie_word_embeddings`` binds the head to an embedding loaded with equal bytes).
+        Placed, a dead tensor's segment would stay held for nothing (`_release_unused`), and its
+        id would name whatever object is made next with that id.  The build holds no
+        reference of its own to them by now."""
+        for ref, ident, ptr, nbytes in self._mapped:
+            tensor = ref()
+            if tensor is None or tensor.data_ptr() != ptr:
+                del self.placement[ident]
                 self.mapped_bytes -= nbytes
         self._mapped = []
 

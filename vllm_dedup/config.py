@@ -8,6 +8,7 @@ in ``inner_extra_config``, so the two loaders' keys can never be confused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 __all__ = ["CPU_LINEAR_MODES", "DedupConfig", "is_registry_namespace"]
@@ -124,25 +125,30 @@ class DedupConfig:
             raise ValueError(
                 f"inner_extra_config must be a JSON object, got {type(config.inner_extra_config).__name__}"
             )
+        from .registry.messages import MAX_STRING  # (wire.py imports this module)
+
         c = config
         checks = [  # (key, value is valid, what it must be)
-            ("share_group", isinstance(c.share_group, str) and c.share_group != "", "a non-empty string"),
+            ("share_group", isinstance(c.share_group, str) and 0 < len(c.share_group) <= MAX_STRING,
+             f"a non-empty string of at most {MAX_STRING} characters"),
             ("min_tensor_bytes", _number(c.min_tensor_bytes, int) and c.min_tensor_bytes >= 0,
              "an integer >= 0 (bytes)"),
             ("verify", isinstance(c.verify, bool), "true or false"),
             ("on_registry_error", c.on_registry_error in ("fallback", "fail"), "'fallback' or 'fail'"),
             ("keep_warm_s", _number(c.keep_warm_s) and c.keep_warm_s >= 0,
-             "a number >= 0 (seconds)"),
+             "a finite number >= 0 (seconds)"),
             ("cpu_linear", c.cpu_linear in CPU_LINEAR_MODES, "'packed', 'plain' or 'private'"),
             ("cpu_share_linear", c.cpu_share_linear is None or isinstance(c.cpu_share_linear, bool),
              "true or false (deprecated: use cpu_linear)"),
-            ("registry_address", c.registry_address is None or isinstance(c.registry_address, str),
-             "null, 'local' or a Ray address"),
+            ("registry_address", c.registry_address is None or (
+                isinstance(c.registry_address, str) and c.registry_address.strip() == c.registry_address != ""
+                and (c.registry_address == "local" or c.registry_address.lower() != "local")),
+             "null, 'local' (lower case) or a Ray address ('auto', 'host:port', 'ray://host:port'), without spaces"),
             ("registry_namespace", is_registry_namespace(c.registry_namespace),
              "a name of letters, digits, '-', '_' and '.' (it names the registry's socket file)"),
             ("accounting", c.accounting in ("kv_cache", "external"), "'kv_cache' or 'external'"),
             ("startup_lock_timeout_s", _number(c.startup_lock_timeout_s) and c.startup_lock_timeout_s > 0,
-             "a number > 0 (seconds)"),
+             "a finite number > 0 (seconds)"),
             ("fast_path", isinstance(c.fast_path, bool), "true or false"),
             ("in_place", isinstance(c.in_place, bool), "true or false"),
             ("huge_pages", isinstance(c.huge_pages, bool), "true or false"),
@@ -166,5 +172,8 @@ def is_registry_namespace(name) -> bool:
 
 
 def _number(value, kinds=(int, float)) -> bool:
-    """Whether ``value`` is a number of ``kinds``; JSON's true and false are not (Python's bools are ints)."""
-    return isinstance(value, kinds) and not isinstance(value, bool)
+    """Whether ``value`` is a finite number of ``kinds``; JSON's true and false are not (Python's
+    bools are ints), nor infinity (vLLM's ``json.loads`` reads ``1e999`` and ``Infinity`` as
+    ``inf``: a registry kept warm forever could not even encode its stats)."""
+    return (isinstance(value, kinds) and not isinstance(value, bool)
+            and (isinstance(value, int) or math.isfinite(value)))

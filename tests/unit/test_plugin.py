@@ -109,8 +109,18 @@ def test_a_linear_marked_for_f_linear_keeps_its_weight():
     ({"registry_namespace": "team/a"}, "registry_namespace must be a name of letters, digits"),
     ({"registry_namespace": ".."}, "registry_namespace must be a name of letters, digits"),
     ({"min_tensor_bytes": True}, "min_tensor_bytes must be an integer >= 0"),
-    ({"keep_warm_s": False}, "keep_warm_s must be a number >= 0"),
-    ({"startup_lock_timeout_s": True}, "startup_lock_timeout_s must be a number > 0"),
+    ({"keep_warm_s": False}, "keep_warm_s must be a finite number >= 0"),
+    ({"startup_lock_timeout_s": True}, "startup_lock_timeout_s must be a finite number > 0"),
+    # vLLM's json.loads reads 1e999 and Infinity as inf: a registry kept warm for ever could not
+    # encode its stats, and every later engine on the node would load privately.
+    ({"keep_warm_s": float("inf")}, "keep_warm_s must be a finite number >= 0"),
+    ({"keep_warm_s": float("nan")}, "keep_warm_s must be a finite number >= 0"),
+    ({"startup_lock_timeout_s": float("inf")}, "startup_lock_timeout_s must be a finite number > 0"),
+    # Ray would answer "Invalid address format", and the engine would blame the registry.
+    ({"registry_address": "LOCAL"}, "registry_address must be null, 'local' \\(lower case\\)"),
+    ({"registry_address": " local"}, "registry_address must be null, 'local'"),
+    ({"registry_address": ""}, "registry_address must be null, 'local'"),
+    ({"share_group": "g" * 4097}, "share_group must be a non-empty string of at most 4096"),  # the registry's limit
 ])
 def test_a_value_that_would_fail_later_is_refused_with_the_config(extra, words):
     """Caught when the engine is configured, not when its load first reaches the registry

@@ -165,16 +165,41 @@ def test_a_fresh_registry_has_no_reclaim_period(reg):
     assert reg.try_lock(engine(reg, 10), "publish:cpu:default") is None
 
 
-def test_a_daemon_given_a_bad_reclaim_period_says_what_to_fix_and_takes_no_lock(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("value, args, said", [
+    ("ten", [], "$VLLM_DEDUP_RECLAIM_GRACE_S='ten' is not a number of seconds"),
+    # inf would refuse every new lock for good; nan and a negative would turn the grace off unsaid
+    ("inf", [], "$VLLM_DEDUP_RECLAIM_GRACE_S='inf': inf is not a finite number of seconds >= 0"),
+    ("nan", [], "is not a finite number of seconds >= 0"),
+    ("-5", [], "$VLLM_DEDUP_RECLAIM_GRACE_S='-5': -5.0 is not a finite number"),
+    (None, ["--reclaim-grace-s", "inf"], "--reclaim-grace-s: inf is not a finite number"),
+    (None, ["--keep-warm-s", "inf"], "--keep-warm-s inf: give a finite number of seconds >= 0"),
+])
+def test_a_daemon_given_a_bad_period_says_what_to_fix_and_takes_no_lock(tmp_path, monkeypatch, capsys,
+                                                                        value, args, said):
     from vllm_dedup.registry import daemon
 
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    monkeypatch.setenv(daemon.RECLAIM_GRACE_ENV, "ten")
+    if value is None:
+        monkeypatch.delenv(daemon.RECLAIM_GRACE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(daemon.RECLAIM_GRACE_ENV, value)
     with pytest.raises(SystemExit) as exited:
-        daemon.main(["--socket", str(run / "r.sock")])
+        daemon.main(["--socket", str(run / "r.sock"), *args])
     assert exited.value.code == 2
-    assert "$VLLM_DEDUP_RECLAIM_GRACE_S='ten' is not a number of seconds" in capsys.readouterr().err
+    assert said in capsys.readouterr().err
+    assert list(run.iterdir()) == []
+
+
+def test_a_daemon_that_cannot_serve_leaves_no_lock_file(tmp_path, capsys):
+    """A failure while the server starts (here a socket path longer than Linux allows) takes
+    the daemon's ``<socket>.lock`` with it, so no lock file is left for the next one to find."""
+    from vllm_dedup.registry import daemon
+
+    run = tmp_path / ("r" * 100)
+    run.mkdir(mode=0o700)
+    assert daemon.main(["--socket", str(run / "vllm-dedup.sock")]) == 1
+    assert "Linux allows a Unix socket at most 107" in capsys.readouterr().err
     assert list(run.iterdir()) == []
 
 

@@ -13,6 +13,7 @@ import argparse
 import errno
 import fcntl
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -314,12 +315,19 @@ def main(argv: list[str] | None = None) -> int:
                              f"(default: ${RECLAIM_GRACE_ENV}, else {RECLAIM_GRACE_S:g})")
     args = parser.parse_args(argv)
     grace_s = args.reclaim_grace_s
+    given = "--reclaim-grace-s"
     if grace_s is None:
         value = os.environ.get(RECLAIM_GRACE_ENV) or str(RECLAIM_GRACE_S)
+        given = f"${RECLAIM_GRACE_ENV}={value!r}"
         try:
             grace_s = float(value)
         except ValueError:
-            parser.error(f"${RECLAIM_GRACE_ENV}={value!r} is not a number of seconds; unset it or give e.g. 10")
+            parser.error(f"{given} is not a number of seconds; unset it or give e.g. 10")
+    # inf would refuse every new lock for good; nan and negatives would turn the grace off unsaid
+    if not (math.isfinite(grace_s) and grace_s >= 0):
+        parser.error(f"{given}: {grace_s} is not a finite number of seconds >= 0; give e.g. 10")
+    if not (math.isfinite(args.keep_warm_s) and args.keep_warm_s >= 0):  # stats could not be encoded
+        parser.error(f"--keep-warm-s {args.keep_warm_s}: give a finite number of seconds >= 0")
     if args.cpus:
         try:
             os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -344,15 +352,20 @@ def main(argv: list[str] | None = None) -> int:
     lock = _socket_lock(path)  # held until this process exits
     if lock is None:
         return 0  # another daemon owns this socket (Note [one daemon per socket])
-    server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s,
-                            awaited_pid=args.awaits_pid).start()
-    if ready is not None:
-        os.write(ready, b"1")
-        os.close(ready)
+    server = None
     try:
+        server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s,
+                                awaited_pid=args.awaits_pid).start()
+        if ready is not None:
+            os.write(ready, b"1")
+            os.close(ready)
         server.wait(args.idle_exit_s)
-    finally:
-        server.stop()
+    except RegistryUnavailable as e:  # it cannot serve there: one line for the launcher to pass on
+        print(f"vllm-dedup registry: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:  # also when it could not serve: no lock file left for the next daemon to find
+        if server is not None:
+            server.stop()
         Path(f"{path}.lock").unlink(missing_ok=True)
     return 0
 

@@ -19,13 +19,16 @@ import time
 from pathlib import Path
 
 from ..errors import RegistryUnavailable
+from ..log import init_logger
 from .client import RegistryClient
 from .daemon import DaemonLaunch, launch_daemon
 from .nodes import NODE_ID_ENV, node_socket_path
-from .ray_actor import ensure_actor
-from .wire import socket_path
+from .ray_actor import ensure_actor, probe_ray_address
+from .wire import socket_address, socket_path
 
 __all__ = ["connect_registry", "open_registry"]
+
+logger = init_logger(__name__)
 
 
 def _ray_cluster_hint(address: str | None) -> bool:
@@ -38,9 +41,21 @@ def _ray_cluster_hint(address: str | None) -> bool:
         return False
     if ray.is_initialized():
         return True
-    # A cluster started on this machine leaves its address here (Ray's own convention).
-    tmp = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
-    return tmp.exists()
+    # A cluster started on this machine leaves its GCS address here (Ray's own convention); a
+    # head that was killed leaves it behind, and ray.init("auto") would retry that address
+    # without end: a cluster counts only where something answers there.
+    try:
+        current = (Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if ":" not in current or "://" in current:  # not the host:port Ray writes there
+        return False
+    try:
+        probe_ray_address(current, timeout_s=1.0)
+    except RegistryUnavailable as e:
+        logger.info("no Ray cluster: %s (a stale ray_current_cluster file); starting the standalone registry", e)
+        return False
+    return True
 
 
 def connect_registry(namespace: str, address: str | None = None, keep_warm_s: float = 0.0,
@@ -90,6 +105,7 @@ def open_registry(namespace: str, address: str | None = None, keep_warm_s: float
         path = node_socket_path(namespace)
     except Exception as e:  # Ray's node table unreachable: no registry, not a failed engine
         raise RegistryUnavailable(f"cannot tell which Ray node this process is on: {e}") from None
+    socket_address(path)  # a path no socket can have: said now, not after starting a daemon there
     try:
         return RegistryClient(path, reply_timeout_s)
     except RegistryUnavailable:

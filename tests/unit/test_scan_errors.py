@@ -137,3 +137,16 @@ def test_a_model_folders_subfolders_and_trainer_files_are_not_its_weights(tmp_pa
     assert names == {"m": ["model.safetensors"], "t": ["pytorch_model.bin"],
                      "p": ["unet/diffusion_pytorch_model.safetensors", "vae/model.safetensors"],
                      "n": ["a/model.safetensors"]}
+
+
+def test_a_file_reached_by_two_paths_is_one_models_once(tmp_path):
+    """A symlinked subfolder (or a hard link) reaches the same file again: counted twice, one
+    model's bytes would be "shared" with themselves."""
+    from vllm_dedup.scan.files import model_files
+
+    (tmp_path / "n" / "a").mkdir(parents=True)
+    (tmp_path / "n" / "a" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "n" / "b").symlink_to(tmp_path / "n" / "a")
+    (tmp_path / "n" / "c").mkdir()
+    os.link(tmp_path / "n" / "a" / "model.safetensors", tmp_path / "n" / "c" / "model.safetensors")
+    assert [str(p.relative_to(tmp_path / "n")) for p in model_files(tmp_path / "n")] == ["a/model.safetensors"]

@@ -96,7 +96,23 @@ def model_files(path: str | os.PathLike) -> list[Path]:
         raise CheckpointError(
             path, f"holds no weight files ({', '.join(WEIGHT_SUFFIXES)}) in it or its subfolders"
         )
-    return files
+    return _each_file_once(files)
+
+
+def _each_file_once(files: list[Path]) -> list[Path]:
+    """``files`` without a second path to a file listed already (a symlinked subfolder, a hard
+    link): counted twice, one model's bytes would be "shared" with themselves."""
+    seen, once = set(), []
+    for f in files:
+        try:
+            st = f.stat()
+            ident = (st.st_dev, st.st_ino)
+        except OSError:  # the reader says what is wrong with it
+            ident = f
+        if ident not in seen:
+            seen.add(ident)
+            once.append(f)
+    return once
 
 
 def _weights_in_folder(folder: Path) -> list[Path]:

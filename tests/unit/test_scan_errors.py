@@ -131,11 +131,17 @@ def test_a_model_folders_subfolders_and_trainer_files_are_not_its_weights(tmp_pa
     touch("m/model.safetensors", "m/checkpoint-500/model.safetensors", "m/original/consolidated.00.pth",
           "t/pytorch_model.bin", "t/training_args.bin", "t/optimizer.pt", "t/rng_state_0.pth",
           "p/model_index.json", "p/unet/diffusion_pytorch_model.safetensors", "p/vae/model.safetensors",
+          "p/unet/diffusion_pytorch_model.fp16.safetensors", "p/unet/diffusion_pytorch_model.non_ema.safetensors",
+          "p/text_encoder/model.fp16.safetensors", "o/consolidated.00.pth", "o/consolidated.01.pth",
           "n/a/model.safetensors")
     names = {folder: [str(p.relative_to(tmp_path / folder)) for p in model_files(tmp_path / folder)]
-             for folder in "mtpn"}
+             for folder in "mtpon"}
+    # A component's variants beside it (Diffusers' NAME.VARIANT.SUFFIX) are not loaded with it; a
+    # variant alone is all there is of its component, and numbered files without a base are shards.
     assert names == {"m": ["model.safetensors"], "t": ["pytorch_model.bin"],
-                     "p": ["unet/diffusion_pytorch_model.safetensors", "vae/model.safetensors"],
+                     "p": ["text_encoder/model.fp16.safetensors", "unet/diffusion_pytorch_model.safetensors",
+                           "vae/model.safetensors"],
+                     "o": ["consolidated.00.pth", "consolidated.01.pth"],
                      "n": ["a/model.safetensors"]}
 
 

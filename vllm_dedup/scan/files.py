@@ -63,7 +63,8 @@ def model_files(path: str | os.PathLike) -> list[Path]:
     weights of its own: a model folder's own weights are what a loader reads, and its
     subfolders hold other models (a Trainer's ``checkpoint-500/``, Meta's ``original/``).
     A Trainer's other files (``training_args.bin``, ``optimizer.pt``, ``rng_state.pth``...)
-    are never weights.
+    are never weights, nor is a Diffusers variant beside its file (``NAME.fp16.safetensors``
+    beside ``NAME.safetensors``); a file two paths reach is listed once.
 
     Raises:
         CheckpointError: the path does not exist, cannot be read, or holds no weights.
@@ -125,8 +126,22 @@ def _weights_in_folder(folder: Path) -> list[Path]:
         if not chosen:
             continue
         indexed = _indexed_files(folder, names, group)
-        return indexed if indexed is not None else chosen
+        return indexed if indexed is not None else _without_variants(chosen)
     return []
+
+
+def _without_variants(files: list[Path]) -> list[Path]:
+    """``files`` less each variant of a file that is there itself: Diffusers saves a
+    component's variants beside it as ``NAME.VARIANT.SUFFIX`` (``diffusion_pytorch_model.fp16
+    .safetensors``, ``.non_ema``), and loads ``NAME.SUFFIX`` unless asked for a variant.  Files
+    whose base is not there stay (``consolidated.00.pth`` and ``.01``: shards, not variants)."""
+    names = {f.name for f in files}
+
+    def is_variant(f: Path) -> bool:
+        base, dot, _ = f.stem.rpartition(".")
+        return bool(dot) and f"{base}{f.suffix}" in names
+
+    return [f for f in files if not is_variant(f)]
 
 
 def _trainer_state(name: str) -> bool:

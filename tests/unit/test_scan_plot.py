@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,16 @@ def plot_ok(proc, png: Path) -> tuple[int, int]:
 
 def hardlinked_copies(model: Path, root: Path, n: int) -> list[Path]:
     """``n`` copies of the folder ``model`` whose files are hard links: same inode, so the
-    manifest cache (keyed by device, inode, size, mtime and header) hashes the bytes once."""
+    manifest cache (keyed by device, inode, size, mtime and header) hashes the bytes once.
+    The links are to a copy of this test's own: a link changes its file's ctime, and other
+    tests scanning the fixture's files at that moment would see them change."""
+    own = root / "minilm"
+    shutil.copytree(model, own)
     copies = []
     for i in range(n):
         dest = root / f"minilm-copy-{i:02d}"
         dest.mkdir(parents=True)
-        for f in model.iterdir():
+        for f in own.iterdir():
             if f.is_file():
                 os.link(f, dest / f.name)
         copies.append(dest)

@@ -156,3 +156,20 @@ def test_a_file_reached_by_two_paths_is_one_models_once(tmp_path):
     (tmp_path / "n" / "c").mkdir()
     os.link(tmp_path / "n" / "a" / "model.safetensors", tmp_path / "n" / "c" / "model.safetensors")
     assert [str(p.relative_to(tmp_path / "n")) for p in model_files(tmp_path / "n")] == ["a/model.safetensors"]
+
+
+def test_a_folder_of_several_gguf_quantisations_is_refused_and_a_split_one_is_read(tmp_path):
+    """A GGUF repository's folder often holds several quantisations of one model: summed, they
+    would be counted as one model several times its size.  A model split by llama.cpp's
+    gguf-split is one model."""
+    from vllm_dedup.errors import CheckpointError
+    from vllm_dedup.scan.files import model_files
+
+    for name in ("q/model-Q8_0.gguf", "q/model-F16.gguf",
+                 "s/model-00001-of-00002.gguf", "s/model-00002-of-00002.gguf"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="2 GGUF files that are not one split model.*one .gguf file at a time"):
+        model_files(tmp_path / "q")
+    assert [p.name for p in model_files(tmp_path / "q" / "model-F16.gguf")] == ["model-F16.gguf"]
+    assert [p.name for p in model_files(tmp_path / "s")] == ["model-00001-of-00002.gguf", "model-00002-of-00002.gguf"]

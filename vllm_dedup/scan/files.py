@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -126,8 +127,23 @@ def _weights_in_folder(folder: Path) -> list[Path]:
         if not chosen:
             continue
         indexed = _indexed_files(folder, names, group)
-        return indexed if indexed is not None else _without_variants(chosen)
+        if indexed is not None:
+            return indexed
+        if group == (".gguf",) and len(chosen) > 1 and not _one_split_gguf(chosen):
+            raise CheckpointError(folder, f"holds {len(chosen)} GGUF files that are not one split model "
+                                          f"({', '.join(p.name for p in chosen[:3])}{', ...' if len(chosen) > 3 else ''}), "
+                                          "e.g. several quantisations; scan one .gguf file at a time")
+        return _without_variants(chosen)
     return []
+
+
+_GGUF_SPLIT = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf", re.IGNORECASE)  # llama.cpp's gguf-split names
+
+
+def _one_split_gguf(files: list[Path]) -> bool:
+    """Whether ``files`` are the parts of one GGUF split by llama.cpp (``NAME-00001-of-00003.gguf``)."""
+    parts = [_GGUF_SPLIT.fullmatch(f.name) for f in files]
+    return all(parts) and len({(m[1], m[3]) for m in parts}) == 1
 
 
 def _without_variants(files: list[Path]) -> list[Path]:

@@ -491,3 +491,79 @@ def test_no_thread_to_publish_with_leaves_every_tensor_private_and_writable(regi
         placed.release()
     finally:
         ctx.lease.close()
+
+
+@pytest.mark.parametrize("failure", ["outside view", "seal refused", "segment refused"])
+def test_a_storage_the_bridge_cannot_seal_stays_writable_when_its_copy_fails_too(registry_server, monkeypatch,
+                                                                                 failure):
+    """Kernels before Linux 5.1 seal under a read-only private "bridge" mapping (Note [sealing
+    under a tensor]).  Where sealing fails there (a view kept outside the model, the seal
+    refused, the segment refused) and the copy the sharing pass makes instead fails too, the
+    tensor stays private: it must be writable then, with its bytes, or vLLM's writes to weights
+    the engine counts private would fault."""
+    from vllm_dedup.errors import SegmentError
+    from vllm_dedup.segments.host import HostSegment
+
+    def no_copy(*args, **kwargs):
+        raise SegmentError("no memory for the copy (failed for the test)")
+
+    monkeypatch.setattr(HostSegment, "create_packed", classmethod(no_copy))
+    if failure == "seal refused":
+        def refused(fd):
+            raise OSError(errno.EPERM, "sealing refused for the test")
+        monkeypatch.setattr(in_place_module, "seal", refused)
+    elif failure == "segment refused":
+        class Refused(HostSegment):
+            def __init__(self, fd, nbytes, *args, **kwargs):
+                os.close(fd)  # as HostSegment does when it fails
+                raise SegmentError("segment refused for the test")
+        monkeypatch.setattr(in_place_module, "HostSegment", Refused)
+    model = _Model()
+    ctx = _context(registry_server.path, f"bridge-{failure}", on_registry_error="fallback")
+    try:
+        placed = InPlace(min_bytes=4096)
+        placed.seals_where_it_lies = False
+        placed.place(model)
+        weights = model.load(5)
+        cache = model.cache.clone()
+        viewer = model.down.weight.data.view(-1) if failure == "outside view" else None
+        report = share_model(model, ctx, in_place=placed)
+        assert placed.failures and any("failed for the test" in e for e in report.errors), (placed.failures, report)
+        assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+        assert torch.equal(model.cache, cache)
+        # The one viewed from outside fails alone; a refused seal or segment fails every one.
+        assert report.published_tensors == (2 if failure == "outside view" else 0), report
+        assert _mapping(model.down.weight).split()[1][:2] == "rw"
+        # What is read-only is what the engine counts in segments (its writers refused there).
+        read_only = [t for t in (model.up.weight, model.down.weight, model.cache) if _mapping(t).split()[1][:2] == "r-"]
+        assert report.segment_bytes == sum(t.nbytes for t in read_only)
+        if viewer is not None:
+            assert torch.equal(viewer, model.down.weight.view(-1))
+        placed.release()
+    finally:
+        ctx.lease.close()
+
+
+def test_a_model_holding_a_tensor_without_storage_loads_and_stays_private(registry_server):
+    """A sparse buffer has no plain storage, and walking the model's storages raises on it: the
+    in-place placement and the sharing pass leave every tensor private, and the load goes on
+    (under ``fail`` the sharing pass's error stops it, as that option asks)."""
+    model = _Model()
+    model.register_buffer("mask", torch.eye(8).to_sparse())
+    placed = InPlace(min_bytes=4096)
+    placed.place(model)  # never raises
+    assert placed.failures and placed.placed_bytes == 0
+    weights = model.load(6)
+    ctx = _context(registry_server.path, "sparse", on_registry_error="fallback")
+    try:
+        report = share_model(model, ctx, in_place=placed)
+        assert report.published_tensors == 0 and report.errors, report
+        assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+    finally:
+        ctx.lease.close()
+    ctx = _context(registry_server.path, "sparse-fail")
+    try:
+        with pytest.raises(RuntimeError):
+            share_model(model, ctx)
+    finally:
+        ctx.lease.close()

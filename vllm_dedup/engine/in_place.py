@@ -182,7 +182,12 @@ class InPlace:
         its own (module docstring, step 1); with ``modules``, only storages whose every place is
         in one of them (a replay's modules loaded from the checkpoint: the others are mapped).
         Never raises: a storage that cannot be moved stays."""
-        slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
+        try:
+            slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
+        except (RuntimeError, ValueError, TypeError) as e:  # a tensor without storage (sparse): nothing moved
+            self.failures.append(f"{type(e).__name__}: {e}")
+            logger.info("in place: the model's storages cannot be collected (%s); they load into private memory", e)
+            return
         only = None if modules is None else {id(m) for m in modules}
         anonymous = AnonymousRanges()
         room = _descriptor_room()
@@ -267,24 +272,34 @@ class InPlace:
             del t
             return self._seal_where_it_lies(slot, placed, writable)
         dtype, shape, stride = t.dtype, tuple(t.shape), tuple(t.stride())
+        own = _over(writable, dtype, shape, stride)  # a storage of our own, for `swap_out`
+        del t
+        if swap_out(slot, own) is not None:  # a view kept outside the model, which may write
+            os.close(placed.fd)  # the slot stays on the writable mapping: copied instead
+            self.failures.append("a storage cannot be sealed where it lies (a tensor outside the model "
+                                 "still views its writable mapping)")
+            return None
+        del own
+        handed = False  # the descriptor given to `HostSegment`, which closes it if it fails
         try:  # Note [sealing under a tensor]
             bridge = mmap.mmap(placed.fd, placed.nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ)
             swap(slot, _over(bridge, dtype, shape, stride))
-            del t, bridge
+            del bridge
             # Each storage over the mapping holds a reference to it (torch.frombuffer): one
-            # still alive (a view kept outside the model) may be written through.
+            # still alive may be written through.
             if sys.getrefcount(writable) > 2:  # ours and the call's
                 raise BufferError("a tensor outside the model still views its writable mapping")
             del writable  # the last reference: unmapped now
             seal(placed.fd)
-        except (BufferError, OSError, ValueError) as e:  # the slot reads the same bytes wherever it is
-            os.close(placed.fd)
-            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
-            return None
-        try:
+            handed = True
             seg = HostSegment(placed.fd, placed.nbytes)  # read-only, over the same pages
-        except SegmentError as e:  # it closed the descriptor; the bridge keeps the pages
-            self.failures.append(str(e))
+        except (BufferError, OSError, ValueError, SegmentError) as e:
+            # Not on the read-only bridge: a tensor left private there would fault at the first
+            # write of vLLM's that the engine lets through for private weights.
+            _private_again(slot, dtype, shape, stride)
+            if not handed:
+                os.close(placed.fd)
+            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
             return None
         swap(slot, seg.tensor(0, dtype, shape, stride))
         placed.sealed = True
@@ -343,6 +358,13 @@ def _descriptor_room() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     return max(soft - used - 1024, 0)
+
+
+def _private_again(slot: Slot, dtype: torch.dtype, shape: tuple, stride: tuple) -> None:
+    """Move ``slot`` into private memory of its own, a copy of the bytes it reads now."""
+    private = torch.empty_strided(shape, stride, dtype=dtype)
+    private.copy_(slot.tensor)
+    swap(slot, private)
 
 
 def _over(buffer, dtype: torch.dtype, shape: tuple, stride: tuple) -> torch.Tensor:

@@ -109,7 +109,16 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
     start = time.perf_counter()
     report = report if report is not None else LoadReport()
     try:
-        SharingPass(model, ctx, report, mapped or {}, pack_granularity, staging, in_place).run()
+        try:
+            sharing = SharingPass(model, ctx, report, mapped or {}, pack_granularity, staging, in_place)
+        except Exception as e:  # the model's walk failed (a tensor without storage): nothing shared yet
+            if ctx.failures_stop_the_engine:
+                raise
+            report.errors.append(f"{type(e).__name__}: {e}")
+            logger.warning("the model's tensors could not be collected for sharing (%s: %s); they stay private",
+                           type(e).__name__, e)
+        else:
+            sharing.run()
     finally:
         if staging is not None:
             staging.release()

@@ -206,10 +206,9 @@ def _settled_identity(path: Path, wf) -> tuple[FileIdentity, bool]:
     identity = FileIdentity.of(path, wf.header(), wf.descriptor())
     if settled(identity, taken_ns):
         return identity, True
-    age_ns = taken_ns - identity.ctime_ns
-    if age_ns < 0:  # changed "in the future": another machine's clock (NFS); no wait would tell
+    if identity.ctime_ns > taken_ns:  # changed "in the future": another machine's clock (NFS); no wait would tell
         return identity, False
-    time.sleep((RACY_WINDOW_NS - age_ns) / 1e9)
+    time.sleep((identity.ctime_ns + RACY_WINDOW_NS - taken_ns) / 1e9)
     again = FileIdentity.of(path, wf.header(), wf.descriptor())
     return again, again == identity
 
@@ -237,7 +236,7 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
     except OSError:
         before = None  # `open_weight_file` says what is wrong; a file that appears meanwhile: changed
     with open_weight_file(path) as wf:
-        identity, settled = _settled_identity(path, wf)
+        identity, storable = _settled_identity(path, wf)
         if wf.descriptor() is None and before != _stat_part(identity):
             # GGUF and pickle readers open the path themselves: replaced between their open and
             # this identity, the keys would be the old file's under the new one's identity.
@@ -260,6 +259,6 @@ def file_manifest(path: Path, cache: ManifestCache, threads: int | None = None,
         if FileIdentity.of(path, wf.header(), wf.descriptor()) != identity:  # written meanwhile: keys of neither version
             raise CheckpointError(path, "the file changed while it was read; read it again once it is written")
     manifest = Manifest(identity, tuple(entries), tuple(keys))
-    if settled:
+    if storable:
         cache.put(manifest)
     return manifest, sum(e.nbytes for e in entries)

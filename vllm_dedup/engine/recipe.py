@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass, field
 
 import blake3
@@ -146,17 +147,15 @@ class TensorRecipe:
         overlapping one, would give a tensor no plain load has."""
         import torch
 
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or len(self.shape) != len(self.stride) or min(self.shape, default=0) < 0:
+        if (not isinstance(getattr(torch, self.dtype, None), torch.dtype) or len(self.shape) != len(self.stride)
+                or min(self.shape, default=0) < 0):
             raise ValueError(f"tensor {self.name!r}: inline bytes need a torch dtype and one stride per dimension")
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        if numel and squeezed_layout(self.shape, self.stride) != squeezed_layout(self.shape,
-                                                                                 contiguous_stride(self.shape)):
+        if all(self.shape) and squeezed_layout(self.shape, self.stride) != squeezed_layout(
+                self.shape, contiguous_stride(self.shape)):
             raise ValueError(f"tensor {self.name!r}: inline bytes are a dense tensor's, not strided {self.stride}")
-        if len(self.inline) != numel * torch.empty((), dtype=dtype).element_size():
-            raise ValueError(f"tensor {self.name!r}: {len(self.inline)} inline bytes for {numel} {self.dtype} elements")
+        if len(self.inline) != self.nbytes:  # dense: the span of its elements is all of them
+            raise ValueError(f"tensor {self.name!r}: {len(self.inline)} inline bytes for {math.prod(self.shape)} "
+                             f"{self.dtype} elements")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch import nn
 
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.engine import in_place as in_place_module
+from vllm_dedup.engine import share as share_module
 from vllm_dedup.engine.context import LoadContext
 from vllm_dedup.engine.in_place import InPlace
 from vllm_dedup.engine.proc_maps import AnonymousRanges, present_runs
@@ -544,26 +545,54 @@ def test_a_storage_the_bridge_cannot_seal_stays_writable_when_its_copy_fails_too
         ctx.lease.close()
 
 
-def test_a_model_holding_a_tensor_without_storage_loads_and_stays_private(registry_server):
-    """A sparse buffer has no plain storage, and walking the model's storages raises on it: the
-    in-place placement and the sharing pass leave every tensor private, and the load goes on
-    (under ``fail`` the sharing pass's error stops it, as that option asks)."""
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "mkldnn"])
+def test_a_tensor_without_a_plain_storage_stays_private_and_the_rest_is_shared(registry_server, layout):
+    """A sparse buffer, or one in oneDNN's own layout, has no plain storage (torch refuses its
+    ``data_ptr``): it stays private where it is, and the model's other tensors are placed,
+    sealed and published as usual."""
     model = _Model()
-    model.register_buffer("mask", torch.eye(8).to_sparse())
+    dense = torch.eye(64)
+    buffer = {"sparse_coo": dense.to_sparse, "sparse_csr": dense.to_sparse_csr, "mkldnn": dense.to_mkldnn}[layout]()
+    model.register_buffer("mask", buffer)
     placed = InPlace(min_bytes=4096)
-    placed.place(model)  # never raises
+    placed.place(model)
+    assert not placed.failures and placed.placed_bytes == 2 * 1024 * 512 * 4 + (1 << 16) * 4
+    weights = model.load(6)
+    ctx = _context(registry_server.path, f"{layout}")
+    try:
+        report = share_model(model, ctx, in_place=placed)
+        assert report.published_tensors == 3 and not report.errors, report  # up (tied), down, cache
+        assert model.mask is buffer and torch.equal(model.mask.to_dense(), dense)
+        assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+    finally:
+        placed.release()
+        ctx.lease.close()
+
+
+def test_a_model_whose_storages_cannot_be_walked_loads_privately_unless_failures_stop_it(registry_server, monkeypatch):
+    """Should walking the model's storages fail all the same, `InPlace.place` moves nothing (it
+    never raises) and the sharing pass leaves every tensor private under ``fallback``; under
+    ``fail`` its error stops the load, as that option asks.  The walk's failure is injected."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("injected: this model's storages cannot be walked")
+
+    model = _Model()
+    monkeypatch.setattr(in_place_module, "collect_slots", refuse)
+    monkeypatch.setattr(share_module, "collect_slots", refuse)
+    placed = InPlace(min_bytes=4096)
+    placed.place(model)
     assert placed.failures and placed.placed_bytes == 0
     weights = model.load(6)
-    ctx = _context(registry_server.path, "sparse", on_registry_error="fallback")
+    ctx = _context(registry_server.path, "unwalkable", on_registry_error="fallback")
     try:
         report = share_model(model, ctx, in_place=placed)
         assert report.published_tensors == 0 and report.errors, report
         assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
     finally:
         ctx.lease.close()
-    ctx = _context(registry_server.path, "sparse-fail")
+    ctx = _context(registry_server.path, "unwalkable-fail")
     try:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="injected"):
             share_model(model, ctx)
     finally:
         ctx.lease.close()

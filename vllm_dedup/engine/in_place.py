@@ -184,7 +184,7 @@ class InPlace:
         Never raises: a storage that cannot be moved stays."""
         try:
             slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
-        except (RuntimeError, ValueError, TypeError) as e:  # a tensor without storage (sparse): nothing moved
+        except (RuntimeError, ValueError, TypeError) as e:  # the walk failed: nothing moved
             self.failures.append(f"{type(e).__name__}: {e}")
             logger.info("in place: the model's storages cannot be collected (%s); they load into private memory", e)
             return

@@ -64,7 +64,7 @@ from .heap import trim
 from .onednn import ModelHandlers
 from .packed import PackedSlot, collect_packed, packed_keys
 from .resident import map_resident
-from .slots import Slot, collect_slots, swap
+from .slots import Slot, collect_slots, has_storage, swap
 
 __all__ = ["FORCE_COLLISIONS_ENV", "SharingPass", "colliding", "share_model"]
 
@@ -111,7 +111,7 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
     try:
         try:
             sharing = SharingPass(model, ctx, report, mapped or {}, pack_granularity, staging, in_place)
-        except Exception as e:  # the model's walk failed (a tensor without storage): nothing shared yet
+        except Exception as e:  # the model's walk failed: nothing shared yet
             if ctx.failures_stop_the_engine:
                 raise
             report.errors.append(f"{type(e).__name__}: {e}")
@@ -452,7 +452,7 @@ def _pinned(model, handlers: ModelHandlers, ctx: LoadContext) -> list:
     if storages:
         for module in model.modules():
             for t in [*module._parameters.values(), *module._buffers.values()]:
-                if t is not None and t.untyped_storage().data_ptr() in storages:
+                if t is not None and has_storage(t) and t.untyped_storage().data_ptr() in storages:
                     out.setdefault(id(t), t)
     return list(out.values())
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .attributes import closure_contents, module_attributes
 
-__all__ = ["Slot", "attribute_tensors", "collect_slots", "covers_storage", "storage_id", "swap", "swap_out"]
+__all__ = ["Slot", "attribute_tensors", "collect_slots", "covers_storage", "has_storage", "storage_id", "swap", "swap_out"]
 
 
 @dataclass
@@ -57,7 +57,8 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
 
     Returns:
         (candidate slots, private tensors, private bytes): private are the slots too small, on
-        another device, on the meta device, non-contiguous, or views of a larger storage.
+        another device, on the meta device, without a plain storage (a sparse or oneDNN
+        layout), non-contiguous, or views of a larger storage.
     """
     slots: dict[tuple, Slot] = {}
     shared_storages = set()  # storages of the excluded tensors (a replay's mapped ones)
@@ -68,7 +69,8 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
                     shared_storages.add(storage_id(t))
                 if t is None or id(t) in exclude:
                     continue
-                ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() else (id(t),)
+                ident = ((t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() and has_storage(t)
+                         else (id(t),))
                 slot = slots.setdefault(ident, Slot(t, []))
                 slot.refs.append((module, name, is_param))
     candidates, others, covering = [], [], {}  # covering: storage -> the candidate covering it
@@ -76,7 +78,7 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
         t = slot.tensor
         ok = (
             t.device.type == device_type
-            and not t.is_meta
+            and has_storage(t)
             and t.is_contiguous()
             and slot.nbytes >= max(min_bytes, 1)
             and covers_storage(t)
@@ -89,7 +91,7 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
     private_n, private_b = 0, 0
     for slot in others:  # Note [views into a shared storage]
         t = slot.tensor
-        storage = storage_id(t) if t.numel() and not t.is_meta else None
+        storage = storage_id(t) if t.numel() and has_storage(t) else None
         base = covering.get(storage)
         if base is not None and t.dtype == base.tensor.dtype:
             base.views += slot.refs
@@ -97,6 +99,14 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
             private_n += 1
             private_b += slot.nbytes
     return candidates, private_n, private_b
+
+
+def has_storage(t) -> bool:
+    """Whether a tensor's elements lie in one plain storage with strides: not on the meta device,
+    not sparse and not in oneDNN's own layout, whose ``data_ptr`` and storage torch refuses."""
+    import torch
+
+    return t.layout == torch.strided and not t.is_meta
 
 
 def storage_id(t) -> tuple:

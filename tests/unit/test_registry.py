@@ -166,13 +166,14 @@ def test_a_fresh_registry_has_no_reclaim_period(reg):
 
 
 @pytest.mark.parametrize("value, args, said", [
-    ("ten", [], "$VLLM_DEDUP_RECLAIM_GRACE_S='ten' is not a number of seconds"),
+    ("ten", [], "$VLLM_DEDUP_RECLAIM_GRACE_S: 'ten' is not a number of seconds; give e.g. 10, or unset it"),
     # inf would refuse every new lock for good; nan and a negative would turn the grace off unsaid
-    ("inf", [], "$VLLM_DEDUP_RECLAIM_GRACE_S='inf': inf is not a finite number of seconds >= 0"),
-    ("nan", [], "is not a finite number of seconds >= 0"),
-    ("-5", [], "$VLLM_DEDUP_RECLAIM_GRACE_S='-5': -5.0 is not a finite number"),
-    (None, ["--reclaim-grace-s", "inf"], "--reclaim-grace-s: inf is not a finite number"),
-    (None, ["--keep-warm-s", "inf"], "--keep-warm-s inf: give a finite number of seconds >= 0"),
+    ("inf", [], "$VLLM_DEDUP_RECLAIM_GRACE_S: 'inf' is not a finite number of seconds >= 0"),
+    ("nan", [], "'nan' is not a finite number of seconds >= 0"),
+    ("-5", [], "$VLLM_DEDUP_RECLAIM_GRACE_S: '-5' is not a finite number"),
+    (None, ["--reclaim-grace-s", "inf"], "argument --reclaim-grace-s: 'inf' is not a finite number"),
+    (None, ["--keep-warm-s", "inf"], "argument --keep-warm-s: 'inf' is not a finite number of seconds >= 0"),
+    (None, ["--idle-exit-s", "-1"], "argument --idle-exit-s: '-1' is not a finite number of seconds >= 0"),
 ])
 def test_a_daemon_given_a_bad_period_says_what_to_fix_and_takes_no_lock(tmp_path, monkeypatch, capsys,
                                                                         value, args, said):

@@ -297,37 +297,45 @@ def is_daemon(pid: int) -> bool:
         return False
 
 
+def _seconds(text: str) -> float:
+    """A period given on the command line or in the environment: a finite number of seconds >= 0.
+    inf would keep a registry warm for ever (its stats could not be encoded) or refuse every new
+    lock for good; nan and negatives would turn a period off unsaid.
+
+    Raises:
+        argparse.ArgumentTypeError: what is wrong and an example."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; give e.g. 10") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds >= 0; give e.g. 10")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     """The daemon's entry point: serve until stopped or idle; 0 also when another daemon
     already owns the socket (it holds ``<socket>.lock``)."""
     parser = argparse.ArgumentParser(prog="python -m vllm_dedup.registry.daemon",
                                      description="standalone vllm-dedup registry")
     parser.add_argument("--socket", type=Path, default=None)
-    parser.add_argument("--keep-warm-s", type=float, default=0.0)
-    parser.add_argument("--idle-exit-s", type=float, default=None, help="exit when idle this long (default: never)")
+    parser.add_argument("--keep-warm-s", type=_seconds, default=0.0)
+    parser.add_argument("--idle-exit-s", type=_seconds, default=None, help="exit when idle this long (default: never)")
     parser.add_argument("--detach", action="store_true", help="fork into the background and return at once")
     parser.add_argument("--awaits-pid", type=int, default=None,
                         help="not idle before this process has said hello or exited (the engine that started it)")
     parser.add_argument("--cpus", default=None,
                         help="run on these CPUs, e.g. 0,1,2 (default: those it was started on)")
-    parser.add_argument("--reclaim-grace-s", type=float, default=None,
+    parser.add_argument("--reclaim-grace-s", type=_seconds, default=None,
                         help="seconds a daemon that replaced a dead one grants only reclaimed locks "
                              f"(default: ${RECLAIM_GRACE_ENV}, else {RECLAIM_GRACE_S:g})")
     args = parser.parse_args(argv)
     grace_s = args.reclaim_grace_s
-    given = "--reclaim-grace-s"
     if grace_s is None:
-        value = os.environ.get(RECLAIM_GRACE_ENV) or str(RECLAIM_GRACE_S)
-        given = f"${RECLAIM_GRACE_ENV}={value!r}"
         try:
-            grace_s = float(value)
-        except ValueError:
-            parser.error(f"{given} is not a number of seconds; unset it or give e.g. 10")
-    # inf would refuse every new lock for good; nan and negatives would turn the grace off unsaid
-    if not (math.isfinite(grace_s) and grace_s >= 0):
-        parser.error(f"{given}: {grace_s} is not a finite number of seconds >= 0; give e.g. 10")
-    if not (math.isfinite(args.keep_warm_s) and args.keep_warm_s >= 0):  # stats could not be encoded
-        parser.error(f"--keep-warm-s {args.keep_warm_s}: give a finite number of seconds >= 0")
+            grace_s = _seconds(os.environ.get(RECLAIM_GRACE_ENV) or str(RECLAIM_GRACE_S))
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"${RECLAIM_GRACE_ENV}: {e}, or unset it")
     if args.cpus:
         try:
             os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})

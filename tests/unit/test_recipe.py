@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_dedup.content.views import contiguous_stride
-from vllm_dedup.engine.recipe import ModuleRecipe, Recipe, TensorRecipe, choose
+from vllm_dedup.engine.recipe import ModuleRecipe, Recipe, RecipeDeclined, TensorRecipe, choose
 
 MB = 1 << 20
 
@@ -395,3 +395,40 @@ def test_a_mapped_tensor_that_loading_replaced_gives_its_segment_back():
     assert list(replay.placement.values()) == [replay.placement[id(model.norm.weight)]]
     assert released == [7] and replay.held == [8]
     assert replay.mapped_bytes == 64  # the norm's
+
+
+@pytest.mark.parametrize("recorded", [("float32", (16,), (1,)), ("float32", (4, 4), (4, 1)), ("float16", (16,), (1,)),
+                                      ("float32", (8,), (2,))])
+def test_a_tied_weight_is_replayed_only_as_the_recipe_recorded_it(recorded):
+    """A recipe ties the head to the embedding (an alias).  The replay binds it without looking,
+    so after post-processing it checks the head is the embedding's tensor in the dtype, shape
+    and stride the recipe recorded: a peer's recipe naming another layout is declined (the
+    engine then loads as usual), never replayed as a model no plain load makes."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from vllm_dedup.engine.replay import Replay
+
+    dtype, shape, stride = recorded
+    ctx = SimpleNamespace(config=SimpleNamespace(verify=True), device=torch.device("cpu"),
+                          lease=SimpleNamespace(release=lambda held: None))
+    model = nn.Module()
+    model.embed, model.head = nn.Module(), nn.Module()
+    with torch.device("meta"):
+        model.embed.weight = nn.Parameter(torch.empty(16))
+        model.head.weight = nn.Parameter(torch.empty(16))
+    recipe = SimpleNamespace(modules={
+        "embed": ModuleRecipe([], [TensorRecipe("weight", True, "float32", (16,), (1,), key="K", uid="u")]),
+        "head": ModuleRecipe([], [TensorRecipe("weight", True, dtype, shape, stride, alias="embed.weight")])})
+    replay = Replay(ctx, match=SimpleNamespace(recipe=recipe, matched={"embed", "head"}), where={})
+    replay._segment_of, replay.held = {"u": 7}, [7]
+    replay._bind(model.embed, "embed", {("K", "u"): (torch.arange(16.0), "u")}, {})
+    replay._alias(model)
+    assert model.head.weight is model.embed.weight
+    if recorded == ("float32", (16,), (1,)):
+        replay._check_aliases(model)
+    else:
+        with pytest.raises(RecipeDeclined, match="head: weight is not embed.weight in the recipe's"):
+            replay._check_aliases(model)

@@ -151,6 +151,7 @@ class Replay:
                 replaced.clear()
                 self._forget_replaced()
                 self._bind_views(model)
+                self._check_aliases(model)
                 self._release_unused()
             check_no_meta(model, self._zeros.holds)
             return model.eval()
@@ -328,6 +329,26 @@ class Replay:
                 if t.alias is None or t.view is not None:
                     continue
                 (module._parameters if t.param else module._buffers)[t.name] = _named_tensor(model, t.alias)
+
+    def _check_aliases(self, model: nn.Module) -> None:
+        """After post-processing: each alias the recipe names (a tied weight) is its target's
+        tensor, in the dtype, shape and stride the recipe recorded for it.  `_alias` bound it
+        without looking, and a peer's recipe is untrusted: one tying a head to a tensor of
+        another shape would give a model no plain load makes.
+
+        Raises:
+            RecipeDeclined: an alias that is not so."""
+        for name in self.match.matched:
+            module = model.get_submodule(name)
+            for t in self.match.recipe.modules[name].tensors:
+                if t.alias is None or t.view is not None:
+                    continue
+                made, target = getattr(module, t.name, None), _named_tensor(model, t.alias)
+                if (not isinstance(made, torch.Tensor) or made.is_meta or made.data_ptr() != target.data_ptr()
+                        or (dtype_name(made.dtype), tuple(made.shape), tuple(made.stride()))
+                        != (t.dtype, t.shape, t.stride)):
+                    raise RecipeDeclined(f"module {name}: {t.name} is not {t.alias} in the recipe's "
+                                         f"{t.dtype} {list(t.shape)} stride {list(t.stride)}")
 
     def _bind_views(self, model: nn.Module) -> None:
         """After post-processing: each view the recipe names is exactly that view of its base

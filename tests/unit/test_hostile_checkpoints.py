@@ -140,6 +140,23 @@ def test_an_expanded_tensor_in_a_pickle_is_refused_not_allocated(tmp_path):
         TorchFile(path)
 
 
+class _NotATensor:
+    """A class a weights-only load refuses to build."""
+
+
+def test_a_pickle_holding_a_class_is_refused_in_one_line_without_torchs_advice_to_trust_it(tmp_path):
+    """torch's refusal spans several lines and suggests ``weights_only=False`` or allow-listing
+    the class: advice that would run an untrusted file's pickle.  The error keeps what was
+    refused, on one line."""
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"weight": torch.ones(4), "extra": _NotATensor()}, path)
+    with pytest.raises(CheckpointError) as refused:
+        TorchFile(path)
+    said = str(refused.value)
+    assert "\n" not in said and "\x1b" not in said and "weights_only" not in said and "allowlist" not in said, said
+    assert f"Unsupported global: GLOBAL {__name__}._NotATensor was not an allowed global by default" in said, said
+
+
 def test_a_file_written_while_it_is_hashed_has_no_keys_and_no_cached_manifest(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     _write(path, {"w": _entry()})

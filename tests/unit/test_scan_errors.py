@@ -9,12 +9,20 @@ import shutil
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from helpers import cli, run_cli
 
 
 def _tree(path):
     return sorted((str(p.relative_to(path)), p.stat().st_size) for p in path.rglob("*") if p.is_file())
+
+
+class _Reduces:
+    """Pickled as a call of ``os.getcwd``: what a hostile ``.bin`` does with ``os.system``."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
 
 
 @pytest.fixture
@@ -47,6 +55,7 @@ def bad_inputs(minilm, gguf_path, tmp_path):
     del reader
 
     (root / "truncated.bin").write_bytes(b"PK\x03\x04" + os.urandom(100))
+    torch.save({"weight": torch.ones(4), "run": _Reduces()}, root / "pickle-with-a-call.bin")
 
     return {
         "missing": (root / "does-not-exist", "no such file or directory"),
@@ -57,6 +66,10 @@ def bad_inputs(minilm, gguf_path, tmp_path):
         "truncated gguf": (root / "truncated.gguf", "GGUF"),
         "unknown gguf tensor type": (root / "unknown-type.gguf", "unknown GGML tensor type"),
         "truncated bin": (root / "truncated.bin", "cannot load PyTorch weights"),
+        # torch's advice (weights_only=False, allow-listing the global) would run the file's pickle
+        "pickle naming a call": (root / "pickle-with-a-call.bin",
+                                 "cannot load PyTorch weights (UnpicklingError: Trying to load unsupported GLOBAL "
+                                 "posix.getcwd whose module posix is blocked): "),
     }
 
 
@@ -71,7 +84,7 @@ def test_each_bad_input_gives_one_clear_line_and_exit_2(bad_inputs, tmp_path):
         assert len(lines) == 1, (name, proc.stderr)
         assert lines[0].startswith(f"vllm-dedup scan: error: {path}: "), (name, lines[0])
         assert words in lines[0], (name, lines[0])
-        assert "Traceback" not in proc.stderr
+        assert "Traceback" not in proc.stderr and "weights_only" not in proc.stderr
         assert _tree(path.parent) == before, name
     # Nothing but manifests (of no file at all here) was written to the cache.
     assert not cache.exists() or all(p.suffix == ".json" for p in cache.rglob("*") if p.is_file())

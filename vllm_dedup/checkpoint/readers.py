@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import stat
 import struct
 import threading
@@ -459,8 +460,9 @@ class TorchFile(WeightFile):
         except Exception as e:
             raise CheckpointError(
                 path,
-                f"cannot load PyTorch weights with weights_only=True ({type(e).__name__}: {e}); "
-                "the file is truncated, corrupt or holds more than tensors",
+                f"cannot load PyTorch weights ({type(e).__name__}: {_torch_load_reason(str(e))}): the file is "
+                "truncated, corrupt or holds Python objects besides tensors; re-save its tensors alone "
+                "(a state_dict, or safetensors)",
             ) from None
         self._tensors: dict[str, object] = {}
         seen: set[tuple] = set()
@@ -519,6 +521,18 @@ def _not_plain(t) -> str:
     if t.is_conj() or t.is_neg():
         return "a conjugate or negative view"
     return ""
+
+
+def _torch_load_reason(message: str) -> str:
+    """The line of ``torch.load``'s error that says what is wrong, without its advice: torch's
+    weights-only refusal spans several lines, in terminal colours, and suggests loading again
+    with ``weights_only=False`` or allow-listing the class it refused, both of which would run
+    whatever an untrusted file's pickle names."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", message)
+    lines = [line.split(". Please")[0].strip() for line in plain.splitlines()]
+    advice = ("weights_only", "trust", "Alternatively", "can still be loaded")
+    said = [line for line in lines if line and not any(word in line for word in advice)]
+    return (said or ["no reason given"])[0].removeprefix("WeightsUnpickler error: ").rstrip(".")
 
 
 def _flatten(obj, prefix: str = ""):

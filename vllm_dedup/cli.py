@@ -142,6 +142,11 @@ def _cmd_status_all_nodes(args: argparse.Namespace) -> int:
     from .registry.ray_actor import probe_ray_address
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address.strip().lower() == "local":  # ray.init("local") starts a new cluster, which holds no registry
+        given = "--address" if args.address else "$RAY_ADDRESS"
+        print(f"vllm-dedup status: error: {given} {address!r} would start a new, empty Ray cluster; give the "
+              "address of the cluster the engines run in (host:port), or leave it out for this node's", file=sys.stderr)
+        return 2
     try:
         probe_ray_address(address)
         ray.init(address=address, namespace=args.namespace, logging_level=logging.WARNING, log_to_driver=False,

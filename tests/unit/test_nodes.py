@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from harness.procs import free_port
 from helpers import run_cli
 from vllm_dedup.registry.nodes import NODE_DIR_ENV, NODE_ID_ENV, RayNode, node_socket_path, this_node
@@ -47,6 +49,15 @@ def test_export_outside_ray_changes_nothing_and_imports_no_ray(tmp_path):
 def test_status_address_needs_all_nodes():
     proc = run_cli("status", "--address", "127.0.0.1:6379")
     assert proc.returncode == 2 and "--address needs --all-nodes" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("address", ["local", "LOCAL"])
+def test_status_all_nodes_refuses_to_start_a_cluster_of_its_own(address):
+    """``ray.init("local")`` starts a new, empty cluster: nothing to read registries from."""
+    start = time.monotonic()
+    proc = run_cli("status", "--all-nodes", "--address", address)
+    assert proc.returncode == 2 and "would start a new, empty Ray cluster" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 30 and "Traceback" not in proc.stderr
 
 
 def test_status_all_nodes_without_a_cluster_fails_fast_and_says_so():

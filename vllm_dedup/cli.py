@@ -8,7 +8,8 @@ scan exit codes: 0 success; 1 some models could not be read (``--keep-going``: t
 still reported); 2 bad usage or, without ``--keep-going``, the first model that could not be
 read, or a ``--plot`` file that cannot be written.  status exit codes: 0 success (``--watch``:
 stopped with Ctrl-C); 1 no registry runs for the namespace on this node (``--all-nodes``: in
-the Ray cluster, or no Ray cluster answers, or some node's registry did not answer).
+the Ray cluster, or no Ray cluster answers, or some node's registry did not answer); 2 bad
+usage (``--address`` without ``--all-nodes``, or ``local``, which would start a new cluster).
 
 ``status --all-nodes --json`` prints ``{"namespace": NS, "registries": [...]}``, one item per
 node's registry actor, head node first: ``name``, ``node_id``, ``node_ip``, ``head``, ``socket``

@@ -155,3 +155,42 @@ def test_a_file_changed_a_moment_ago_is_cached_only_once_its_tick_has_passed(min
     assert hashed > 0 and len(waits) == 2
     _, hashed = mf.file_manifest(f, cache)  # settled and stored: no wait, no bytes read
     assert hashed == 0 and len(waits) == 2
+
+
+@pytest.mark.parametrize("whose", ["writable by all", "another user's"])
+def test_a_cache_folder_others_can_write_is_not_used(minilm, tmp_path, whose):
+    """A manifest's keys are trusted without reading the file they name: a cache folder another
+    user owns or may write is neither read nor written, and the file is hashed instead."""
+    from vllm_dedup.checkpoint.manifest import ManifestCache, file_manifest
+
+    cache_root = tmp_path / "cache"
+    warm = ManifestCache(cache_root)
+    manifest, hashed = file_manifest(minilm / "model.safetensors", warm)
+    assert hashed > 0 and len(list((cache_root / "manifests").iterdir())) == 1
+    if whose == "writable by all":
+        os.chmod(cache_root / "manifests", 0o777)
+    else:
+        os.chown(cache_root, 12345, 12345)  # the tests run as root, who may give it away
+    again = ManifestCache(cache_root)
+    assert again.get(manifest.identity) is None and again.dir is None
+    assert file_manifest(minilm / "model.safetensors", again)[1] == hashed
+
+
+@pytest.mark.parametrize("xdg, home, want", [
+    ("/var/cache/x", "/home/u", "/var/cache/x/vllm-dedup"),
+    ("relative/cache", "/home/u", "/home/u/.cache/vllm-dedup"),  # the XDG spec: a relative path is ignored
+    ("", "/home/u", "/home/u/.cache/vllm-dedup"),
+    ("", "~", None),  # no HOME and no passwd entry: expanduser leaves "~"
+])
+def test_the_cache_folder_is_always_an_absolute_path(monkeypatch, xdg, home, want):
+    from vllm_dedup.checkpoint import manifest
+
+    monkeypatch.delenv("VLLM_DEDUP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    monkeypatch.setattr(manifest.os.path, "expanduser", lambda path: home if path == "~" else path)
+    got = manifest.default_cache_dir()
+    assert got.is_absolute()
+    if want is None:
+        assert got.parent == manifest.Path(manifest.tempfile.gettempdir()) and got.name == f"vllm-dedup-{os.getuid()}"
+    else:
+        assert str(got) == want

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,11 +60,19 @@ RACY_WINDOW_NS = 100_000_000  # ten ticks at HZ=100; only a file changed that re
 
 
 def default_cache_dir() -> Path:
-    """``$VLLM_DEDUP_CACHE_DIR``, else ``$XDG_CACHE_HOME/vllm-dedup``, else ``~/.cache/vllm-dedup``."""
+    """``$VLLM_DEDUP_CACHE_DIR``, else ``$XDG_CACHE_HOME/vllm-dedup``, else ``~/.cache/vllm-dedup``;
+    where neither gives an absolute path (a relative ``XDG_CACHE_HOME`` is to be ignored, the
+    XDG Base Directory spec says; a process without ``HOME`` whose uid has no passwd entry, as
+    containers run with an arbitrary uid), ``vllm-dedup-<uid>`` in the temporary directory,
+    which `ManifestCache` uses only while it is this user's alone."""
     if env := os.environ.get("VLLM_DEDUP_CACHE_DIR"):
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vllm-dedup"
+    xdg, home = os.environ.get("XDG_CACHE_HOME", ""), os.path.expanduser("~")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "vllm-dedup"
+    if os.path.isabs(home):
+        return Path(home) / ".cache" / "vllm-dedup"
+    return Path(tempfile.gettempdir()) / f"vllm-dedup-{os.getuid()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,16 +147,38 @@ class Manifest:
 class ManifestCache:
     """Manifests stored as one JSON file per weight-file identity under ``root/manifests``.
 
-    ``root=None`` disables the cache (every lookup misses, nothing is written).
+    ``root=None`` disables the cache (every lookup misses, nothing is written), and so does a
+    ``root`` or ``manifests`` folder that is not this user's or that every user may write: a
+    manifest's keys are trusted without reading the file they name, so one written by somebody
+    else could make an engine map bytes its checkpoint does not hold.
     """
 
     def __init__(self, root: Path | None):
         self.dir = None if root is None else Path(root) / "manifests"
         self.rejected = 0  # entries found damaged or stale, then recomputed
+        self._checked = False
+
+    def _usable(self) -> bool:
+        """Whether the cache is on and its folders are this user's (created here, mode 0700, where
+        missing), not writable by all; else the cache is turned off for good, once said."""
+        if self.dir is None or self._checked:
+            return self.dir is not None
+        try:
+            for folder in (self.dir.parent, self.dir):
+                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                info = os.lstat(folder)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
+                    raise PermissionError(f"{folder} is not a folder of uid {os.getuid()} that others cannot write")
+        except OSError as e:
+            logger.warning("manifest cache %s not used (%s); checkpoints are hashed again", self.dir, e)
+            self.dir = None
+            return False
+        self._checked = True
+        return True
 
     def get(self, identity: FileIdentity) -> Manifest | None:
         """The stored manifest for ``identity``, or None if absent, damaged or stale."""
-        if self.dir is None:
+        if not self._usable():
             return None
         path = self.dir / identity.cache_name()
         try:
@@ -169,10 +200,9 @@ class ManifestCache:
 
     def put(self, manifest: Manifest) -> None:
         """Store ``manifest`` atomically.  A cache that cannot be written is skipped."""
-        if self.dir is None:
+        if not self._usable():
             return
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".json")
             try:
                 with os.fdopen(fd, "w") as f:

@@ -272,12 +272,14 @@ class InPlace:
             del t
             return self._seal_where_it_lies(slot, placed, writable)
         dtype, shape, stride = t.dtype, tuple(t.shape), tuple(t.stride())
-        own = _over(writable, dtype, shape, stride)  # a storage of our own, for `swap_out`
         del t
-        if swap_out(slot, own) is not None:  # a view kept outside the model, which may write
-            os.close(placed.fd)  # the slot stays on the writable mapping: copied instead
-            self.failures.append("a storage cannot be sealed where it lies (a tensor outside the model "
-                                 "still views its writable mapping)")
+        try:
+            own = _over(writable, dtype, shape, stride)  # a storage of our own, for `swap_out`
+            if swap_out(slot, own) is not None:  # a view kept outside the model, which may write
+                raise BufferError("a tensor outside the model still views its writable mapping")
+        except (BufferError, ValueError) as e:  # the slot stays on the writable mapping: copied instead
+            os.close(placed.fd)
+            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
             return None
         del own
         handed = False  # the descriptor given to `HostSegment`, which closes it if it fails
@@ -310,13 +312,14 @@ class InPlace:
         """`seal` by Note [sealing where it lies]: the slot stays on its writable mapping,
         made read-only, and the memfd is sealed against every new writer."""
         t = slot.tensor
-        new = _over(writable, t.dtype, tuple(t.shape), tuple(t.stride()))  # a storage of our own
+        layout = t.dtype, tuple(t.shape), tuple(t.stride())
         del t
         try:
+            new = _over(writable, *layout)  # a storage of our own
             if swap_out(slot, new) is not None:  # a view kept outside the model, which may write
                 raise BufferError("a tensor outside the model still views its writable mapping")
             seg = HostSegment.sealed_where_it_lies(placed.fd, placed.nbytes, writable)
-        except (BufferError, OSError) as e:  # the slot reads the same bytes: it is copied instead
+        except (BufferError, OSError, ValueError) as e:  # the slot reads the same bytes: it is copied instead
             os.close(placed.fd)
             self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
             return None

@@ -5,7 +5,9 @@ without vLLM and without Ray.
     python benchmarks/gpu_check.py --backend host --out DIR     # the same steps on memfd segments (CI)
 
 It needs torch, cuda-bindings (CUDA backend), nvidia-ml-py (NVML, CUDA backend), xxhash,
-safetensors and transformers; nothing is downloaded.  The registry runs in this process behind
+safetensors and transformers, which the lent GPU machines have, and not blake3, gguf, vLLM or
+Ray, which they lack (CI runs it with those unimportable: tests/device_image); nothing is
+downloaded.  A child that exits early has its stderr's last lines in the check.  The registry runs in this process behind
 its Unix socket (`RegistryServer`), as on a machine without Ray; each engine is a child process
 (``--child``) driven over stdin/stdout.  Every process checks that it never imported vLLM or Ray.
 It prints a table and writes ``gpu_check-<backend>.json`` and ``gpu_check-<backend>.txt`` to DIR.
@@ -386,7 +388,8 @@ class Child:
             self.imported.update(f"{self.name}: {m}" for m in got.get("forbidden_imports", ()))
             return got
         except ChildExited as e:  # e.g. killed by the fault of a write through a read-only mapping
-            return {"error": f"exited with status {e.returncode}", "exit": e.returncode}
+            said = self.peer.log().strip().splitlines()[-12:]  # why, where it says (an import that failed)
+            return {"error": f"exited with status {e.returncode}", "exit": e.returncode, "stderr": said}
 
     def ask(self, op: str, **args) -> dict:
         self.peer.send({"op": op, **args})

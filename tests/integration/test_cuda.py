@@ -20,18 +20,35 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 HAS_CUDA = torch.cuda.is_available()
 
 
+# Its `sitecustomize` makes the packages the lent GPU machines lack unimportable (vLLM, Ray,
+# blake3, gguf), in the script and in every child it starts: the script must run there.
+DEVICE_IMAGE = Path(__file__).resolve().parents[1] / "device_image"
+
+
 def run_check(tmp_path: Path, backend: str, *args: str, env: dict | None = None) -> dict:
     import os
 
     out = tmp_path / "out"
+    path = os.pathsep.join(p for p in (str(DEVICE_IMAGE), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--backend", backend, "--out", str(out), "--json", *args],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {}), "PYTHONPATH": path})
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [c for c in result["checks"] if not c["ok"]]
     assert proc.returncode == 0 and not failed, f"{failed}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     assert json.loads((out / f"gpu_check-{backend}.json").read_text()) == result
     assert (out / f"gpu_check-{backend}.txt").read_text().rstrip().endswith("PASSED")
     return result
+
+
+@pytest.mark.parametrize("package", ["vllm", "ray", "blake3", "gguf"])
+def test_the_device_image_stand_in_refuses_what_the_gpu_machines_lack(package):
+    """Without this, `run_check` would pass where the GPU machine fails."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(DEVICE_IMAGE)})
+    assert proc.returncode == 1 and "not on the GPU machines' image" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow  # the whole script: seven child processes, each importing torch (about 25 s)

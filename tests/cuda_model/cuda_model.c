@@ -63,7 +63,8 @@ typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 typedef struct { char bytes[16]; } CUuuid;
 
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100, INVALID_DEVICE = 101,
-       INVALID_CONTEXT = 201, NOT_FOUND = 500, CONTEXT_IS_DESTROYED = 709, NOT_SUPPORTED = 801 };
+       INVALID_CONTEXT = 201, NOT_FOUND = 500, ILLEGAL_ADDRESS = 700, CONTEXT_IS_DESTROYED = 709,
+       NOT_SUPPORTED = 801, STREAM_CAPTURE_IMPLICIT = 906 };
 enum { PINNED = 1, LOC_DEVICE = 1, HANDLE_POSIX_FD = 1, ATTR_VMM = 102, ATTR_POSIX_FD = 103 };
 enum { PROT_NONE_ = 0, PROT_READ_ = 1, PROT_READWRITE_ = 3 };
 
@@ -452,7 +453,7 @@ CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle ha
   if (!out || flags || i < 0) RETURN(INVALID_VALUE);
   if (type != HANDLE_POSIX_FD) RETURN(NOT_SUPPORTED);
   if (!(allocs[i].handle_types & HANDLE_POSIX_FD)) RETURN(INVALID_VALUE);   /* not requested at create */
-  int fd = fcntl(allocs[i].fd, F_DUPFD_CLOEXEC, 0);
+  int fd = fcntl(allocs[i].fd, F_DUPFD, 0);   /* the reference promises no close-on-exec */
   if (fd < 0) RETURN(OUT_OF_MEMORY);
   *(int *)out = fd;
   RETURN(OK);
@@ -588,8 +589,11 @@ static const struct { int code; const char *name, *text; } errors[] = {
   {INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
   {INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
   {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+  {ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
   {CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
   {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+  {STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+   "operation would make the legacy stream depend on a capturing blocking stream"},
 };
 
 static CUresult error_string(CUresult code, const char **out, int text) {

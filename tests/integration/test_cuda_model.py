@@ -30,6 +30,8 @@ from vllm_dedup.registry.client import registry_stats
 BINDINGS_12 = Path(__file__).resolve().parents[2] / ".venv" / "cuda-bindings-12"
 MB = 1 << 20
 OUT_OF_MEMORY, NOT_SUPPORTED = 2, 801  # CUresult values
+# Errors the reference lets any call return for an earlier asynchronous launch, or a capture
+ILLEGAL_ADDRESS, STREAM_CAPTURE_IMPLICIT = 700, 906
 
 
 class Model:
@@ -222,7 +224,8 @@ def test_attach_refuses_what_it_cannot_map_and_closes_the_descriptor(model):
 def test_out_of_memory_is_retried_once_after_returning_cached_blocks(model):
     p = model.peer("-", "O")
     ask(p, "fail", name="cuMemCreate", code=OUT_OF_MEMORY, count=1)
-    assert ask(p, "allocate", ordinal=0, nbytes=MB) | {"stats": None} == {"size": 2 * MB, "released": 1, "stats": None}
+    assert ask(p, "allocate", ordinal=0, nbytes=MB) | {"stats": None} == {"size": 2 * MB, "released": 1, "stats": None,
+                                                                           "inheritable": False}
     ask(p, "fail", name="cuMemCreate", code=OUT_OF_MEMORY, count=2)
     got = ask(p, "allocate", ordinal=0, nbytes=MB)
     assert "out of memory" in got["error"] and "cached blocks" in got["error"] and got["released"] == 1
@@ -310,6 +313,53 @@ def test_a_driver_that_refuses_read_only_mappings_maps_read_write_and_says_so_on
     b.send({"op": "write", "key": "w"})
     assert b.read_json() is not None  # the write went through: nothing faults here
     assert ask(a, "read")["digests"]["w"] != digest("w", MB)
+
+
+@pytest.mark.parametrize("code, name", [(STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"),
+                                        (ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS")])
+def test_a_close_that_fails_leaves_its_range_to_the_next_release_not_forgotten(model, code, name):
+    """The handle is released once mapped, so a range forgotten by a failed close would keep
+    its allocation until the process exits."""
+    p = model.peer("-", "C")
+    got = ask(p, "close_fails", ordinal=0, code=code)
+    assert got["error"].startswith(f"cuCtxSynchronize failed: {name} ("), got["error"]
+    assert (got["failed"]["mappings"], got["failed"]["reservations"]) == (1, 1)
+    assert got["released"] == 1
+    s = got["stats"]
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
+
+
+def test_an_earlier_launchs_error_at_set_access_fails_the_import_instead_of_mapping_it_writable(registry_server,
+                                                                                              model):
+    """Only a refusal (invalid value, not supported) means the driver has no read-only
+    mappings; any other error of ``cuMemSetAccess`` fails this import (its tensors stay
+    private), and the next import is read-only again."""
+    a = model.peer(registry_server.path, "A")
+    ask(a, "hello", ordinal=0)
+    ask(a, "create", ordinal=0, nbytes=MB, members=[["w", 0, MB]])
+    b = model.peer(registry_server.path, "B")
+    ask(b, "hello", ordinal=0)
+    ask(b, "fail", name="cuMemSetAccess", code=ILLEGAL_ADDRESS, count=1)
+    failed = ask(b, "map", ordinal=0, keys=["w"])
+    assert failed["segment_error"] and "cuMemSetAccess failed: CUDA_ERROR_ILLEGAL_ADDRESS" in failed["error"], failed
+    assert (failed["stats"]["mappings"], failed["stats"]["reservations"]) == (0, 0)
+    mapped = ask(b, "map", ordinal=0, keys=["w"])
+    assert mapped["read_only"] is True and mapped["digests"] == {"w": digest("w", MB)}
+    assert "refuses read-only mappings" not in b.log()
+
+
+def test_an_exported_descriptor_is_not_inherited_by_a_program_vllm_runs(model):
+    """The reference promises no close-on-exec for ``cuMemExportToShareableHandle``'s descriptor
+    (nor does the model give it): a compiler vLLM execs must not keep the allocation alive."""
+    assert ask(model.peer("-", "X"), "allocate", ordinal=0, nbytes=MB)["inheritable"] is False
+
+
+def test_a_create_that_fails_otherwise_than_by_refusing_does_not_refuse_the_device(model):
+    p = model.peer("-", "T")
+    ask(p, "fail", name="cuMemCreate", code=ILLEGAL_ADDRESS, count=1)
+    first = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in first["error"] and "cannot create shareable" not in first["error"]
+    assert ask(p, "allocate", ordinal=0, nbytes=MB)["size"] == 2 * MB
 
 
 def test_a_finalizer_on_another_thread_during_a_capture_defers_the_unmap(model):

@@ -189,10 +189,11 @@ class Peer:
             mapping, fd = vmm.allocate(ordinal, nbytes, release_cached=lambda: released.append(1))
         except SegmentError as e:
             return {"error": str(e), "released": len(released)}
+        inheritable = os.get_inheritable(fd)
         os.close(fd)
         size = mapping.size
         mapping.close()
-        return {"size": size, "released": len(released)}
+        return {"size": size, "released": len(released), "inheritable": inheritable}
 
     def op_attach(self, ordinal, source):
         """`CudaSegment.attach` of a descriptor that cannot be mapped: a memfd that no driver
@@ -273,6 +274,21 @@ class Peer:
         worker.join(10)
         return {"during": during, "released": released, "after": after, "deadlocked": worker.is_alive(),
                 "under_lock": stats()}
+
+    def op_close_fails(self, ordinal, code):
+        """A mapping whose close fails at ``cuCtxSynchronize`` (``code``: a capture begun
+        outside torch, an earlier kernel's fault): the error is raised, and the range is unmapped
+        by the next `vmm.release_deferred`, not forgotten."""
+        mapping, fd = vmm.allocate(ordinal, 1)
+        os.close(fd)
+        model().cudamodel_fail(b"cuCtxSynchronize", code, 1)
+        try:
+            mapping.close()
+            error = None
+        except SegmentError as e:
+            error = str(e)
+        failed = stats()
+        return {"error": error, "failed": failed, "released": vmm.release_deferred()}
 
     def op_defer_elsewhere(self, ordinal):
         """This thread "captures" (a process-wide capture count, as `segments.cuda` keeps it);

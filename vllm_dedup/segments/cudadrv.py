@@ -86,8 +86,10 @@ def call(name: str, *args):
                         "without dedup on this device") from None
     status, rest = out[0], out[1:]
     if status != drv.CUresult.CUDA_SUCCESS:
-        _, err_name = drv.cuGetErrorName(status)
+        known, err_name = drv.cuGetErrorName(status)
         _, err_text = drv.cuGetErrorString(status)
+        if known != drv.CUresult.CUDA_SUCCESS:  # a code this driver has no name for
+            raise CudaError(f"{name} failed: CUresult {int(status)}", int(status))
         raise CudaError(f"{name} failed: {_text(err_name)} ({_text(err_text)})", int(status))
     if not rest:
         return None
@@ -202,9 +204,17 @@ def check_support(ordinal: int) -> None:
         _supported.add(ordinal)
 
 
+def refuses(error: CudaError) -> bool:
+    """Whether ``error`` is the driver saying it cannot do this on this device at all
+    (``CUDA_ERROR_INVALID_VALUE`` or ``CUDA_ERROR_NOT_SUPPORTED``) rather than failing this once:
+    the reference lets any call also return errors of earlier asynchronous launches."""
+    drv = driver()
+    return error.status in (int(drv.CUresult.CUDA_ERROR_INVALID_VALUE), int(drv.CUresult.CUDA_ERROR_NOT_SUPPORTED))
+
+
 def refuse_device(ordinal: int, error: CudaError) -> CudaError:
     """Remember that device ``ordinal`` cannot make shareable memory although its attributes
-    say it can (``cuMemCreate`` failed with something other than out-of-memory: under WSL2 the
+    say it can (``cuMemCreate`` refused, `refuses`: under WSL2 the
     POSIX-descriptor attribute reads 1 and creation fails with ``CUDA_ERROR_INVALID_VALUE``).
     `check_support` then refuses the device at once, without calling the driver again.
     Returns the error to raise (the same message every time)."""

@@ -18,6 +18,7 @@ capture"); there the unmap is deferred to the next `allocate`, `import_mapping` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from ..log import init_logger
@@ -84,12 +85,14 @@ class Mapping:
                 if not (read_only and self.protect()):
                     call("cuMemSetAccess", va, size, [_access_desc(ordinal, False)], 1)
             except CudaError:
-                self.close()
+                with contextlib.suppress(CudaError):  # the first error is the one to say
+                    self.close()
                 raise
 
     def protect(self, synchronize: bool = False) -> bool:
         """Make the range read-only on its device.  Returns False (and warns once) where the
-        driver refuses read-only access; the range's access is then unchanged.
+        driver refuses read-only access (`cudadrv.refuses`: invalid value or not supported); the
+        range's access is then unchanged.
 
         Args:
             synchronize: wait for the device's work first.  ``cuMemSetAccess`` is not
@@ -97,7 +100,9 @@ class Mapping:
                 fault once it is read-only.
 
         Raises:
-            CudaError: the synchronize failed (a kernel faulted, or the context is gone).
+            CudaError: the synchronize failed (a kernel faulted, or the context is gone), or
+                ``cuMemSetAccess`` failed otherwise (an earlier launch's error): the range may
+                still be writable, so it must not be shared as read-only.
         """
         global _warned_read_only
         if synchronize:
@@ -108,6 +113,8 @@ class Mapping:
                 call("cuMemSetAccess", self.va, self.size, [_access_desc(self.ordinal, True)], 1)
             self.read_only = True
         except CudaError as e:
+            if not cudadrv.refuses(e):
+                raise
             if not _warned_read_only:
                 _warned_read_only = True
                 logger.warning("the CUDA driver refuses read-only mappings (%s); shared weights are "
@@ -118,12 +125,19 @@ class Mapping:
         """Synchronize the device, unmap the range and free its addresses (idempotent).
 
         Raises:
-            CudaError: a driver call failed (the range is then forgotten, not retried).
+            CudaError: a driver call failed; the range is then unmapped by the next
+                `release_deferred`, once (a range forgotten would keep its allocation alive,
+                its handle released already, until the process exits).
         """
         with cudadrv.lock:
             va, self.va = self.va, 0
         if va:
-            _unmap(va, self.size, self.ordinal)
+            try:
+                _unmap(va, self.size, self.ordinal)
+            except CudaError:
+                with cudadrv.lock:
+                    _deferred.append((va, self.size, self.ordinal))
+                raise
 
     def __del__(self):
         try:
@@ -156,8 +170,9 @@ def release_deferred() -> int:
 
 def _create(ordinal: int, size: int, release_cached):
     """``cuMemCreate``; on out-of-memory, ``release_cached()`` (torch's cached blocks back to
-    the driver) and one more try.  Any other failure is remembered for the device
-    (`cudadrv.refuse_device`): no later segment is attempted there."""
+    the driver) and one more try.  A refusal (`cudadrv.refuses`) is remembered for the device
+    (`cudadrv.refuse_device`): no later segment is attempted there; any other failure fails this
+    segment only."""
     prop = cudadrv.allocation_prop(ordinal)
     oom = int(cudadrv.driver().CUresult.CUDA_ERROR_OUT_OF_MEMORY)
     for attempt in (1, 2):
@@ -165,7 +180,7 @@ def _create(ordinal: int, size: int, release_cached):
             with on_device(ordinal):
                 return call("cuMemCreate", size, prop, 0)
         except CudaError as e:
-            if e.status is not None and e.status != oom:
+            if cudadrv.refuses(e):  # WSL2: the attributes say yes, creation says no
                 raise cudadrv.refuse_device(ordinal, e) from None
             if e.status != oom or release_cached is None:
                 raise

@@ -563,6 +563,38 @@ def test_a_recipe_of_another_signature_is_never_chosen(tmp_path):
     assert other.match is None and "another load signature" in other.why
 
 
+def test_of_several_recipes_the_one_mapping_the_most_is_chosen_one_parsed_at_a_time(tmp_path):
+    """`decide` parses and matches the registry's recipes one by one, keeping the best so far:
+    a malformed one is passed over, one whose source for a tensor is not the checkpoint's maps
+    less, and the chosen recipe's bytes are those the registry gave."""
+    from safetensors.torch import save_file
+
+    from vllm_dedup.checkpoint.manifest import ManifestCache
+    from vllm_dedup.engine.fast_path import decide
+
+    tensors = checkpoint()
+    save_file(tensors, tmp_path / "model.safetensors")
+    model = Tiny()
+    full = recipe_of(model, recorded_load(model, tensors))
+    partial = Recipe.from_bytes(full.to_bytes())
+    name = next(iter(sorted(partial.sources)))
+    partial.sources[name] = "0" * len(partial.sources[name])  # another tensor there: its module loads
+    cache = ManifestCache(tmp_path / "cache")
+    for given in ([b"{not json", partial.to_bytes(), full.to_bytes()], [full.to_bytes(), partial.to_bytes()]):
+        lease = types.SimpleNamespace(get_recipes=lambda signature, given=given: list(given))
+        chosen = decide(types.SimpleNamespace(lease=lease, signature="sig", model_name="tiny"),
+                        [tmp_path / "model.safetensors"], cache)
+        assert chosen.match is not None and chosen.why == "", chosen.why
+        assert chosen.match.recipe.id == full.id and chosen.recipe_bytes == full.to_bytes()
+    only_partial = decide(types.SimpleNamespace(lease=types.SimpleNamespace(get_recipes=lambda s: [partial.to_bytes()]),
+                                                signature="sig", model_name="tiny"),
+                          [tmp_path / "model.safetensors"], cache)
+    assert 0 < only_partial.match.mapped_bytes < chosen.match.mapped_bytes
+    broken = decide(types.SimpleNamespace(lease=types.SimpleNamespace(get_recipes=lambda s: [b"{not json"]),
+                                          signature="sig", model_name="tiny"), [tmp_path / "model.safetensors"], cache)
+    assert broken.match is None and broken.why.startswith("a recipe cannot be read") and broken.checkpoint is None
+
+
 def test_an_engine_stores_no_manifest_for_a_file_changed_just_before_it_took_its_identity(tmp_path):
     """Note [racily clean files]: a load's identities taken within `RACY_WINDOW_NS` of a file's
     last change could miss a write in the same timestamp tick, so its keys are not cached."""

@@ -84,7 +84,11 @@ def fast_path_files(ctx: LoadContext, inner) -> tuple[list[Path] | None, str]:
 
 def decide(ctx: LoadContext, files: list[Path], cache: ManifestCache | None = None) -> Decision:
     """The recipe that maps the most of this checkpoint, and its match (module docstring).
-    Never raises: every failure is a `Decision` without a match, saying why."""
+    Never raises: every failure is a `Decision` without a match, saying why.
+
+    The registry keeps up to 8 recipes of a signature, each up to 256 MiB of JSON, and a parsed
+    recipe is several times its JSON: they are parsed and matched one at a time, keeping only
+    the best so far (`recipe.choose`'s order: the most bytes mapped, the newest of equals)."""
     cache = cache or ManifestCache(default_cache_dir())
     decision = Decision()
     try:
@@ -92,29 +96,31 @@ def decide(ctx: LoadContext, files: list[Path], cache: ManifestCache | None = No
     except (RegistryUnavailable, SegmentError) as e:
         decision.why = f"the registry's recipes cannot be read ({e})"
         return decision
-    recipes, kept = [], []
-    for data in raw:
+    why = "no recipe for this load signature yet"
+    for i in range(len(raw)):
+        data, raw[i] = raw[i], b""  # gone with its recipe unless it is the best
         try:
             recipe = Recipe.from_bytes(data)
         except ValueError as e:
-            decision.why = f"a recipe cannot be read ({e})"
+            why = f"a recipe cannot be read ({e})"
             continue
         if recipe.signature != ctx.signature:  # the registry files recipes by what their writer said
-            decision.why = "a recipe the registry gave is of another load signature"
+            why = "a recipe the registry gave is of another load signature"
             continue
-        recipes.append(recipe)
-        kept.append(data)
-    if not recipes:
-        decision.why = decision.why or "no recipe for this load signature yet"
-        return decision
-    try:
-        decision.checkpoint, decision.where, decision.bytes_hashed, decision.identities = checkpoint_keys(files, cache)
-    except (CheckpointError, OSError) as e:
-        decision.why = f"the checkpoint's keys cannot be had ({e})"
-        return decision
-    decision.match, decision.why = choose(recipes, decision.checkpoint)
-    if decision.match is not None:
-        decision.recipe_bytes = kept[recipes.index(decision.match.recipe)]
+        if decision.checkpoint is None:  # read once, for the first recipe worth matching
+            try:
+                decision.checkpoint, decision.where, decision.bytes_hashed, decision.identities = \
+                    checkpoint_keys(files, cache)
+            except (CheckpointError, OSError) as e:
+                decision.why = f"the checkpoint's keys cannot be had ({e})"
+                return decision
+        found, declined = choose([recipe], decision.checkpoint)
+        del recipe
+        if found is None:
+            why = declined
+        elif decision.match is None or found.mapped_bytes > decision.match.mapped_bytes:
+            decision.match, decision.recipe_bytes = found, data
+    decision.why = "" if decision.match is not None else why
     return decision
 
 

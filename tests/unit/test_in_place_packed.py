@@ -243,3 +243,52 @@ def test_a_pack_to_copy_is_not_sealed_where_a_copy_would_lay_it_out_alike(regist
         placed.release()
     finally:
         ctx.lease.close()
+
+
+def _shmem_bytes() -> int:
+    """This process's resident shared memory (``RssShmem``: its memfd pages mapped), bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem:"))
+
+
+def test_each_pack_that_is_copied_goes_once_its_misses_are_copied_not_at_the_end(registry_server, monkeypatch):
+    """Four 48 MiB packs, each half replaced after loading (more than a granule: copied) and
+    half a miss.  Each pack goes as soon as the copy of its miss is adopted, so that at any
+    copy the memory held is at most what a plain load holds plus one copy (Note [one copy at a
+    time]); before, every such pack stayed until the end of the sharing pass (+24 MiB a copy)."""
+    mib, n = 1 << 20, 4
+
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for i in range(n):
+                self.register_parameter(f"a{i}", nn.Parameter(torch.zeros(6 * mib), requires_grad=False))  # replaced
+                self.register_parameter(f"b{i}", nn.Parameter(torch.zeros(6 * mib), requires_grad=False))  # a miss
+
+    model = Halves()
+    placed = _placer()
+    placed.place(model)
+    assert [p.seg.size for p in placed._packs] == [48 * mib] * n
+    for i in range(n):  # loaded, then post-processing replaces a_i
+        getattr(model, f"b{i}").data.fill_(i + 1)
+        getattr(model, f"a{i}").data.fill_(i + 100)
+        setattr(model, f"a{i}", nn.Parameter(torch.ones(4), requires_grad=False))
+    base, at_copy = _shmem_bytes(), []
+    made = HostSegment.create_packed.__func__
+
+    def counted(cls, *args, **kwargs):
+        at_copy.append(_shmem_bytes() - base)
+        return made(cls, *args, **kwargs)
+
+    monkeypatch.setattr(HostSegment, "create_packed", classmethod(counted))
+    ctx = _context(registry_server.path, "copied-one-at-a-time")
+    try:
+        report = share_model(model, ctx, pack_granularity=GRANULARITY, in_place=placed)
+        assert report.published_tensors == n and placed.sealed_bytes == 0 and len(at_copy) == n, (report, at_copy)
+        # before copy k: n - k packs left (48 MiB each) and k copies (24 MiB each)
+        assert all(grew <= -24 * mib * k + 4 * mib for k, grew in enumerate(at_copy)), [g / mib for g in at_copy]
+        assert all(torch.all(getattr(model, f"b{i}") == i + 1) for i in range(n))
+        placed.release()
+        assert placed.held_bytes == 0
+    finally:
+        ctx.lease.close()

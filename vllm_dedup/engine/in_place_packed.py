@@ -105,7 +105,7 @@ class _Member:
 class _Pack:
     """One segment of this load and its members, by their storages' data pointers."""
 
-    seg: object  # a `segments.base.Segment` from ``allocate``, not frozen yet
+    seg: object  # a `segments.base.Segment` from ``allocate``, not frozen yet; None once let go of
     members: dict[int, _Member] = field(default_factory=dict)
     payload_bytes: int = 0  # the members' bytes
 
@@ -133,15 +133,17 @@ class PackedInPlace:
         self.seg_cls, self.device_key, self.device_type = seg_cls, device_key, device_type
         self.granularity, self.min_bytes = granularity, min_bytes
         self.skip = skip or (lambda module, name: False)
-        self._packs: list[_Pack] = []  # placed, not sealed
+        self._packs: list[_Pack] = []  # placed, not sealed, not let go of
+        self._let_go: list[tuple[int, tuple[_Member, ...]]] = []  # (segment size, its members): `_let_go_of`
         self.placed_bytes = self.sealed_bytes = 0
         self.failures: list[str] = []
 
     @property
     def held_bytes(self) -> int:
         """Bytes of this load's packed segments that exist now (the load meter's ``live``): the
-        sealed ones and those not let go of (which their members may keep a while longer)."""
-        return self.sealed_bytes + sum(p.seg.size for p in self._packs)
+        sealed ones, those not let go of, and those let go of that a member still keeps."""
+        kept = sum(size for size, members in self._let_go if any(m.storage() is not None for m in members))
+        return self.sealed_bytes + sum(p.seg.size for p in self._packs) + kept
 
     def place(self, model, modules: list | None = None) -> None:
         """Move each of ``model``'s storages the sharing pass would take into a packed segment
@@ -235,20 +237,32 @@ class PackedInPlace:
                     dead += member.nbytes
                 else:
                     alive += member.nbytes
-            if not keys:
-                continue  # nothing in it to publish: it goes with `release`
             mb = pack.seg.size / 1e6
-            if alive:
+            if keys and alive:
                 regroup.append(keys)
                 self.failures.append(f"a {mb:.1f} MB pack is copied: {alive / 1e6:.1f} MB in it stay private "
                                      "or duplicate another tensor")
-            elif dead > self.granularity:
+            elif keys and dead > self.granularity:
                 regroup.append(keys)
                 self.failures.append(f"a {mb:.1f} MB pack is copied: {dead / 1e6:.1f} MB in it were replaced by "
                                      "post-processing or mapped from another engine")
-            else:
+            elif keys:
                 out.append((keys, offsets, pack.seg.nbytes))
+                continue
+            # Copied, or nothing in it to publish: let go of now, so that it goes with its last
+            # member (once its misses are copied), not at the end of the pass (Note [one copy at
+            # a time]).
+            self._let_go_of(pack)
+        self._packs = [pack for pack in self._packs if pack.seg is not None]
         return out, regroup
+
+    def _let_go_of(self, pack: _Pack) -> None:
+        """Close ``pack``'s descriptor and drop this object's reference to its segment: its
+        memory goes with the last member that maps it (Note [a pack lives while a member
+        does])."""
+        pack.seg.close_fd()
+        self._let_go.append((pack.seg.size, tuple(pack.members.values())))
+        pack.seg = None
 
     def seal(self, slots: list[Slot], offsets: list[int]):
         """Freeze the pack ``slots`` fill at ``offsets`` (one of `packs`) and hand it over.
@@ -279,15 +293,16 @@ class PackedInPlace:
 
     def discard(self) -> None:
         """Forget what was placed, for a model given up (a replay that declined): the segments
-        go with the model's tensors."""
+        go with the model's tensors and count no more."""
         self.placed_bytes -= sum(p.payload_bytes for p in self._packs)
         self.release()
+        self._let_go.clear()
 
     def release(self) -> None:
         """Let go of the packs not published: each allocation goes with its last member
         (Note [a pack lives while a member does]); the descriptors are closed now."""
         for pack in self._packs:
-            pack.seg.close_fd()
+            self._let_go_of(pack)
         self._packs.clear()
 
     def summary(self) -> str:

@@ -182,6 +182,8 @@ class SharingPass:
         ctx, report = self.ctx, self.report
         keys = [str(k) for k in colliding(self.seg_cls.content_keys([s.tensor for s in slots]))]
         if ctx.share_packed:
+            if staging is not None:  # a copy in flight would free the buffer the census finds
+                staging.finish()
             census = collect_packed(handlers, ctx.config.min_tensor_bytes, mapped)
             if census.declined:
                 report.private_linears = f"{len(census.declined)} private packed copies ({census.declined[0][:200]})"

@@ -596,3 +596,28 @@ def test_a_model_whose_storages_cannot_be_walked_loads_privately_unless_failures
             share_model(model, ctx)
     finally:
         ctx.lease.close()
+
+
+def test_an_error_while_adopting_a_resident_segment_leaves_it_unheld(registry_server, monkeypatch):
+    """A failure of the sharing pass itself while it swaps in a resident segment's tensors
+    (injected here) leaves them private under ``fallback``, and the segment nothing maps is
+    given back, not held for the engine's life."""
+    first, second = _Model(), _Model()
+    a, b = _context(registry_server.path, "holds-first"), _context(registry_server.path, "holds-second", "fallback")
+    try:
+        first.load(3)
+        assert share_model(first, a).published_tensors == 3
+        want = second.load(3)
+
+        def broken(self, *args, **kwargs):
+            raise RuntimeError("injected: adopting failed")
+
+        monkeypatch.setattr(share_module.SharingPass, "adopt", broken)
+        report = share_model(second, b)
+        assert report.shared_tensors == 0 and report.errors, report
+        held = {e.model: e.segments for e in registry_stats(registry_server.path).engines}
+        assert held == {"holds-first": 3, "holds-second": 0}, held
+        assert torch.equal(second.up.weight, want["up"]) and torch.equal(second.down.weight, want["down"])
+    finally:
+        a.lease.close()
+        b.lease.close()

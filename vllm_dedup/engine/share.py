@@ -48,6 +48,7 @@ caching allocator would otherwise hold every private copy until the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import defaultdict
@@ -255,15 +256,21 @@ class SharingPass:
                 self.segment_failed(groups, got.error)
                 continue
             taken = 0
-            for hit, group in zip(hits, groups):
-                took, differ = self.adopt(group, got.segment, hit.offset, Placement(hit.key, got.found.uid),
-                                          published=False)
-                taken += took
-                if differ:
-                    self.report.collisions += len(differ)
-                    logger.warning("%d tensor(s) with key %s differ from the resident copy "
-                                   "(hash collision); they stay private", len(differ), hit.key)
-                    self.keep_private(differ)
+            try:
+                for hit, group in zip(hits, groups):
+                    took, differ = self.adopt(group, got.segment, hit.offset, Placement(hit.key, got.found.uid),
+                                              published=False)
+                    taken += took
+                    if differ:
+                        self.report.collisions += len(differ)
+                        logger.warning("%d tensor(s) with key %s differ from the resident copy "
+                                       "(hash collision); they stay private", len(differ), hit.key)
+                        self.keep_private(differ)
+            except BaseException:  # an error of the pass itself: a segment nothing maps is not held for good
+                if not taken:
+                    with contextlib.suppress(Exception):
+                        self.lease.release([got.found.segment])
+                raise
             if not taken:
                 self.lease.release([got.found.segment])
 

@@ -158,7 +158,7 @@ def find_packed(handler) -> PackedWeight:
     if b_type not in C.DATA_TYPES or c_type not in C.DATA_TYPES:
         raise PackedWeightError(f"unexpected data types {b_type}, {c_type} in the handler")
     entries = _map_entries(lib, h + _H_MAP)
-    if list(entries).count(C.ARG_WEIGHTS) != 1 or C.ARG_SRC not in entries or C.ARG_DST not in entries:
+    if not {C.ARG_WEIGHTS, C.ARG_SRC, C.ARG_DST} <= entries.keys():  # each once: `_map_entries` refuses repeats
         raise PackedWeightError(f"the handler's memory map has keys {sorted(entries)}, expected one weights "
                                 "entry and the source and destination")
     for key, memory in entries.items():

@@ -268,20 +268,14 @@ class InPlace:
             return None
         placed.closer.detach()  # from here the descriptor is closed here or handed over
         del self._placed[t.data_ptr()]
-        if self.seals_where_it_lies:
-            del t
-            return self._seal_where_it_lies(slot, placed, writable)
         dtype, shape, stride = t.dtype, tuple(t.shape), tuple(t.stride())
         del t
         try:
-            own = _over(writable, dtype, shape, stride)  # a storage of our own, for `swap_out`
-            if swap_out(slot, own) is not None:  # a view kept outside the model, which may write
-                raise BufferError("a tensor outside the model still views its writable mapping")
+            _onto_own_storage(slot, writable, dtype, shape, stride)
         except (BufferError, ValueError) as e:  # the slot stays on the writable mapping: copied instead
-            os.close(placed.fd)
-            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
-            return None
-        del own
+            return self._not_sealed(placed.fd, e)
+        if self.seals_where_it_lies:
+            return self._seal_where_it_lies(placed, writable)
         handed = False  # the descriptor given to `HostSegment`, which closes it if it fails
         try:  # Note [sealing under a tensor]
             bridge = mmap.mmap(placed.fd, placed.nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ)
@@ -299,33 +293,29 @@ class InPlace:
             # Not on the read-only bridge: a tensor left private there would fault at the first
             # write of vLLM's that the engine lets through for private weights.
             _private_again(slot, dtype, shape, stride)
-            if not handed:
-                os.close(placed.fd)
-            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
-            return None
+            return self._not_sealed(None if handed else placed.fd, e)
         swap(slot, seg.tensor(0, dtype, shape, stride))
         placed.sealed = True
         self.sealed_bytes += placed.nbytes
         return seg
 
-    def _seal_where_it_lies(self, slot: Slot, placed: _Placed, writable: mmap.mmap) -> HostSegment | None:
+    def _seal_where_it_lies(self, placed: _Placed, writable: mmap.mmap) -> HostSegment | None:
         """`seal` by Note [sealing where it lies]: the slot stays on its writable mapping,
         made read-only, and the memfd is sealed against every new writer."""
-        t = slot.tensor
-        layout = t.dtype, tuple(t.shape), tuple(t.stride())
-        del t
         try:
-            new = _over(writable, *layout)  # a storage of our own
-            if swap_out(slot, new) is not None:  # a view kept outside the model, which may write
-                raise BufferError("a tensor outside the model still views its writable mapping")
             seg = HostSegment.sealed_where_it_lies(placed.fd, placed.nbytes, writable)
         except (BufferError, OSError, ValueError) as e:  # the slot reads the same bytes: it is copied instead
-            os.close(placed.fd)
-            self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
-            return None
+            return self._not_sealed(placed.fd, e)
         placed.sealed = True
         self.sealed_bytes += placed.nbytes
         return seg
+
+    def _not_sealed(self, fd: int | None, e: Exception) -> None:
+        """A storage `seal` leaves to be copied: its descriptor closed (None: handed over
+        already) and why said; returns None, `seal`'s answer."""
+        if fd is not None:
+            os.close(fd)
+        self.failures.append(f"a storage cannot be sealed where it lies ({type(e).__name__}: {e})")
 
     def discard(self) -> None:
         """Forget what was placed so far, for a model given up (a replay that declined): the
@@ -361,6 +351,18 @@ def _descriptor_room() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     return max(soft - used - 1024, 0)
+
+
+def _onto_own_storage(slot: Slot, writable: mmap.mmap, dtype: torch.dtype, shape: tuple, stride: tuple) -> None:
+    """Bind ``slot`` to a tensor of this module's own over ``writable`` (the same bytes), so that
+    no storage the model's places held is left.
+
+    Raises:
+        BufferError: something outside the model's places still holds the old storage (a view
+            of vLLM's, which may write); the slot is on the new tensor all the same.
+        ValueError: the layout does not fit the mapping."""
+    if swap_out(slot, _over(writable, dtype, shape, stride)) is not None:
+        raise BufferError("a tensor outside the model still views its writable mapping")
 
 
 def _private_again(slot: Slot, dtype: torch.dtype, shape: tuple, stride: tuple) -> None:

@@ -322,13 +322,18 @@ class Replay:
                 self.mapped_bytes -= nbytes
         self._mapped = []
 
-    def _alias(self, model: nn.Module) -> None:
+    def _tied(self, model: nn.Module):
+        """(module name, module, entry) of each alias the matched modules' recipes name that is
+        not a view: a tied weight, the very tensor of another module."""
         for name in self.match.matched:
             module = model.get_submodule(name)
             for t in self.match.recipe.modules[name].tensors:
-                if t.alias is None or t.view is not None:
-                    continue
-                (module._parameters if t.param else module._buffers)[t.name] = _named_tensor(model, t.alias)
+                if t.alias is not None and t.view is None:
+                    yield name, module, t
+
+    def _alias(self, model: nn.Module) -> None:
+        for _, module, t in self._tied(model):
+            (module._parameters if t.param else module._buffers)[t.name] = _named_tensor(model, t.alias)
 
     def _check_aliases(self, model: nn.Module) -> None:
         """After post-processing: each alias the recipe names (a tied weight) is its target's
@@ -338,17 +343,13 @@ class Replay:
 
         Raises:
             RecipeDeclined: an alias that is not so."""
-        for name in self.match.matched:
-            module = model.get_submodule(name)
-            for t in self.match.recipe.modules[name].tensors:
-                if t.alias is None or t.view is not None:
-                    continue
-                made, target = getattr(module, t.name, None), _named_tensor(model, t.alias)
-                if (not isinstance(made, torch.Tensor) or made.is_meta or made.data_ptr() != target.data_ptr()
-                        or (dtype_name(made.dtype), tuple(made.shape), tuple(made.stride()))
-                        != (t.dtype, t.shape, t.stride)):
-                    raise RecipeDeclined(f"module {name}: {t.name} is not {t.alias} in the recipe's "
-                                         f"{t.dtype} {list(t.shape)} stride {list(t.stride)}")
+        for name, module, t in self._tied(model):
+            made, target = getattr(module, t.name, None), _named_tensor(model, t.alias)
+            if (not isinstance(made, torch.Tensor) or made.is_meta or made.data_ptr() != target.data_ptr()
+                    or (dtype_name(made.dtype), tuple(made.shape), tuple(made.stride()))
+                    != (t.dtype, t.shape, t.stride)):
+                raise RecipeDeclined(f"module {name}: {t.name} is not {t.alias} in the recipe's "
+                                     f"{t.dtype} {list(t.shape)} stride {list(t.stride)}")
 
     def _bind_views(self, model: nn.Module) -> None:
         """After post-processing: each view the recipe names is exactly that view of its base

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-__all__ = ["CPU_LINEAR_MODES", "DedupConfig", "is_registry_namespace"]
+__all__ = ["CPU_LINEAR_MODES", "DedupConfig", "is_finite_number", "is_registry_namespace"]
 
 CPU_LINEAR_MODES = ("packed", "plain", "private")  # DedupConfig.cpu_linear
 
@@ -131,11 +131,11 @@ class DedupConfig:
         checks = [  # (key, value is valid, what it must be)
             ("share_group", isinstance(c.share_group, str) and 0 < len(c.share_group) <= MAX_STRING,
              f"a non-empty string of at most {MAX_STRING} characters"),
-            ("min_tensor_bytes", _number(c.min_tensor_bytes, int) and c.min_tensor_bytes >= 0,
+            ("min_tensor_bytes", is_finite_number(c.min_tensor_bytes, int) and c.min_tensor_bytes >= 0,
              "an integer >= 0 (bytes)"),
             ("verify", isinstance(c.verify, bool), "true or false"),
             ("on_registry_error", c.on_registry_error in ("fallback", "fail"), "'fallback' or 'fail'"),
-            ("keep_warm_s", _number(c.keep_warm_s) and c.keep_warm_s >= 0,
+            ("keep_warm_s", is_finite_number(c.keep_warm_s) and c.keep_warm_s >= 0,
              "a finite number >= 0 (seconds)"),
             ("cpu_linear", c.cpu_linear in CPU_LINEAR_MODES, "'packed', 'plain' or 'private'"),
             ("cpu_share_linear", c.cpu_share_linear is None or isinstance(c.cpu_share_linear, bool),
@@ -147,12 +147,12 @@ class DedupConfig:
             ("registry_namespace", is_registry_namespace(c.registry_namespace),
              "a name of letters, digits, '-', '_' and '.' (it names the registry's socket file)"),
             ("accounting", c.accounting in ("kv_cache", "external"), "'kv_cache' or 'external'"),
-            ("startup_lock_timeout_s", _number(c.startup_lock_timeout_s) and c.startup_lock_timeout_s > 0,
+            ("startup_lock_timeout_s", is_finite_number(c.startup_lock_timeout_s) and c.startup_lock_timeout_s > 0,
              "a finite number > 0 (seconds)"),
             ("fast_path", isinstance(c.fast_path, bool), "true or false"),
             ("in_place", isinstance(c.in_place, bool), "true or false"),
             ("huge_pages", isinstance(c.huge_pages, bool), "true or false"),
-            ("registry_timeout_s", _number(c.registry_timeout_s) and 0 < c.registry_timeout_s <= 3600,
+            ("registry_timeout_s", is_finite_number(c.registry_timeout_s) and 0 < c.registry_timeout_s <= 3600,
              "a number of seconds > 0 and <= 3600"),
         ]
         for name, ok, expected in checks:
@@ -171,7 +171,7 @@ def is_registry_namespace(name) -> bool:
     return isinstance(name, str) and name.replace("-", "").replace("_", "").replace(".", "").isalnum()
 
 
-def _number(value, kinds=(int, float)) -> bool:
+def is_finite_number(value, kinds=(int, float)) -> bool:
     """Whether ``value`` is a finite number of ``kinds``; JSON's true and false are not (Python's
     bools are ints), nor infinity (vLLM's ``json.loads`` reads ``1e999`` and ``Infinity`` as
     ``inf``: a registry kept warm forever could not even encode its stats)."""

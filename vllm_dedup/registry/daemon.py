@@ -13,7 +13,6 @@ import argparse
 import errno
 import fcntl
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..config import is_finite_number
 from ..errors import RegistryUnavailable
 from .client import RegistryClient
 from .server import RegistryServer
@@ -308,7 +308,7 @@ def _seconds(text: str) -> float:
         seconds = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; give e.g. 10") from None
-    if not (math.isfinite(seconds) and seconds >= 0):
+    if not (is_finite_number(seconds) and seconds >= 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds >= 0; give e.g. 10")
     return seconds
 

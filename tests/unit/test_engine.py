@@ -114,6 +114,57 @@ def test_a_copy_by_hand_of_the_tensor_just_read_counts_as_its_loading():
     assert recorder.untraced == {} and recorder.eager == {} and recorder.module_sources["norm"] == {"norm"}
 
 
+def test_a_recorded_weight_loader_is_still_the_loader_models_look_at():
+    """Note [a recorded weight loader is still the same loader]: gpt-oss and Llama 4 compare the
+    loader with vLLM's ``default_weight_loader`` to choose its arguments and read
+    ``supports_moe_loading`` from it; the layerwise reload reads its ``__name__`` and signature."""
+    import inspect
+
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    def expert_loader(param, loaded, weight_name: str, shard_id: str, expert_id: int):
+        param.data.copy_(loaded)
+
+    expert_loader.supports_moe_loading = True
+    model = nn.Module()
+    model.plain = nn.Parameter(torch.zeros(4), requires_grad=False)  # no loader of its own
+    model.experts = nn.Parameter(torch.zeros(4), requires_grad=False)
+    model.experts.weight_loader = expert_loader
+    recorder = SourceRecorder(hash_keys=True, threads=1)
+    recorder.wrap(model)
+    plain, experts = model.plain.weight_loader, model.experts.weight_loader
+    assert plain == default_weight_loader and default_weight_loader == plain and not plain != default_weight_loader
+    assert hash(plain) == hash(default_weight_loader) and plain.__name__ == "default_weight_loader"
+    assert experts == expert_loader and experts != default_weight_loader
+    assert getattr(experts, "supports_moe_loading", False) is True and experts.__name__ == "expert_loader"
+    assert inspect.signature(experts) == inspect.signature(expert_loader)
+    tensors = {"plain": torch.ones(4), "experts": torch.full((4,), 2.0)}
+    for name, loaded in recorder.iterate(tensors.items()):  # as gpt-oss chooses the call
+        loader = getattr(model, name).weight_loader
+        if loader == default_weight_loader:
+            loader(getattr(model, name), loaded)
+        else:
+            loader(getattr(model, name), loaded, "w13_weight", shard_id="w1", expert_id=0)
+    keys = recorder.finish()
+    assert dict(recorder.module_sources) == {"": {"plain", "experts"}} and recorder.untraced == {}
+    assert set(keys) == {"plain", "experts"} and torch.equal(model.experts, tensors["experts"])
+    assert model.experts.weight_loader is expert_loader and not hasattr(model.plain, "weight_loader")
+
+
+def test_a_tensor_whose_bytes_cannot_be_hashed_has_no_key_and_the_load_goes_on(monkeypatch):
+    """A hashing thread's failure (a tensor subclass with no plain storage) is that name's
+    missing key, never an error inside vLLM's ``load_weights``."""
+    import vllm_dedup.engine.sources as sources
+
+    real = sources.tensor_bytes
+    monkeypatch.setattr(sources, "tensor_bytes",
+                        lambda t: (_ for _ in ()).throw(RuntimeError("no storage")) if t.numel() == 32 else real(t))
+    model = Tiny()
+    recorder = recorded_load(model, checkpoint(), copy_decoder=False)
+    assert set(recorder.keys) == {"q", "k", "bias", "norm"} and "embed" in recorder.unhashable
+    assert torch.equal(model.embed.weight, checkpoint()["embed"])
+
+
 def test_a_parameter_nothing_filled_and_values_through_python_are_untraced():
     recorder = recorded_load(Tiny(), {k: v for k, v in checkpoint().items() if k != "norm"}, copy_decoder=False,
                              transform="python")

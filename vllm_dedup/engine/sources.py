@@ -86,7 +86,6 @@ class SourceRecorder:
         self.eager: dict[str, str] = {}
         self.loaded: set[int] = set()
         self.consumed: list[str] = []
-        self.attributed: set[str] = set()  # names some weight loader got
         self.bytes_read = 0
         self.unhashable: list[str] = []
         self._current: tuple[str, int] | None = None  # (name, storage address) of the last tensor yielded
@@ -141,25 +140,24 @@ class SourceRecorder:
                 if not t.is_meta and t.numel():
                     self._sharers.setdefault(_storage_address(t), []).append((t, module_name))
                     self.provenance.reset(t)
-                t.weight_loader = self._recording(module_name, t, original or default_weight_loader)
+                t.weight_loader = RecordedLoader(self, module_name, t, original or default_weight_loader)
 
-    def _recording(self, module_name: str, target, original):
-        def weight_loader(*args, **kwargs):
-            loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-            with self.provenance.quiet():
-                sources = self._attribute(module_name, loaded)
-            self._in_loader += 1
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                self._in_loader -= 1
-            with self.provenance.quiet():
-                self.loaded.add(id(target))
-                self._seen[id(target)] = write_witness(target)
-                self._wrote_sharers(target, sources)
-            return out
-
-        return weight_loader
+    def _record_call(self, module_name: str, target, original, args: tuple, kwargs: dict):
+        """Run ``original(*args, **kwargs)``, a weight loader of ``target`` (a tensor of
+        ``module_name``), attributing what it got before and taking ``target``'s witness after."""
+        loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
+        with self.provenance.quiet():
+            sources = self._attribute(module_name, loaded)
+        self._in_loader += 1
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            self._in_loader -= 1
+        with self.provenance.quiet():
+            self.loaded.add(id(target))
+            self._seen[id(target)] = write_witness(target)
+            self._wrote_sharers(target, sources)
+        return out
 
     def _attribute(self, module_name: str, loaded) -> frozenset[str] | None:
         """Attribute to ``module_name`` the tensor just read, if ``loaded`` shares its storage,
@@ -174,7 +172,6 @@ class SourceRecorder:
             sources = self.provenance.of(loaded) if isinstance(loaded, torch.Tensor) else None
         if sources:
             self.module_sources[module_name] |= sources
-            self.attributed |= sources
             return sources
         why = self.provenance.lost or "its values came from no checkpoint tensor it could trace"
         self.untraced.setdefault(module_name, f"a weight loader got a tensor other than the checkpoint tensor "
@@ -193,7 +190,6 @@ class SourceRecorder:
             conditional = current is not None and sources <= {current[0]}
             for t, module_name in sharers:
                 self.module_sources[module_name] |= sources
-                self.attributed |= sources
                 self.loaded.add(id(t))
                 self._seen[id(t)] = write_witness(t)
                 if not conditional:
@@ -243,7 +239,7 @@ class SourceRecorder:
             return
         while len(self._pending) >= _MAX_PENDING:
             self._pending.pop(0).result()
-        fut = self._pool.submit(lambda t=tensor: source_key(tensor_bytes(t), dtype_name(t.dtype), tuple(t.shape)))
+        fut = self._pool.submit(_source_key_or_none, tensor)
         self._futures[name] = fut
         self._pending.append(fut)
 
@@ -268,12 +264,57 @@ class SourceRecorder:
         """`unwrap` (if not done yet); return the source keys (name -> key string): those hashed
         and the ``known`` ones of the tensors read."""
         self.unwrap()
-        keys = {name: str(fut.result()) for name, fut in self._futures.items()}
+        keys = {name: str(key) for name, fut in self._futures.items() if (key := fut.result()) is not None}
+        self.unhashable += [name for name in self._futures if name not in keys]
         keys.update({name: self.known[name] for name in self.consumed if name in self.known})
         if self._pool is not None:
             self._pool.shutdown()
         unhashable = set(self.unhashable)
         return {name: key for name, key in keys.items() if name not in unhashable}
+
+
+class RecordedLoader:
+    """A tensor's ``weight_loader`` while `SourceRecorder` records a load: calls the loader it
+    wraps (``__wrapped__``) through `SourceRecorder._record_call`.
+
+    Note [a recorded weight loader is still the same loader]
+        vLLM's models look at the loader they are given: ``weight_loader ==
+        default_weight_loader`` chooses the arguments of the call (gpt-oss, Llama 4), a
+        ``supports_moe_loading`` attribute on it chooses the expert path (Llama 4), and the
+        layerwise reload reads its ``__name__`` and ``__wrapped__``.  A plain closure answered
+        none of them as the loader would, and those models then called it with arguments it
+        does not take.  So this object compares and hashes as the loader it wraps, answers every
+        other attribute from it, and ``inspect.signature`` follows ``__wrapped__`` to its
+        signature.
+    """
+
+    def __init__(self, recorder: SourceRecorder, module_name: str, target, original):
+        self.__wrapped__ = original
+        self._call = (recorder, module_name, target)
+
+    def __call__(self, *args, **kwargs):
+        recorder, module_name, target = self._call
+        return recorder._record_call(module_name, target, self.__wrapped__, args, kwargs)
+
+    def __getattr__(self, name: str):  # only what the instance itself lacks
+        if name in ("__wrapped__", "_call"):  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.__wrapped__, name)
+
+    def __eq__(self, other) -> bool:
+        return other is self or self.__wrapped__ == other
+
+    def __hash__(self) -> int:
+        return hash(self.__wrapped__)
+
+
+def _source_key_or_none(tensor):
+    """``tensor``'s source key, or None where its bytes cannot be hashed (a tensor subclass
+    with no plain storage): that name then has no key, and the load goes on."""
+    try:
+        return source_key(tensor_bytes(tensor), dtype_name(tensor.dtype), tuple(tensor.shape))
+    except Exception:
+        return None
 
 
 def write_witness(t, samples: int = 256, unwritten: AnonymousRanges | None = None) -> bytes:

@@ -439,9 +439,11 @@ def vllm_config(tmp_path, **changes):
                      num_attention_heads=2, architectures=["LlamaForCausalLM"], _name_or_path=changes.pop("name", "a"))
     model = types.SimpleNamespace(model=str(tmp_path), hf_config=hf, dtype="bfloat16", quantization=None,
                                   model_impl="auto", convert_type="none", runner_type="generate",
-                                  trust_remote_code=False)
+                                  trust_remote_code=False, max_model_len=changes.pop("max_model_len", 2048))
+    parallel = types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                     decode_context_parallel_size=changes.pop("dcp", 1))
     return types.SimpleNamespace(
-        model_config=model, parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=model, parallel_config=parallel,
         device_config=types.SimpleNamespace(device_type="cpu"),
         cache_config=types.SimpleNamespace(cache_dtype=changes.pop("kv", "auto")))
 
@@ -453,6 +455,10 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert load_signature(vllm_config(tmp_path, name="other")) == base  # a name changes no tensor
     assert load_signature(vllm_config(tmp_path, kv="fp8")) != base  # FP8 k/v scales
     assert load_signature(vllm_config(tmp_path, vocab_size=101)) != base  # vocabulary-sized buffers
+    # Phi-3's LongRoPE picks its factors by the engine's maximum length: a rotary cache of the
+    # same shape and other values (and some models size theirs by it).
+    assert load_signature(vllm_config(tmp_path, max_model_len=4096)) != base
+    assert load_signature(vllm_config(tmp_path, dcp=2)) != base  # a linear layer's shard follows it
     modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
     assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
     for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG"),

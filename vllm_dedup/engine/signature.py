@@ -16,6 +16,9 @@ resident").  So the signature covers:
   embedding model's pooler loads while vLLM builds it (``modules.json`` and each module's
   subfolder: a ``Dense`` projector's config and weights, read outside ``load_weights``);
 - the engine: TP and PP size and this worker's rank in each (each rank holds other shards),
+  the decode-context-parallel size (a linear layer's shard follows it), the model's maximum
+  length (some rotary caches are sized by it, Phi-3's LongRoPE chooses its factors by it:
+  same shape, other values; `vllm.model_executor.layers.rotary_embedding`),
   the inner load format, this loader's options that change post-processing
   (``cpu_linear`` on the CPU backend), the device type, and vLLM's environment variables
   that may choose another post-processing (`env_digest`: weights laid out for DeepGEMM or Marlin,
@@ -155,7 +158,7 @@ def _zentorch() -> bool:
 def load_signature(vllm_config, model_config=None, inner_load_format: str = "auto",
                    cpu_linear: str = "") -> str:
     """This worker's load signature (see the module docstring), readable and stable across
-    processes: ``arch|dtype|quant|kv:...|tpN.r|ppN.r|format|device|...|cfg:<digest>|code:<digest>``.
+    processes: ``arch|dtype|quant|kv:...|lenN|tpN.r|ppN.r|dcpN|format|device|...|cfg:<digest>|code:<digest>``.
 
     Args:
         vllm_config: vLLM's ``VllmConfig`` of the engine.
@@ -188,8 +191,9 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
     kv = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     linear = f"|cpu_linear={cpu_linear or 'private'}" if "cpu" in device else ""
     zen = "|zentorch" if "cpu" in device and _zentorch() else ""
-    return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}"
-            f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}"
+    dcp = getattr(pc, "decode_context_parallel_size", 1)
+    return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}|len{mc.max_model_len}"
+            f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}|dcp{dcp}"
             f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|transformers{transformers}"
             f"|torch{torch.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
             f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}|env:{env_digest()}")

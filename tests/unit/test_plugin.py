@@ -137,3 +137,32 @@ def test_the_cli_refuses_a_bad_namespace_or_number_in_one_line():
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2, argv
+
+
+@pytest.mark.parametrize("on_error", ["fallback", "fail"])
+def test_a_model_folder_file_the_signature_cannot_read_makes_the_load_private(monkeypatch, caplog, on_error):
+    """A remote-code file or processor config that cannot be read (another user's, mode 0600)
+    may be one vLLM never needs: the engine loads privately and says which file; under
+    ``fail`` the load stops with that message."""
+    import types
+
+    import vllm_dedup.engine.loader as loader_module
+    from vllm_dedup.errors import CheckpointError
+
+    def load_signature(*args):
+        raise PermissionError(13, "Permission denied", "/models/m/modeling_m.py")
+
+    monkeypatch.setattr(loader_module, "load_signature", load_signature)
+    loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"on_registry_error": on_error}))
+    monkeypatch.setattr(loader, "cpu_linear", lambda model_config: "packed")
+    monkeypatch.setattr(loader, "shares_packed", lambda model_config: True)
+    vllm_config = types.SimpleNamespace(load_config=types.SimpleNamespace(device=None),
+                                        device_config=types.SimpleNamespace(device="cpu"))
+    model_config = types.SimpleNamespace(model="/models/m")
+    if on_error == "fail":
+        with pytest.raises(CheckpointError, match="modeling_m.py: vllm-dedup cannot read it for the load signature"):
+            loader._context(vllm_config, model_config, "")
+        return
+    assert loader._context(vllm_config, model_config, "") is None
+    assert "/models/m/modeling_m.py: vllm-dedup cannot read it for the load signature (Permission denied)" in caplog.text
+    assert "loading privately" in caplog.text

@@ -80,7 +80,7 @@ from .recipe_builder import model_attrs
 from .replay import Replay
 from .session import EngineSession
 from .share import colliding, share_model
-from .signature import load_signature
+from .signature import load_signature, unreadable
 from .staging import Staging
 from .vllm_facts import private_reason
 
@@ -376,7 +376,11 @@ class DedupModelLoader(BaseModelLoader):
             return None
         cpu_linear = self.cpu_linear(model_config) if device.type == "cpu" else ""
         share_packed = device.type == "cpu" and self.shares_packed(model_config)
-        signature = load_signature(vllm_config, model_config, self.config.inner_load_format, cpu_linear)
+        try:
+            signature = load_signature(vllm_config, model_config, self.config.inner_load_format, cpu_linear)
+        except OSError as e:
+            fail_or_fall_back(self.config, unreadable(e), "loading privately")
+            return None
         lease = EngineSession.current().connect(self.config, str(model_config.model), device_key, signature)
         if lease is None:
             return None

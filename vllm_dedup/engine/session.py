@@ -241,6 +241,7 @@ class EngineSession:
             RegistryUnavailable: the registry cannot be reached or cannot say what to map.
             SegmentError: the GPU cannot be named or measured (no usable driver).
             LockTimeout: the start-up lock could not be had within ``startup_lock_timeout_s``.
+            CheckpointError: a file of the model's folder the load signature reads cannot be read.
         """
         import torch
 
@@ -251,7 +252,7 @@ class EngineSession:
                 self.end_startup()
         from ..segments.cuda import CudaSegment
         from ..segments.cudadrv import memory_info as cudadrv_memory_info
-        from .signature import load_signature
+        from .signature import load_signature, unreadable
 
         pc = vllm_config.parallel_config
         try:
@@ -262,7 +263,11 @@ class EngineSession:
             fail_or_fall_back(config, SegmentError(f"vllm-dedup: cannot name this GPU ({e})"),
                               "starting without the start-up lock")
             return 0
-        signature = load_signature(vllm_config, None, config.inner_load_format)
+        try:
+            signature = load_signature(vllm_config, None, config.inner_load_format)
+        except OSError as e:
+            fail_or_fall_back(config, unreadable(e), "starting without the start-up lock")
+            return 0
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
         if client is None:
             return 0

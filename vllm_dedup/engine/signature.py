@@ -39,8 +39,10 @@ from pathlib import Path
 
 import blake3
 
+from ..errors import CheckpointError
+
 __all__ = ["CONFIG_KEYS_WITHOUT_EFFECT", "ENV_NAMES_WITHOUT_EFFECT", "ENV_WITHOUT_EFFECT", "ENV_WITH_EFFECT",
-           "env_digest", "load_signature"]
+           "env_digest", "load_signature", "unreadable"]
 
 # Keys of an HF config that change no tensor of a model built from it.  ``vocab_size`` is not
 # one: besides the embedding's shape, buffers with no checkpoint source can depend on it.
@@ -155,6 +157,15 @@ def _zentorch() -> bool:
         return False
 
 
+def unreadable(error: OSError) -> CheckpointError:
+    """What `load_signature` raising ``error`` means to an engine: a file of the model's folder
+    it digests (remote code, a processor config, a sentence-transformers module) cannot be
+    read.  vLLM may not need that file, so the caller loads privately (`fallback`)."""
+    return CheckpointError(error.filename or "the model's folder",
+                           f"vllm-dedup cannot read it for the load signature ({error.strerror or error}); "
+                           "make it readable for this engine to share its weights")
+
+
 def load_signature(vllm_config, model_config=None, inner_load_format: str = "auto",
                    cpu_linear: str = "") -> str:
     """This worker's load signature (see the module docstring), readable and stable across
@@ -168,6 +179,9 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
         cpu_linear: how linear layers run on the CPU backend (`config.DedupConfig.cpu_linear`,
             as the engine runs it: ``packed``, ``plain``, ``private`` or ``vllm``,
             `loader.DedupModelLoader.cpu_linear`); part of the signature only there.
+
+    Raises:
+        OSError: a file of the model's folder it digests cannot be read (`unreadable` says it).
     """
     import torch
     import vllm

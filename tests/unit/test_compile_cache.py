@@ -59,6 +59,15 @@ def test_torchs_inductor_artifact_gets_a_finalize_loading_that_does_nothing():
     assert allow_cpu_aot_loads() is False  # installed once
 
 
+def test_a_torch_without_the_aot_artifact_class_loads_as_it_would_without_the_fix(monkeypatch):
+    """``torch._dynamo.aot_compile_types`` is private to torch: where it is missing the fix is
+    not installed, and model creation goes on (it used to raise ImportError there)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch._dynamo.aot_compile_types", None)  # import raises ImportError
+    assert allow_cpu_aot_loads() is False
+
+
 def test_plain_weights_change_the_graph_where_vllm_packs_any_weight_dtype_marked(monkeypatch):
     """A bfloat16 model's float32 router gate (glm4_moe's, minimax_m2's): vLLM packs float32 for
     oneDNN on every x86 ISA, so marking it plain changes the graph even where vLLM runs

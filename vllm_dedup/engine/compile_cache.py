@@ -88,14 +88,19 @@ def allow_cpu_aot_loads() -> bool:
     Only on the vLLM versions it was checked against; idempotent.
 
     Returns:
-        whether it was installed now.
+        whether it was installed now (False: another vLLM, or a torch without that class).
     """
     import vllm
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
 
     from .vllm_facts import CHECKED_VLLM_VERSIONS
 
-    if vllm.__version__ not in CHECKED_VLLM_VERSIONS or "finalize_loading" in vars(Bundled):
+    if vllm.__version__ not in CHECKED_VLLM_VERSIONS:
+        return False
+    try:  # a private module of torch's: another torch may not have it
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+    except ImportError:
+        return False
+    if "finalize_loading" in vars(Bundled):
         return False
     Bundled.finalize_loading = _nothing_to_finalize
     return True

@@ -12,6 +12,7 @@ import gc
 import mmap
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -370,16 +371,23 @@ def test_huge_pages_is_a_boolean_and_off_by_default():
         DedupConfig.from_extra_config({"huge_pages": "yes"})
 
 
-def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(monkeypatch):
+def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(registry_server, monkeypatch):
     """`DedupModelLoader.load_model`: a load that raises (a checkpoint vLLM cannot read) lets go
     of its segments at once, though its model lives on (a traceback kept by the caller holds
-    it): their descriptors close, and the pages go with the model's mappings."""
+    it): their descriptors close, and the pages go with the model's mappings.  Its registry
+    connection is closed too (an engine retried in the same process kept one per try)."""
     from vllm.config.load import LoadConfig
 
     from vllm_dedup.engine.loader import DedupModelLoader
 
     loader = DedupModelLoader(LoadConfig(load_format="dedup"))
-    ctx = LoadContext(DedupConfig(min_tensor_bytes=4096), None, torch.device("cpu"), "cpu", share_packed=True)
+    lease = Lease(RegistryClient(registry_server.path), "failing", "cpu", "default", "in-place-test")
+    def connected() -> bool:  # as the registry sees it
+        with RegistryClient(registry_server.path) as client:
+            return any(e.model == "failing" for e in client.stats().engines)
+
+    assert lease.stats() and connected()  # said hello
+    ctx = LoadContext(DedupConfig(min_tensor_bytes=4096), lease, torch.device("cpu"), "cpu", share_packed=True)
     monkeypatch.setattr(loader, "_context", lambda *args: ctx)
     kept = []
 
@@ -397,6 +405,10 @@ def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(monkeypatch)
         loader.load_model(None, None)
     assert _memfd(kept[0].up.weight)  # still read by the model
     assert _memfd_descriptors() == before + 3  # the mappings' own (Note [descriptors])
+    deadline = time.monotonic() + 5
+    while connected() and time.monotonic() < deadline:  # the registry notices the closed connection
+        time.sleep(0.02)
+    assert not connected()
     kept.clear()
     gc.collect()
     assert _memfd_descriptors() == before

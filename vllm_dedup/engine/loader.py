@@ -215,19 +215,23 @@ class DedupModelLoader(BaseModelLoader):
             return (report.created_bytes + (staging.created_bytes if staging is not None else 0)
                     + (in_place.held_bytes if in_place is not None else 0))
 
-        with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen(), recorded_handlers(ctx.handlers):
-            try:
-                model, mapped, replay, recorded, decision = self._load(ctx, report, staging, in_place)
-            except BaseException:  # the sharing pass lets go of them otherwise (`share_model`)
-                _let_go(staging, in_place)
-                raise
-            report.private_linears = self.packed_declined  # known once `create_model` ran; the sharing pass may say more
-            self._share(model, ctx, report, mapped, staging, in_place)
-            if in_place is not None and in_place.placed_bytes:
-                logger.info("%s: %s%s", ctx.model_name, in_place.summary(),
-                            f" (first of what was copied: {in_place.failures[0]})" if in_place.failures else "")
+        try:
+            with LoadMeter(ctx.device_type, live=held) as meter, _gc_heap_frozen(), recorded_handlers(ctx.handlers):
+                try:
+                    model, mapped, replay, recorded, decision = self._load(ctx, report, staging, in_place)
+                except BaseException:  # the sharing pass lets go of them otherwise (`share_model`)
+                    _let_go(staging, in_place)
+                    raise
+                report.private_linears = self.packed_declined  # known once `create_model` ran; the sharing pass may say more
+                self._share(model, ctx, report, mapped, staging, in_place)
+                if in_place is not None and in_place.placed_bytes:
+                    logger.info("%s: %s%s", ctx.model_name, in_place.summary(),
+                                f" (first of what was copied: {in_place.failures[0]})" if in_place.failures else "")
 
-            leave_recipe(ctx, model, report, recorded, replay, decision)
+                leave_recipe(ctx, model, report, recorded, replay, decision)
+        except BaseException:  # a load that stops keeps no registry connection, nor what it published
+            EngineSession.current().let_go(ctx.lease)
+            raise
         report.load_seconds = meter.seconds
         report.peak_bytes = meter.peak_bytes
         try:

@@ -161,6 +161,12 @@ class EngineSession:
         self.segment_bytes += segment_bytes
         self.shared_bytes += shared_bytes
 
+    def let_go(self, lease: Lease) -> None:
+        """A load through ``lease`` stopped: close it (the registry drops what it held or
+        published), unless it is the start-up connection, which `end_startup` gives back."""
+        if lease is not self.startup_client:
+            lease.close()
+
     @property
     def correction_bytes(self) -> int:
         """By how many bytes the worker's budget must shrink (negative: grow) so that its KV

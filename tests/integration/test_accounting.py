@@ -131,17 +131,22 @@ def test_kv_cache_mode_reports_the_bytes_to_map_only_when_the_full_budget_does_n
     assert EngineSession().plan_startup("external", 16 * gib, 80 * gib, 80 * gib, 0.45) == 16 * gib
 
 
-@pytest.mark.parametrize("method", ["compile_or_warm_up_model", "load_model"])
+STARTUP_STEPS = ["init_device", "load_model", "determine_available_memory", "initialize_from_config",
+                 "compile_or_warm_up_model"]
+
+
+@pytest.mark.parametrize("method", STARTUP_STEPS)
 def test_the_hook_gives_the_startup_lock_back_even_when_the_method_fails(registry_server, monkeypatch, method):
-    """Warm-up or load: an engine whose ``Worker.load_model`` raises (a checkpoint vLLM cannot
-    read) may live on, an engine in the user's own process.  Its start-up lock must not keep
+    """Any start-up step from the lock (taken in ``init_device``) to the warm-up: an engine whose
+    step raises (too little free memory, a checkpoint vLLM cannot read, a KV cache that does not
+    fit) may live on, an engine in the user's own process.  Its start-up lock must not keep
     every other engine of the GPU waiting ``startup_lock_timeout_s``."""
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_dedup.engine import worker_hooks
 
     worker_hooks.install()
-    for name in ("load_model", "compile_or_warm_up_model"):
+    for name in STARTUP_STEPS:
         assert getattr(Worker.__dict__[name], "__vllm_dedup_hook__", False), name
     client = RegistryClient(registry_server.path)
     client.hello("m", GPU0, "default")
@@ -151,7 +156,7 @@ def test_the_hook_gives_the_startup_lock_back_even_when_the_method_fails(registr
     monkeypatch.setattr(EngineSession, "_current", session)
     try:
         with pytest.raises(AttributeError):  # not a real worker: the method itself fails
-            getattr(Worker, method)(object())
+            getattr(Worker, method)(object(), *([None] if method == "initialize_from_config" else []))
         assert registry_stats(registry_server.path).locks == {}
         session.end_startup()  # idempotent
     finally:

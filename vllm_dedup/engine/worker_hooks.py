@@ -15,15 +15,20 @@ kinds, both reading this process's `session.EngineSession`:
 - **start-up hooks** (GPU accounting, `session.py`): after ``Worker.load_model`` the engine's
   budget is corrected by the bytes mapped beyond the prediction; after
   ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
-  even when warm-up fails, and so it is when the load or its correction fails (a process that
+  even when warm-up fails, and so it is when any start-up step after the lock was taken fails:
+  ``init_device`` (which takes it, then may find too little free memory), the load or its
+  correction, ``determine_available_memory`` and ``initialize_from_config`` (a process that
   lives on, an engine in the user's own process, would otherwise keep it from every other
   engine of the GPU for ``startup_lock_timeout_s``).
 
 Each wrapper is tied to the vLLM versions it was checked against (`vllm_facts.CHECKED_VLLM_VERSIONS`); on
 another version a method that no longer exists is skipped with a warning, never guessed at.
-``patches/`` holds the upstream-vLLM form of both kinds, which would make this module
-unnecessary: a method whose source already carries the patch's hook (`vllm_facts.PATCHED_BY`) is not
-wrapped, so that nothing (the budget correction above all) is applied twice.
+``patches/`` holds the upstream-vLLM form of the guards, the budget correction and the lock's
+release after warm-up: a method whose source already carries the patch's hook
+(`vllm_facts.PATCHED_BY`) is not wrapped, so that nothing (the budget correction above all) is
+applied twice.  The release after a failed step has no upstream form yet and is always
+wrapped (giving the lock back twice is harmless: `session.EngineSession.end_startup` is
+idempotent).
 """
 
 from __future__ import annotations
@@ -52,9 +57,18 @@ def _after_load(worker, failed: bool) -> None:
         raise
 
 
-# (module, class, method, what runs after it: (worker, whether the method raised) -> None)
+def _after_a_step(worker, failed: bool) -> None:
+    if failed:  # the engine stops between the lock and the warm-up: nobody else gives it back
+        EngineSession.current().end_startup()
+
+
+# (module, class, method, what runs after it: (worker, whether the method raised) -> None), in
+# the order vLLM's start-up calls them
 STARTUP_HOOKS = (
+    ("vllm.v1.worker.gpu_worker", "Worker", "init_device", _after_a_step),
     ("vllm.v1.worker.gpu_worker", "Worker", "load_model", _after_load),
+    ("vllm.v1.worker.gpu_worker", "Worker", "determine_available_memory", _after_a_step),
+    ("vllm.v1.worker.gpu_worker", "Worker", "initialize_from_config", _after_a_step),
     ("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model",
      lambda worker, failed: EngineSession.current().end_startup()),
 )

@@ -151,6 +151,33 @@ def test_a_recorded_weight_loader_is_still_the_loader_models_look_at():
     assert model.experts.weight_loader is expert_loader and not hasattr(model.plain, "weight_loader")
 
 
+def test_a_tensor_read_and_changed_in_place_from_another_takes_both_as_sources():
+    """``load_weights`` adds an earlier checkpoint tensor into the one just read, in place, and
+    hands that to the weight loader: both are the module's sources (a fine-tune changing only
+    the earlier one must load the module again, not map its stale bytes)."""
+    model = nn.Module()
+    model.bias, model.out = nn.Module(), nn.Module()
+    model.bias.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
+    model.out.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
+    for p in (model.bias.weight, model.out.weight):
+        p.weight_loader = default_loader
+    recorder = SourceRecorder(hash_keys=False)
+    recorder.wrap(model)
+    tensors = {"bias": torch.ones(4), "out": torch.full((4,), 2.0)}
+    with recorder.tracing():
+        kept = None
+        for name, loaded in recorder.iterate(tensors.items()):
+            if name == "bias":
+                kept = loaded
+                model.bias.weight.weight_loader(model.bias.weight, loaded)
+            else:
+                loaded.add_(kept)  # the tensor just read, changed in place from another
+                model.out.weight.weight_loader(model.out.weight, loaded)
+    recorder.finish()
+    assert recorder.module_sources["out"] == {"out", "bias"} and recorder.module_sources["bias"] == {"bias"}
+    assert torch.equal(model.out.weight, torch.full((4,), 3.0))
+
+
 def test_a_tensor_whose_bytes_cannot_be_hashed_has_no_key_and_the_load_goes_on(monkeypatch):
     """A hashing thread's failure (a tensor subclass with no plain storage) is that name's
     missing key, never an error inside vLLM's ``load_weights``."""

@@ -167,7 +167,9 @@ class SourceRecorder:
 
         current = self._current
         if current is not None and _storage_address(loaded) == current[1]:
-            sources = frozenset((current[0],))
+            # the tensor just read (or a view of it), into which load_weights may have mixed
+            # others in place (``x.add_(y)``): those are its sources too
+            sources = frozenset((current[0],)) | (self.provenance.of(loaded) or frozenset())
         else:
             sources = self.provenance.of(loaded) if isinstance(loaded, torch.Tensor) else None
         if sources:

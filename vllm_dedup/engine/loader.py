@@ -111,7 +111,7 @@ class DedupModelLoader(BaseModelLoader):
                 model_loader_extra_config=dict(self.config.inner_extra_config),
             )
         )
-        self.report: LoadReport | None = None  # of the last load_model call
+        self.report: LoadReport | None = None  # of the last load_model call (None: it loaded privately)
         self._cpu_linear: str | None = None  # cpu_linear as this engine runs it (`cpu_linear`)
         self.packed_declined = ""  # why packed sharing cannot work here ("" where it can, or was not asked)
 
@@ -204,6 +204,7 @@ class DedupModelLoader(BaseModelLoader):
             SegmentError: shared memory cannot be made or mapped, and ``on_registry_error`` is
                 ``fail``.
         """
+        self.report = None
         ctx = self._context(vllm_config, model_config, prefix)
         if ctx is None:
             return self._load_as_usual(vllm_config, model_config, prefix)

@@ -112,6 +112,16 @@ def test_external_mode_budget_ends_at_plain_minus_the_bytes_really_mapped():
         assert session.correct_budget(worker) == (shared - predicted if predicted else 0)
         assert worker.requested_memory == (plain - shared if predicted else plain)
         assert session.correct_budget(worker) == 0 and session.correction_bytes == 0  # applied once
+    # A second engine in the same process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its correction
+    # counts its own load, not the first engine's.
+    session = EngineSession()
+    session.plan_startup("external", 10 * gib, snapshot.free_memory, snapshot.total_memory, 0.5)
+    session.hold(object(), segment_bytes=12 * gib, shared_bytes=12 * gib)
+    assert session.correction_bytes == 2 * gib
+    session.budget_corrected = True
+    session.plan_startup("external", 4 * gib, snapshot.free_memory, snapshot.total_memory, 0.5)
+    session.hold(object(), segment_bytes=3 * gib, shared_bytes=3 * gib)
+    assert session.correction_bytes == -1 * gib and session.segment_bytes == 15 * gib
     kv_cache_mode = EngineSession()  # accounting="kv_cache", room for the full budget: nothing reported
     assert kv_cache_mode.plan_startup("kv_cache", 5 * gib, 80 * gib, 80 * gib, 0.5) == 0
     kv_cache_mode.hold(object(), segment_bytes=5 * gib, shared_bytes=5 * gib)

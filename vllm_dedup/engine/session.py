@@ -105,6 +105,7 @@ class EngineSession:
         self.predicted: int | None = None  # bytes reported to vLLM as mapped from others (None: none reported)
         self.segment_bytes = 0  # bytes of this process's tensors that live in segments
         self.shared_bytes = 0  # of them, mapped from other engines' segments
+        self.shared_before_startup = 0  # shared_bytes when this start-up began (engines before it, in-process)
         self.budget_corrected = False  # the correction was applied to the worker
     @classmethod
     def current(cls) -> EngineSession:
@@ -172,10 +173,12 @@ class EngineSession:
         """By how many bytes the worker's budget must shrink (negative: grow) so that its KV
         cache is what vLLM would give it had it known the bytes really mapped: ``shared -
         predicted`` where a prediction was reported, until `correct_budget` applies it; else 0.
-        A load that ended up private (no registry, a fallback) counts as 0 bytes mapped."""
+        ``shared`` counts this start-up's loads only (a drafter's too), not those of engines
+        started before in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).  A load that
+        ended up private (no registry, a fallback) counts as 0 bytes mapped."""
         if self.predicted is None or self.budget_corrected:
             return 0
-        return self.shared_bytes - self.predicted
+        return self.shared_bytes - self.shared_before_startup - self.predicted
 
     def plan_startup(self, accounting: str, predicted: int, free: int, total: int, utilization: float) -> int:
         """The bytes to report to vLLM as external weight memory before its snapshot (module
@@ -205,6 +208,7 @@ class EngineSession:
                 "(its KV cache is a plain load's)", free / 1e6, budget / 1e6, predicted / 1e6)
         self.predicted = report if report > 0 else None
         self.budget_corrected = False
+        self.shared_before_startup = self.shared_bytes
         return report
 
     # the GPU start-up ----------------------------------------------------------------------

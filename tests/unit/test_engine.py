@@ -482,10 +482,9 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert load_signature(vllm_config(tmp_path, name="other")) == base  # a name changes no tensor
     assert load_signature(vllm_config(tmp_path, kv="fp8")) != base  # FP8 k/v scales
     assert load_signature(vllm_config(tmp_path, vocab_size=101)) != base  # vocabulary-sized buffers
-    # Phi-3's LongRoPE picks its factors by the engine's maximum length: a rotary cache of the
-    # same shape and other values (and some models size theirs by it).
+    # PLaMo 3 and MiniMax-M2 size their rotary caches by the engine's maximum length.
     assert load_signature(vllm_config(tmp_path, max_model_len=4096)) != base
-    assert load_signature(vllm_config(tmp_path, dcp=2)) != base  # a linear layer's shard follows it
+    assert load_signature(vllm_config(tmp_path, dcp=2)) != base  # DCPGroupColumnParallelLinear shards by it
     modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
     assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
     for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG"),

@@ -16,9 +16,9 @@ resident").  So the signature covers:
   embedding model's pooler loads while vLLM builds it (``modules.json`` and each module's
   subfolder: a ``Dense`` projector's config and weights, read outside ``load_weights``);
 - the engine: TP and PP size and this worker's rank in each (each rank holds other shards),
-  the decode-context-parallel size (a linear layer's shard follows it), the model's maximum
-  length (some rotary caches are sized by it, Phi-3's LongRoPE chooses its factors by it:
-  same shape, other values; `vllm.model_executor.layers.rotary_embedding`),
+  the decode-context-parallel size (``DCPGroupColumnParallelLinear`` shards by it), the model's
+  maximum length (PLaMo 3 and MiniMax-M2 size their rotary caches by it, which no checkpoint
+  tensor covers),
   the inner load format, this loader's options that change post-processing
   (``cpu_linear`` on the CPU backend), the device type, and vLLM's environment variables
   that may choose another post-processing (`env_digest`: weights laid out for DeepGEMM or Marlin,

@@ -74,7 +74,8 @@ class SourceRecorder:
         consumed: names of every tensor the iterator yielded, in order.
         bytes_read: bytes of those tensors.
         unhashable: names whose source key this load cannot say: a tensor off the CPU or not
-            contiguous, or a name yielded twice (two files of the checkpoint hold it: which
+            contiguous, one whose bytes could not be hashed (`_source_key_or_none`), or a name
+            yielded twice (two files of the checkpoint hold it: which
             bytes the model got is the weight loaders' business, so neither key is kept).
     """
 

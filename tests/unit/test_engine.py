@@ -475,6 +475,20 @@ def vllm_config(tmp_path, **changes):
         cache_config=types.SimpleNamespace(cache_dtype=changes.pop("kv", "auto")))
 
 
+def test_a_model_folder_file_that_cannot_be_read_is_an_error_of_the_signature_not_a_guess(tmp_path):
+    """A ``*.py`` of the folder whose bytes cannot be read (here a real read error: EIO from
+    ``/proc/self/mem`` at offset 0, which root cannot read either) raises, never digests as
+    something else; `unreadable` turns it into the `CheckpointError` the loader falls back on."""
+    from vllm_dedup.engine.signature import load_signature, unreadable
+    from vllm_dedup.errors import CheckpointError
+
+    (tmp_path / "modeling_m.py").symlink_to("/proc/self/mem")
+    with pytest.raises(OSError) as raised:
+        load_signature(vllm_config(tmp_path))
+    error = unreadable(raised.value)
+    assert isinstance(error, CheckpointError) and "cannot read it for the load signature" in str(error)
+
+
 def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_path):
     from vllm_dedup.engine.signature import load_signature
 

@@ -382,6 +382,7 @@ def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(registry_ser
 
     loader = DedupModelLoader(LoadConfig(load_format="dedup"))
     lease = Lease(RegistryClient(registry_server.path), "failing", "cpu", "default", "in-place-test")
+
     def connected() -> bool:  # as the registry sees it
         with RegistryClient(registry_server.path) as client:
             return any(e.model == "failing" for e in client.stats().engines)

@@ -487,6 +487,7 @@ def test_a_model_folder_file_that_cannot_be_read_is_an_error_of_the_signature_no
         load_signature(vllm_config(tmp_path))
     error = unreadable(raised.value)
     assert isinstance(error, CheckpointError) and "cannot read it for the load signature" in str(error)
+    assert str(tmp_path / "modeling_m.py") in str(error)  # read's EIO names no file: the reader does
 
 
 def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_path):

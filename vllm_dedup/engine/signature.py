@@ -125,6 +125,21 @@ def _st_module_files(folder: Path) -> list[Path]:
     return files
 
 
+def _read(path: Path) -> bytes:
+    """The bytes of ``path``.
+
+    Raises:
+        OSError: it cannot be read; always with ``filename``, which Python leaves out where
+            ``read`` fails (EIO) rather than ``open``.
+    """
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
+
+
 def _code_digest(model_config) -> str:
     """The model's code: the source of the class vLLM resolves for it, and any ``*.py`` and
     processor config in its folder (remote code, folded processor constants); and the files
@@ -141,9 +156,9 @@ def _code_digest(model_config) -> str:
     if folder.is_dir():
         for f in sorted([*folder.glob("*.py"), *(folder / name for name in PROCESSOR_FILES)]):
             if f.is_file():
-                parts.append(f.name.encode() + b"\0" + f.read_bytes())
+                parts.append(f.name.encode() + b"\0" + _read(f))
         for f in _st_module_files(folder):
-            parts.append(str(f.relative_to(folder)).encode() + b"\0" + f.read_bytes())
+            parts.append(str(f.relative_to(folder)).encode() + b"\0" + _read(f))
     return _digest(b"\0\0".join(parts))
 
 

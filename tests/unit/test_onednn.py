@@ -470,3 +470,29 @@ def test_the_packed_layout_identity_is_onednns_descriptor_and_the_build(tmp_path
     (tmp_path / "without.so").write_bytes(_elf_with_note(1, b"GNU\0", ident))  # another note: no build id
     with pytest.raises(PackedWeightError, match="has no GNU build id"):
         onednn_library.elf_build_id(str(tmp_path / "without.so"))
+
+
+_PROBE_OUT_OF_DESCRIPTORS = """
+import os, resource, sys
+import vllm._custom_ops
+from vllm_dedup.engine.onednn import probe, vllm_packs
+vllm_packs(sys.argv[1])  # vLLM's own answer, asked while descriptors are left
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))  # no descriptor left
+starved = probe(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(repr((starved.supported, starved.passing, starved.reason, probe(sys.argv[1]).supported)))
+"""
+
+
+def test_a_probe_that_failed_for_want_of_descriptors_is_asked_again():
+    """The probe needs descriptors (the extension's file, /proc/self/mem, a memfd): run out of
+    them (a real ``RLIMIT_NOFILE`` in a child), it fails with a reason that passes, and the
+    next call, with descriptors again, answers as on a healthy process instead of keeping
+    the failure for the engine's life."""
+    child = subprocess.run([sys.executable, "-c", _PROBE_OUT_OF_DESCRIPTORS, DTYPE_NAME], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    supported, passing, reason, then = eval(child.stdout.splitlines()[-1])  # noqa: S307  (our child's repr)
+    assert (supported, passing) == (False, True), reason
+    assert then, "the probe kept its failure"

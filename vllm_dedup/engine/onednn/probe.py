@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 from dataclasses import dataclass, field
 
@@ -15,11 +16,26 @@ __all__ = ["Support", "probe", "vllm_packs"]
 
 @dataclass(frozen=True)
 class Support:
-    """`probe`'s answer: ``supported``, else ``reason`` says why not (one line)."""
+    """`probe`'s answer: ``supported``, else ``reason`` says why not (one line); ``passing``:
+    the reason may pass (this process was out of descriptors or memory), so it is not kept."""
 
     supported: bool
     reason: str = ""
     details: dict = field(default_factory=dict)
+    passing: bool = False
+
+
+PASSING_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)  # a probe asked again later may pass
+
+
+def _passing(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised while handling, is out of descriptors or
+    memory (`library` turns an ``OSError`` into a `PackedWeightError` while handling it)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in PASSING_ERRNOS:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _on_the_cpu(probe_fn):
@@ -63,19 +79,29 @@ def vllm_packs(dtype_name: str = "bfloat16") -> bool:
         return False
 
 
-@functools.cache
-@_on_the_cpu
 def probe(dtype_name: str = "bfloat16") -> Support:
     """Whether packed weights can be shared here, for linear layers of this dtype: this
     process's vLLM extension is found with its symbol table, and a small handler passes the
     whole cycle (find, check every element, put a sealed memfd's mapping in place, bit-identical
-    ``onednn_mm`` results before and after, destroy).  Takes milliseconds; cached; runs on
-    the CPU whatever the caller's default device (Note [probes under a device context]).  Call it
-    where the loader chooses between packed sharing and ``F.linear`` (model creation).
+    ``onednn_mm`` results before and after, destroy).  Takes milliseconds; runs on the CPU
+    whatever the caller's default device (Note [probes under a device context]).  Call it where
+    the loader chooses between packed sharing and ``F.linear`` (model creation).  An answer is
+    kept for the process, except one that may pass (``Support.passing``: out of descriptors
+    or memory), which the next call asks again.
 
     Returns:
         `Support`: ``supported``, or the reason why not (one line, for the log).
     """
+    support = _probe(dtype_name)
+    if support.passing:
+        _probe.cache_clear()
+    return support
+
+
+@functools.cache
+@_on_the_cpu
+def _probe(dtype_name: str) -> Support:
+    """`probe`'s cycle, asked once per dtype."""
     try:
         import torch
         from vllm import _custom_ops as ops
@@ -102,6 +128,6 @@ def probe(dtype_name: str = "bfloat16") -> Support:
         return Support(True, details={"library": lib.name, "onednn": lib.onednn, "isa": hex(lib.isa),
                                       "vllm": lib.vllm})
     except PackedWeightError as e:
-        return Support(False, str(e))
+        return Support(False, str(e), passing=_passing(e))
     except Exception as e:  # anything else from vLLM or oneDNN: not supported, say what
-        return Support(False, f"{type(e).__name__}: {e}")
+        return Support(False, f"{type(e).__name__}: {e}", passing=_passing(e))

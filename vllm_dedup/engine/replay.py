@@ -379,8 +379,9 @@ class Replay:
                                          f"of {t.alias}")
 
     def _restore_attributes(self, modules: dict[str, nn.Module]) -> None:
-        """Give every module the small attribute tensors it had since its construction (on the
-        meta device here), from the recipe."""
+        """Give every module of the recipe the small attribute tensors the recorded engine's
+        module held after its load (post-processing included), where this module has none or
+        a meta one (it was made on the meta device here)."""
         for name, recipe in self.match.recipe.modules.items():
             module = modules.get(name)
             for t in recipe.attributes if module is not None else ():

@@ -151,6 +151,34 @@ def test_a_recorded_weight_loader_is_still_the_loader_models_look_at():
     assert model.experts.weight_loader is expert_loader and not hasattr(model.plain, "weight_loader")
 
 
+def test_a_weight_loader_writing_a_row_of_another_parameter_makes_that_one_of_its_sources():
+    """A weight loader that also writes into another module's parameter (one row of 4096: the
+    256-sample write witness would most likely miss it): the torch call is traced, so the
+    checkpoint tensor it came from is a source of that module too, and a fine-tune changing
+    only that tensor loads the other module again instead of mapping its stale row."""
+    model = nn.Module()
+    model.a, model.b = nn.Module(), nn.Module()
+    model.a.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
+    model.b.weight = nn.Parameter(torch.zeros(4096, 4), requires_grad=False)
+
+    def a_loader(param, loaded):
+        param.data.copy_(loaded)
+        model.b.weight.data[7].copy_(loaded)
+
+    model.a.weight.weight_loader, model.b.weight.weight_loader = a_loader, default_loader
+    recorder = SourceRecorder(hash_keys=False)
+    recorder.wrap(model)
+    tensors = {"b": torch.ones(4096, 4), "a": torch.full((4,), 2.0)}
+    with recorder.tracing():
+        for name, loaded in recorder.iterate(tensors.items()):
+            param = getattr(model, name).weight
+            param.weight_loader(param, loaded)
+    recorder.finish()
+    assert recorder.module_sources["b"] == {"b", "a"} and recorder.module_sources["a"] == {"a"}
+    assert recorder.untraced == {} and recorder.eager == {}  # written from the tensor just read: its loading
+    assert torch.equal(model.b.weight[7], tensors["a"])
+
+
 def test_a_tensor_read_and_changed_in_place_from_another_takes_both_as_sources():
     """``load_weights`` adds an earlier checkpoint tensor into the one just read, in place, and
     hands that to the weight loader: both are the module's sources (a fine-tune changing only

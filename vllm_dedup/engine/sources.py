@@ -98,7 +98,7 @@ class SourceRecorder:
         self._wrapped: list[tuple[object, str, str, object, bool]] = []
         self._seen: dict[int, bytes] = {}  # id(tensor) -> write witness when it last legitimately changed
         self._sharers: dict[int, list[tuple[object, str]]] = {}  # storage address -> (tensor, module) wrapped over it
-        self._in_loader = 0  # depth of recorded weight loader calls
+        self._loading: list[int | None] = []  # storage of each recorded weight loader call's target, innermost last
         self.provenance = Provenance(on_write=self._traced_write)
 
     @contextlib.contextmanager
@@ -149,11 +149,11 @@ class SourceRecorder:
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
         with self.provenance.quiet():
             sources = self._attribute(module_name, loaded)
-        self._in_loader += 1
+            self._loading.append(_storage_address(target))
         try:
             out = original(*args, **kwargs)
         finally:
-            self._in_loader -= 1
+            self._loading.pop()
         with self.provenance.quiet():
             self.loaded.add(id(target))
             self._seen[id(target)] = write_witness(target)
@@ -182,13 +182,19 @@ class SourceRecorder:
         return None
 
     def _traced_write(self, written, sources: frozenset[str] | None) -> None:
-        """`provenance.Provenance`'s report of a torch call that wrote into ``written``: outside a
-        weight loader, into a wrapped tensor's storage, with known checkpoint sources, it counts
-        as that tensor's loading (module docstring); else the witness at `unwrap` judges it."""
-        if self._in_loader or not sources:
+        """`provenance.Provenance`'s report of a torch call that wrote into ``written``: into a
+        wrapped tensor's storage, with known checkpoint sources, it counts as that tensor's
+        loading (module docstring); else the witness at `unwrap` judges it.  A write into the
+        storage a weight loader now running was called for is that call's (`_record_call`
+        attributes it); a weight loader's write into *another* wrapped tensor is judged here
+        like a write outside loaders, since a witness of 256 samples can miss a few rows."""
+        if not sources:
             return
         with self.provenance.quiet():
-            sharers = self._sharers.get(_storage_address(written), ())
+            address = _storage_address(written)
+            if address in self._loading:
+                return
+            sharers = self._sharers.get(address, ())
             current = self._current
             conditional = current is not None and sources <= {current[0]}
             for t, module_name in sharers:

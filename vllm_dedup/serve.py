@@ -49,9 +49,12 @@ DRIVER_NODE = "driver"  # the ``node`` that means: the node this process (the dr
 NODE_ID_LABEL = "ray.io/node-id"  # Ray's default label of every node: its node id
 
 
-def ensure_registry(namespace: str = DEFAULT_NAMESPACE, node_id: str | None = None) -> Path:
+def ensure_registry(namespace: str = DEFAULT_NAMESPACE, node_id: str | None = None,
+                    keep_warm_s: float = 0.0) -> Path:
     """Create the registry actor of node ``node_id`` (default: this driver's node) in the current
-    Ray cluster, or find it; returns its socket path.  Call after ``ray.init``.
+    Ray cluster, or find it; returns its socket path.  Call after ``ray.init``.  ``keep_warm_s``
+    (seconds; `config.DedupConfig.keep_warm_s`) is the setting of an actor this call creates:
+    one running already keeps its own.
 
     Raises:
         RuntimeError: Ray is not initialized in this process.
@@ -63,7 +66,7 @@ def ensure_registry(namespace: str = DEFAULT_NAMESPACE, node_id: str | None = No
 
     if not ray.is_initialized():
         raise RuntimeError("vllm_dedup.serve.ensure_registry needs a Ray connection: call ray.init() first")
-    return Path(ensure_actor(namespace, node_id=node_id))
+    return Path(ensure_actor(namespace, keep_warm_s=keep_warm_s, node_id=node_id))
 
 
 def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Mapping | None = None) -> dict:
@@ -75,10 +78,15 @@ def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Map
             ``registry_address`` defaults to the Ray cluster this process is connected to.
 
     Raises:
-        ValueError: an unknown loader config key (the message lists the valid ones).
+        ValueError: an unknown loader config key (the message lists the valid ones), or
+            ``engine_kwargs`` sets ``load_format`` or ``model_loader_extra_config``, which this
+            sets (the loader's keys go in ``loader_config``).
     """
     from .config import DedupConfig
 
+    if clash := sorted({"load_format", "model_loader_extra_config"} & set(engine_kwargs or {})):
+        raise ValueError(f"engine_kwargs sets {' and '.join(clash)}, which the dedup loader sets: pass the "
+                         "loader's keys as loader_config (e.g. loader_config={'share_group': 'x'})")
     loader = dict(loader_config or {})
     if "registry_address" not in loader:
         address = _ray_address()
@@ -173,6 +181,8 @@ def build_dedup_app(models: Mapping[str, str | os.PathLike], *, dedup: bool = Tr
     import ray
     from ray.serve.llm import build_openai_app
 
+    from .config import DedupConfig
+
     if not ray.is_initialized():
         ray.init()
     loader = dict(loader_config or {})
@@ -185,8 +195,9 @@ def build_dedup_app(models: Mapping[str, str | os.PathLike], *, dedup: bool = Tr
     ]  # first: they check ``node``
     if dedup:
         nodes = [_pinned_node(node)] if node is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        keep_warm_s = DedupConfig.from_extra_config(loader).keep_warm_s
         for node_id in nodes:
-            ensure_registry(loader.get("registry_namespace", DEFAULT_NAMESPACE), node_id)
+            ensure_registry(loader.get("registry_namespace", DEFAULT_NAMESPACE), node_id, keep_warm_s)
     return build_openai_app({"llm_configs": configs})
 
 

@@ -454,3 +454,27 @@ def _answers(sock: Path) -> bool:
         return True
     except RegistryUnavailable:
         return False
+
+
+def test_the_serve_helper_starts_a_registry_actor_with_the_keep_warm_s_it_is_given(ray_address):
+    """`build_dedup_app` passes its loader's ``keep_warm_s`` here: an actor this call creates
+    keeps unmapped segments that long (a restarted Serve replica maps them); a registry running
+    already keeps its own setting."""
+    import ray
+
+    from vllm_dedup.serve import dedup_engine_kwargs, ensure_registry
+
+    ray.init(address=ray_address, logging_level="WARNING", log_to_driver=False)
+    try:
+        sock = ensure_registry("t-keep-warm", keep_warm_s=7.0)
+        try:
+            assert registry_stats(sock).keep_warm_s == 7.0
+            assert ensure_registry("t-keep-warm", keep_warm_s=0.0) == sock
+            assert registry_stats(sock).keep_warm_s == 7.0
+        finally:
+            shutdown_registry(sock)
+        # A loader option put in the engine's own arguments would be overwritten: said, not lost.
+        with pytest.raises(ValueError, match="engine_kwargs sets model_loader_extra_config.*loader_config"):
+            dedup_engine_kwargs({"model_loader_extra_config": {"share_group": "x"}})
+    finally:
+        ray.shutdown()

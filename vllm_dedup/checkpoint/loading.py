@@ -91,8 +91,12 @@ def read_tensors(names: Iterable[str], where: dict[str, Path],
     parameter).  A loader writing into a tensor it was given gets a private copy of that page.
 
     With ``identities`` (each file's `FileIdentity` when its keys were taken), a file is read
-    only if the file mapped is still that one: a replay's loaded modules then come from the
-    checkpoint its mapped modules' keys describe, never a version written since.
+    only if the file mapped is still that one when it is opened: a replay's loaded modules then
+    come from the checkpoint its mapped modules' keys describe.  A file rewritten in place
+    while it is read shows the new bytes through the mapping (a private mapping shares the
+    pages it has not copied yet), as vLLM's own mapped read would; `changed_files` after the
+    load catches that, and no recipe is left from it (`fast_path.leave_recipe`).  A file
+    truncated meanwhile raises SIGBUS, as under vLLM's own read.
 
     Raises:
         CheckpointError: a file cannot be read, or is no longer the one ``identities`` names.

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,7 +59,13 @@ class ChildExited(RuntimeError):
 def read_reply(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeout_s: float, name: str,
                details=lambda: "") -> str:
     """The rest of the first line on ``proc``'s (text) stdout that starts with ``prefix``, stripped;
-    other lines are skipped.  The deadline is checked between lines.
+    other lines are skipped.
+
+    A read of a pipe cannot be given a deadline while the pipe's text wrapper may hold lines
+    read ahead, so a timer keeps it: at the deadline it SIGKILLs the child and every process
+    below it (which hold the pipe open too), the read then ends, and this raises
+    `TimeoutError`.  A child silent for the whole of a vLLM load (its log goes to stderr) is
+    caught this way, where a check between lines never ran.
 
     Args:
         proc: a child started with ``stdout=PIPE, text=True``.
@@ -69,20 +76,45 @@ def read_reply(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeout_s:
 
     Raises:
         ChildExited: the child exited first.
-        TimeoutError: no such line within ``timeout_s``.
+        TimeoutError: no such line within ``timeout_s``; the child and its descendants are
+            SIGKILLed.
     """
     prefixes = (prefix,) if isinstance(prefix, str) else tuple(prefix)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            code = proc.wait()
-            extra = details()
-            raise ChildExited(f"{name} exited ({code})" + (f":\n{extra}" if extra else ""), code)
-        for p in prefixes:
-            if line.startswith(p):
+    lock, state = threading.Lock(), {"expired": False, "done": False}
+
+    def expire() -> None:
+        with lock:
+            if state["done"]:
+                return
+            state["expired"] = True
+        for pid in reversed(descendants(proc.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        while True:
+            line = proc.stdout.readline()
+            with lock:
+                if state["expired"]:
+                    extra = details()
+                    raise TimeoutError(f"{name} did not answer in {timeout_s} s (killed)"
+                                       + (f":\n{extra}" if extra else ""))
+                if not line or line.startswith(prefixes):
+                    state["done"] = True
+            if not line:
+                code = proc.wait()
+                extra = details()
+                raise ChildExited(f"{name} exited ({code})" + (f":\n{extra}" if extra else ""), code)
+            if state["done"]:
+                p = next(p for p in prefixes if line.startswith(p))
                 return line[len(p):].strip()
-    raise TimeoutError(f"{name} did not answer in {timeout_s} s")
+    finally:
+        timer.cancel()
 
 
 PSS_PARTS = ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
@@ -297,7 +329,7 @@ class PeerProcess:
 
         Raises:
             ChildExited: the child exited first (the message holds its stderr's tail).
-            TimeoutError: no such line within ``timeout_s``.
+            TimeoutError: no such line within ``timeout_s`` (the child is then killed).
         """
         return read_reply(self.proc, prefix, timeout_s, self.name, lambda: self.log()[-6000:])
 

@@ -161,8 +161,10 @@ class ServeProcess:
         registry lease would then see a registry stopped right after as one to restart.
         """
         group = self.proc.pid  # process_group=0: the server leads its own group
-        if self.proc.poll() is None:
+        try:  # the group, even where the server exited first: its engine core may live on
             os.killpg(group, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
         if not self._group_exited(timeout_s):
             os.killpg(group, signal.SIGKILL)
             self._group_exited(30)  # the server's children are reaped by init

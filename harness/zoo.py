@@ -469,6 +469,8 @@ def run_arch(name: str, workdir: Path, plain: bool = True, embeddings: bool | No
                 rows[role] = {"role": role, "expected_path": EXPECTED_PATH[role],
                               "error": f"{type(e).__name__}: {str(e)[-3000:]}",
                               "log": dedup_log_lines(engine.log())}
+                if role == "first":  # nothing to map from or compare with: the others are not run
+                    break
             if role == "first":  # stays up: the next two map from it
                 try:
                     result["recipes"] = _recipes(rows["first"]["signature"]) if "signature" in rows["first"] else []

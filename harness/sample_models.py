@@ -12,6 +12,7 @@ Neither is ever committed to the repository; ``scripts/ensure-venv.sh`` installs
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -99,6 +100,17 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     return out_dir
 
 
+@contextlib.contextmanager
+def build_lock(root: Path, name: str = ".build.lock"):
+    """Hold an exclusive lock on the file ``name`` in ``root`` (made if missing) while building
+    a folder there: a concurrent builder of another process (a pytest-xdist worker) waits, then
+    finds it built.  Check for the folder again inside."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / name, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def smollm2_hf(root: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as an HF safetensors folder, converted once and cached.
 
@@ -113,9 +125,7 @@ def smollm2_hf(root: Path | None = None) -> Path:
     out = root / f"SmolLM2-135M-Instruct-{tag}"
     if (out / "config.json").exists():
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with build_lock(root, ".convert.lock"):
         if not (out / "config.json").exists():
             convert_gguf_to_hf(gguf_path, out)
     return out
@@ -153,9 +163,7 @@ def random_model(name: str, config: dict, dtype: str = "bfloat16", auto_class: s
     if (out / "config.json").exists():
         return out
     tokenizer_dir = smollm2_hf()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with build_lock(root):
         if (out / "config.json").exists():
             return out
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

@@ -171,13 +171,18 @@ def cached_variant(base: Path, kind: str) -> Path:
     """Variant ``kind`` of ``base``, built once under ``<models_dir>/variants/`` and reused after
     (`sample_models.models_dir`).
 
+    Concurrent callers (pytest-xdist workers) build it once: `sample_models.build_lock`.
+
     Raises:
         ValueError: ``kind`` is not a known variant kind.
     """
-    from .sample_models import models_dir
+    from .sample_models import build_lock, models_dir
 
     out = models_dir() / "variants" / f"{Path(base).name}-{kind}"
-    return out if (out / "config.json").exists() else build_variant(base, kind, out)
+    if (out / "config.json").exists():
+        return out
+    with build_lock(out.parent):
+        return out if (out / "config.json").exists() else build_variant(base, kind, out)
 
 
 def smollm2_family(n: int = 3) -> dict[str, Path]:

@@ -44,8 +44,12 @@ ENGINE_KWARGS = {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": Tru
                  "kv_cache_memory_bytes": 32 << 20}  # the CPU backend wants the KV cache size given
 
 
-def deploy(models: dict, dedup: bool, app_name: str, port: int):
+def deploy(models: dict, dedup: bool, app_name: str, port: int) -> int:
+    """Run the application ``app_name``; returns the HTTP port Serve answers on: ``port``, or
+    the one of a Serve already running in a joined cluster, which keeps its own options (and
+    only logs that it ignored ours)."""
     from ray import serve
+    from ray.serve.context import _get_global_client  # Ray has no public call for Serve's port
 
     from vllm_dedup.serve import build_dedup_app
 
@@ -53,16 +57,19 @@ def deploy(models: dict, dedup: bool, app_name: str, port: int):
                           deployment_config={"num_replicas": 1})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    return _get_global_client().http_config.port
 
 
 def run_phase(models: dict, dedup: bool, port: int) -> dict:
     """Deploy, query each model, measure PSS with all replicas up, delete the application."""
     from ray import serve
 
+    from vllm_dedup.serve import ensure_registry
+
     app_name = "dedup" if dedup else "plain"
     print(f"deploying {app_name} ({len(models)} models) ...", file=sys.stderr, flush=True)
     start = time.monotonic()
-    deploy(models, dedup, app_name, port)
+    port = deploy(models, dedup, app_name, port)
     deploy_s = time.monotonic() - start
     try:
         answers = {}
@@ -80,7 +87,7 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
                  for model in models}
         pss = {model: sum(one["Pss"] for one in trees) for model, trees in parts.items()}
         file_pss = {model: sum(one["Pss_File"] for one in trees) for model, trees in parts.items()}
-        stats = registry_stats() if dedup else None
+        stats = registry_stats(ensure_registry()) if dedup else None  # this node's registry
         registry_pss = tree_pss_bytes(stats.registry_pid) if dedup else 0
     finally:
         serve.delete(app_name)
@@ -165,7 +172,7 @@ def main() -> int:
                  _node_ip_address="127.0.0.1", **quiet)
     try:
         if not args.smoke:
-            deploy(models, dedup=True, app_name="finetunes", port=port)
+            port = deploy(models, dedup=True, app_name="finetunes", port=port)
             print(f"serving {', '.join(models)} at http://127.0.0.1:{port}/v1 (Ctrl-C stops)", flush=True)
             while True:
                 time.sleep(3600)

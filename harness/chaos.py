@@ -508,14 +508,21 @@ def _signals_raise():
 
 @contextlib.contextmanager
 def _signals_deferred():
-    """SIGINT, SIGTERM and SIGHUP wait (blocked) until the block is done, so that clean-up is
-    never cut short; they are delivered after it.  A no-op outside the main thread."""
+    """SIGINT, SIGTERM and SIGHUP wait until the block is done, so that clean-up is never cut
+    short: their handlers note them meanwhile, and the first is raised again after the block.
+    Blocking them in this thread would not do: the kernel gives a process's signal to any
+    thread that does not block it (the client threads), and Python runs the handler in the
+    main thread all the same.  A no-op outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    deferred = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+    received: list[int] = []
+    old = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+           for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if received:
+            signal.raise_signal(received[0])

@@ -1,4 +1,4 @@
-"""The test harness's child processes (harness/procs.py): a silent child cannot hang a test."""
+"""The test harness (harness/): a silent child cannot hang a test, a signal cannot cut a clean-up short."""
 
 import os
 import time
@@ -55,3 +55,34 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+DEFERRED = """
+import os, signal, sys, threading, time
+from harness.chaos import Interrupted, _signals_deferred, _signals_raise
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a thread that blocks nothing
+steps = []
+try:
+    with _signals_raise():
+        with _signals_deferred():
+            for i in range(5):
+                if i == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+                steps.append(i)
+        steps.append("after")
+except Interrupted as e:
+    print(steps, e.args[0])
+"""
+
+
+def test_the_chaos_soaks_clean_up_finishes_before_a_signal_that_came_meanwhile_interrupts():
+    """The soak stops its servers under `_signals_deferred`: a SIGTERM in the middle (delivered
+    to whichever thread the kernel picks) waits for the block's end, then interrupts."""
+    import subprocess
+    import sys
+
+    from harness.procs import ROOT
+
+    child = subprocess.run([sys.executable, "-c", DEFERRED], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert child.stdout.strip() == "[0, 1, 2, 3, 4] SIGTERM", (child.stdout, child.stderr[-2000:])

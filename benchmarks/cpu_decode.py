@@ -68,6 +68,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
+from harness.machine import cpu_flags  # noqa: E402
 from harness.results import write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -78,7 +79,6 @@ PROMPTS = [
 LLAMA_1B = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
             "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
             "max_position_embeddings": 2048}
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 BATCHES = (1, 8)
 
 
@@ -195,15 +195,6 @@ def _child(argv: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- parent
-def cpu_flags() -> list[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [flag for flag in FLAGS if flag in have]
-    return []
-
-
 class Engine:
     """One benchmark engine in a child process (`harness.procs.PeerProcess`)."""
 

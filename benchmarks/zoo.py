@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.sample_models import MODELS_ENV  # noqa: E402
-from harness.zoo import ARCH_NAMES, EXPECTED_PATH, cpu_flags, run_arch  # noqa: E402
+from harness.machine import cpu_flags  # noqa: E402
+from harness.zoo import ARCH_NAMES, EXPECTED_PATH, run_arch  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 ROLES = tuple(EXPECTED_PATH)

@@ -35,7 +35,8 @@ from pathlib import Path
 __all__ = ["ISA_FLAGS", "cpu_flags", "describe", "fresh_memory", "machine", "memory_setup"]
 
 # The flags that change which of vLLM's CPU kernels run, and how they round.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16",
+             "amx_int8", "amx_tile")
 
 
 def cpu_flags() -> list[str]:

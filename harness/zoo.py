@@ -286,17 +286,6 @@ EXPECTED_PATH = {"first": "none", "second": "full", "last-layers": "modules", "e
 _DEDUP_LINE = re.compile(r"vllm-dedup: .*")
 
 
-def cpu_flags() -> list[str]:
-    """The x86 ISA extensions of this machine that decide vLLM's CPU kernels (AVX2, AVX-512
-    and its BF16/VNNI forms, AMX), from ``/proc/cpuinfo``."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-
-
 def dedup_log_lines(log: str) -> list[str]:
     """What an engine's log says of vllm-dedup (the path, why a fast path was declined)."""
     return [m.group(0) for m in _DEDUP_LINE.finditer(log)]

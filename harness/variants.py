@@ -128,8 +128,7 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
         gen = torch.Generator().manual_seed(seed)
         for name, t in tensors.items():
             if changed.search(name) and t.is_floating_point():
-                noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-                tensors[name] = (t.float() + 0.01 * t.float().std() * noise).to(t.dtype)
+                tensors[name] = perturbed(t, gen)
     elif kind == "vocab-extended":
         from transformers import AutoTokenizer
 
@@ -165,6 +164,16 @@ def build_variant(base: Path, kind: str, out_dir: Path, seed: int = 0) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def perturbed(t, gen):
+    """``t`` (a floating-point tensor) plus seeded Gaussian noise of 1% of its standard deviation,
+    computed in float32 and rounded to ``t``'s dtype: a fine-tune's change to one tensor.  The
+    same ``gen`` state gives the same bytes, so cached variants stay valid."""
+    import torch
+
+    noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+    return (t.float() + 0.01 * t.float().std() * noise).to(t.dtype)
 
 
 def cached_variant(base: Path, kind: str) -> Path:

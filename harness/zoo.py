@@ -34,7 +34,7 @@ import xxhash
 
 from .references import reference_options
 from .sample_models import models_dir, random_model
-from .variants import load_state_dict, save_state_dict, staging_copy
+from .variants import load_state_dict, perturbed, save_state_dict, staging_copy
 
 __all__ = ["ARCH_NAMES", "CI_SUBSET", "MODULES_DECLINES", "SECOND_DECLINES", "ZOO", "Arch", "checkpoint", "last_layers", "layer_indices"]
 
@@ -227,8 +227,7 @@ def last_layers(base: Path, layers: int = 2, seed: int = 0) -> Path:
     for name, t in tensors.items():
         m = _LAYER.search(name)
         if m and int(m.group(1)) in changed and t.is_floating_point() and t.numel() > 1:
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-            tensors[name] = (t.float() + 0.01 * t.float().std() * noise).to(t.dtype)
+            tensors[name] = perturbed(t, gen)
     return _save_beside(base, out, tensors)
 
 
@@ -254,9 +253,7 @@ def embeddings_tune(base: Path, seed: int = 0) -> Path:
         raise ValueError(f"{base}: no token embedding among its tensors")
     gen = torch.Generator().manual_seed(seed)
     for name in names:
-        t = tensors[name]
-        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-        tensors[name] = (t.float() + 0.01 * t.float().std() * noise).to(t.dtype)
+        tensors[name] = perturbed(tensors[name], gen)
     return _save_beside(base, out, tensors)
 
 

@@ -120,8 +120,9 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
         llm_config: further ``LLMConfig`` fields (``deployment_config``, ``runtime_env``, ...).
 
     Raises:
-        ValueError: bad ``device`` or ``replicas_per_device``, an unknown loader config key, or a
-            ``node`` that is no alive Ray node.
+        ValueError: bad ``device`` or ``replicas_per_device``, an unknown loader config key, a
+            ``node`` that is no alive Ray node, or ``engine_kwargs`` that set the load format or
+            its config (`dedup_engine_kwargs`).
         RuntimeError: ``node`` is a node id but this process is not connected to Ray.
     """
     from ray.serve.llm import LLMConfig

@@ -31,9 +31,11 @@ PASSING_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)  # a probe asked aga
 def _passing(error: BaseException | None) -> bool:
     """Whether ``error``, or an error it was raised while handling, is out of descriptors or
     memory (`library` turns an ``OSError`` into a `PackedWeightError` while handling it)."""
-    while error is not None:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:  # a chain may loop back
         if isinstance(error, OSError) and error.errno in PASSING_ERRNOS:
             return True
+        seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
 

@@ -96,23 +96,24 @@ def read_reply(proc: subprocess.Popen, prefix: str | tuple[str, ...], timeout_s:
     timer = threading.Timer(timeout_s, expire)
     timer.daemon = True
     timer.start()
+    def said(what: str) -> str:
+        extra = details()
+        return f"{name} {what}" + (f":\n{extra}" if extra else "")
+
     try:
         while True:
             line = proc.stdout.readline()
-            with lock:
-                if state["expired"]:
-                    extra = details()
-                    raise TimeoutError(f"{name} did not answer in {timeout_s} s (killed)"
-                                       + (f":\n{extra}" if extra else ""))
-                if not line or line.startswith(prefixes):
-                    state["done"] = True
+            match = next((p for p in prefixes if line.startswith(p)), None)
+            with lock:  # the reply and the timer's kill exclude each other
+                expired = state["expired"]
+                state["done"] = not expired and (not line or match is not None)
+            if expired:
+                raise TimeoutError(said(f"did not answer in {timeout_s} s (killed)"))
             if not line:
                 code = proc.wait()
-                extra = details()
-                raise ChildExited(f"{name} exited ({code})" + (f":\n{extra}" if extra else ""), code)
-            if state["done"]:
-                p = next(p for p in prefixes if line.startswith(p))
-                return line[len(p):].strip()
+                raise ChildExited(said(f"exited ({code})"), code)
+            if match is not None:
+                return line[len(match):].strip()
     finally:
         timer.cancel()
 

@@ -18,7 +18,9 @@ dedup, the registry actor's process; the proxy, controller and ingress are the s
 runs and left out.  The last line printed is one JSON object.
 
 Ray: with ``--address`` (or ``RAY_ADDRESS``) the script joins that cluster, otherwise it starts a
-single-node cluster on 127.0.0.1 for its own use.
+single-node cluster on 127.0.0.1 for its own use.  In its own cluster the application answers at
+``/v1``; in a joined one, whose ``/`` may belong to another application, at ``/<app>/v1``
+(``--route-prefix`` chooses).
 """
 
 from __future__ import annotations
@@ -44,10 +46,18 @@ ENGINE_KWARGS = {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": Tru
                  "kv_cache_memory_bytes": 32 << 20}  # the CPU backend wants the KV cache size given
 
 
-def deploy(models: dict, dedup: bool, app_name: str, port: int) -> int:
-    """Run the application ``app_name``; returns the HTTP port Serve answers on: ``port``, or
-    the one of a Serve already running in a joined cluster, which keeps its own options (and
-    only logs that it ignored ours)."""
+def route_prefix(chosen: str | None, app_name: str, joined: bool) -> str:
+    """Where the application answers: ``chosen``; else ``/`` in the script's own cluster, and
+    ``/<app_name>`` in a joined one (Serve refuses a second application at a prefix taken)."""
+    if chosen is not None:
+        return "/" + chosen.strip("/")
+    return f"/{app_name}" if joined else "/"
+
+
+def deploy(models: dict, dedup: bool, app_name: str, port: int, prefix: str = "/") -> int:
+    """Run the application ``app_name`` at ``prefix``; returns the HTTP port Serve answers on:
+    ``port``, or the one of a Serve already running in a joined cluster, which keeps its own
+    options (and only logs that it ignored ours)."""
     from ray import serve
     from ray.serve.context import _get_global_client  # Ray has no public call for Serve's port
 
@@ -56,11 +66,11 @@ def deploy(models: dict, dedup: bool, app_name: str, port: int) -> int:
     app = build_dedup_app(models, dedup=dedup, engine_kwargs=ENGINE_KWARGS,
                           deployment_config={"num_replicas": 1})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    serve.run(app, name=app_name, route_prefix=prefix, blocking=False)
     return _get_global_client().http_config.port
 
 
-def run_phase(models: dict, dedup: bool, port: int) -> dict:
+def run_phase(models: dict, dedup: bool, port: int, prefix: str | None = None, joined: bool = False) -> dict:
     """Deploy, query each model, measure PSS with all replicas up, delete the application."""
     from ray import serve
 
@@ -69,12 +79,13 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
     app_name = "dedup" if dedup else "plain"
     print(f"deploying {app_name} ({len(models)} models) ...", file=sys.stderr, flush=True)
     start = time.monotonic()
-    port = deploy(models, dedup, app_name, port)
+    route = route_prefix(prefix, app_name, joined)
+    port = deploy(models, dedup, app_name, port, route)
     deploy_s = time.monotonic() - start
     try:
         answers = {}
         for model in models:
-            reply = openai_complete(port, model, PROMPT, logprobs=1)
+            reply = openai_complete(port, model, PROMPT, logprobs=1, route=route.rstrip("/"))
             choice = reply["choices"][0]
             # The logprob tells the models apart where the greedy text does not.
             answers[model] = {"answered_by": reply["model"], "text": choice["text"],
@@ -95,9 +106,9 @@ def run_phase(models: dict, dedup: bool, port: int) -> dict:
             "stats": stats}
 
 
-def smoke(models: dict, port: int) -> dict:
-    plain = run_phase(models, dedup=False, port=port)
-    dedup = run_phase(models, dedup=True, port=port)
+def smoke(models: dict, port: int, prefix: str | None = None, joined: bool = False) -> dict:
+    plain = run_phase(models, dedup=False, port=port, prefix=prefix, joined=joined)
+    dedup = run_phase(models, dedup=True, port=port, prefix=prefix, joined=joined)
     by_model = {e.model: e.load for e in dedup["stats"].engines}
     rows = []
     for model, path in models.items():
@@ -146,6 +157,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="with --smoke: print the result as JSON on the last line")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster to join")
     parser.add_argument("--port", type=int, default=None, help="HTTP port of the OpenAI route (default: a free one)")
+    parser.add_argument("--route-prefix", default=None,
+                        help="where the application answers (default: / in the script's own cluster, /<app> in a "
+                             "joined one)")
     parser.add_argument("--models", type=int, choices=(2, 3), default=3,
                         help="how many of the family: SmolLM2, its last-layers fine-tune, its vocab-extended variant")
     args = parser.parse_args()
@@ -172,11 +186,13 @@ def main() -> int:
                  _node_ip_address="127.0.0.1", **quiet)
     try:
         if not args.smoke:
-            port = deploy(models, dedup=True, app_name="finetunes", port=port)
-            print(f"serving {', '.join(models)} at http://127.0.0.1:{port}/v1 (Ctrl-C stops)", flush=True)
+            route = route_prefix(args.route_prefix, "finetunes", joined=bool(args.address))
+            port = deploy(models, dedup=True, app_name="finetunes", port=port, prefix=route)
+            print(f"serving {', '.join(models)} at http://127.0.0.1:{port}{route.rstrip('/')}/v1 (Ctrl-C stops)",
+                  flush=True)
             while True:
                 time.sleep(3600)
-        result = smoke(models, port)
+        result = smoke(models, port, args.route_prefix, joined=bool(args.address))
     except KeyboardInterrupt:
         return 0
     finally:

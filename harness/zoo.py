@@ -33,7 +33,7 @@ from pathlib import Path
 import xxhash
 
 from .references import reference_options
-from .sample_models import models_dir, random_model
+from .sample_models import build_lock, models_dir, random_model
 from .variants import load_state_dict, perturbed, save_state_dict, staging_copy
 
 __all__ = ["ARCH_NAMES", "CI_SUBSET", "MODULES_DECLINES", "SECOND_DECLINES", "ZOO", "Arch", "checkpoint", "last_layers", "layer_indices"]
@@ -214,21 +214,19 @@ def last_layers(base: Path, layers: int = 2, seed: int = 0) -> Path:
     """
     import torch
 
-    base = Path(base)
-    out = base.with_name(f"{base.name}-last-layers")
-    if (out / "config.json").exists():
-        return out
-    tensors = load_state_dict(base)
-    indices = layer_indices(tensors)
-    if not indices:
-        raise ValueError(f"{base}: no layer index in its tensor names")
-    changed = set(indices[-layers:])
-    gen = torch.Generator().manual_seed(seed)
-    for name, t in tensors.items():
-        m = _LAYER.search(name)
-        if m and int(m.group(1)) in changed and t.is_floating_point() and t.numel() > 1:
-            tensors[name] = perturbed(t, gen)
-    return _save_beside(base, out, tensors)
+    def tune(tensors: dict) -> dict:
+        indices = layer_indices(tensors)
+        if not indices:
+            raise ValueError(f"{base}: no layer index in its tensor names")
+        changed = set(indices[-layers:])
+        gen = torch.Generator().manual_seed(seed)
+        for name, t in tensors.items():
+            m = _LAYER.search(name)
+            if m and int(m.group(1)) in changed and t.is_floating_point() and t.numel() > 1:
+                tensors[name] = perturbed(t, gen)
+        return tensors
+
+    return _built_beside(Path(base), "last-layers", tune)
 
 
 def embeddings_tune(base: Path, seed: int = 0) -> Path:
@@ -243,25 +241,30 @@ def embeddings_tune(base: Path, seed: int = 0) -> Path:
     """
     import torch
 
-    base = Path(base)
-    out = base.with_name(f"{base.name}-embeddings")
+    def tune(tensors: dict) -> dict:
+        names = [n for n in tensors if _TOKEN_EMBEDDING.search(n) and "position" not in n and "token_type" not in n]
+        if not names:
+            raise ValueError(f"{base}: no token embedding among its tensors")
+        gen = torch.Generator().manual_seed(seed)
+        for name in names:
+            tensors[name] = perturbed(tensors[name], gen)
+        return tensors
+
+    return _built_beside(Path(base), "embeddings", tune)
+
+
+def _built_beside(base: Path, suffix: str, tune) -> Path:
+    """The folder ``<base>-<suffix>``: ``base``'s files with the tensors ``tune(base's tensors)``
+    returns, built once and atomically; concurrent builders (pytest-xdist workers) wait on
+    `sample_models.build_lock` and find it built."""
+    out = base.with_name(f"{base.name}-{suffix}")
     if (out / "config.json").exists():
         return out
-    tensors = load_state_dict(base)
-    names = [n for n in tensors if _TOKEN_EMBEDDING.search(n) and "position" not in n and "token_type" not in n]
-    if not names:
-        raise ValueError(f"{base}: no token embedding among its tensors")
-    gen = torch.Generator().manual_seed(seed)
-    for name in names:
-        tensors[name] = perturbed(tensors[name], gen)
-    return _save_beside(base, out, tensors)
-
-
-def _save_beside(base: Path, out: Path, tensors: dict) -> Path:
-    """Write ``tensors`` as the folder ``out`` with ``base``'s other files; atomically."""
-    tmp = staging_copy(base, out)
-    save_state_dict(tensors, tmp)
-    os.replace(tmp, out)
+    with build_lock(out.parent):
+        if not (out / "config.json").exists():
+            tmp = staging_copy(base, out)
+            save_state_dict(tune(load_state_dict(base)), tmp)
+            os.replace(tmp, out)
     return out
 
 

@@ -496,7 +496,9 @@ def vllm_config(tmp_path, **changes):
                                   model_impl="auto", convert_type="none", runner_type="generate",
                                   trust_remote_code=False, max_model_len=changes.pop("max_model_len", 2048))
     parallel = types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                     decode_context_parallel_size=changes.pop("dcp", 1))
+                                     decode_context_parallel_size=changes.pop("dcp", 1),
+                                     data_parallel_size=changes.pop("dp", 1), data_parallel_rank=changes.pop("dp_rank", 0),
+                                     prefill_context_parallel_size=changes.pop("pcp", 1))
     return types.SimpleNamespace(
         model_config=model, parallel_config=parallel,
         device_config=types.SimpleNamespace(device_type="cpu"),
@@ -528,6 +530,11 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     # PLaMo 3 and MiniMax-M2 size their rotary caches by the engine's maximum length.
     assert load_signature(vllm_config(tmp_path, max_model_len=4096)) != base
     assert load_signature(vllm_config(tmp_path, dcp=2)) != base  # DCPGroupColumnParallelLinear shards by it
+    # A mixture of experts is sharded across DP and PCP ranks too (Note [data-parallel ranks
+    # hold other shards]): each rank of a DP=2 deployment differs from the other and from DP=1.
+    dp = {load_signature(vllm_config(tmp_path, dp=2, dp_rank=rank)) for rank in (0, 1)}
+    assert len(dp) == 2 and base not in dp
+    assert load_signature(vllm_config(tmp_path, pcp=2)) != base
     modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
     assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
     for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG"),

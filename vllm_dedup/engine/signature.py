@@ -15,8 +15,9 @@ resident").  So the signature covers:
   into their modules (image mean and std), and of the sentence-transformers modules an
   embedding model's pooler loads while vLLM builds it (``modules.json`` and each module's
   subfolder: a ``Dense`` projector's config and weights, read outside ``load_weights``);
-- the engine: TP and PP size and this worker's rank in each (each rank holds other shards),
-  the decode-context-parallel size (``DCPGroupColumnParallelLinear`` shards by it), the model's
+- the engine: TP, PP, DP and PCP size and this worker's rank in each (each rank holds other
+  shards: a mixture of experts' too, across DP and PCP ranks, Note [data-parallel ranks hold
+  other shards]), the decode-context-parallel size (``DCPGroupColumnParallelLinear`` shards by it), the model's
   maximum length (PLaMo 3 and MiniMax-M2 size their rotary caches by it, which no checkpoint
   tensor covers),
   the inner load format, this loader's options that change post-processing
@@ -64,13 +65,33 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 ST_MODULES = "modules.json"  # sentence-transformers' list of modules, each in a subfolder
 
 
-def _ranks() -> tuple[int, int]:
+def _rank(group: str, default: int = 0) -> int:
+    """This worker's rank in vLLM's parallel group ``group`` (``tp``, ``pp``, ``dp``, ``pcp``):
+    ``default`` where that group is not initialised (a single process) or unknown to vLLM."""
     try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.distributed import parallel_state
 
-        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
-    except (AssertionError, ImportError):  # distributed state not initialised (single process)
-        return 0, 0
+        return getattr(parallel_state, f"get_{group}_group")().rank_in_group
+    except (AssertionError, AttributeError, ImportError):
+        return default
+
+
+def _parallel_ranks(pc) -> str:
+    """Every parallel size and rank that decides which shard of a weight this worker holds.
+
+    Note [data-parallel ranks hold other shards]
+        Tensor and pipeline parallelism split every model.  Data and prefill-context
+        parallelism split a mixture of experts' layers too, even without expert parallelism:
+        vLLM shards each expert across ``dp * pcp * tp`` ranks
+        (``FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp``), so two data-parallel ranks
+        of one deployment hold different expert shards of equal shapes.  A recipe of one must
+        never serve the other: their signatures differ by rank.
+    """
+    dp, pcp = getattr(pc, "data_parallel_size", 1), getattr(pc, "prefill_context_parallel_size", 1)
+    dp_rank = _rank("dp", getattr(pc, "data_parallel_rank", 0)) if dp > 1 else 0
+    pcp_rank = _rank("pcp") if pcp > 1 else 0
+    return (f"tp{pc.tensor_parallel_size}.{_rank('tp')}|pp{pc.pipeline_parallel_size}.{_rank('pp')}"
+            f"|dp{dp}.{dp_rank}|pcp{pcp}.{pcp_rank}|dcp{getattr(pc, 'decode_context_parallel_size', 1)}")
 
 
 def _digest(data: bytes) -> str:
@@ -210,7 +231,6 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
         transformers = metadata.version("transformers")
     except metadata.PackageNotFoundError:
         transformers = "none"
-    tp_rank, pp_rank = _ranks()
     device = vllm_config.device_config.device_type
     quant = mc.quantization or ""
     quant_config = getattr(mc.hf_config, "quantization_config", None)
@@ -220,9 +240,8 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
     kv = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     linear = f"|cpu_linear={cpu_linear or 'private'}" if "cpu" in device else ""
     zen = "|zentorch" if "cpu" in device and _zentorch() else ""
-    dcp = getattr(pc, "decode_context_parallel_size", 1)
     return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}|len{mc.max_model_len}"
-            f"|tp{pc.tensor_parallel_size}.{tp_rank}|pp{pc.pipeline_parallel_size}.{pp_rank}|dcp{dcp}"
+            f"|{_parallel_ranks(pc)}"
             f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|transformers{transformers}"
             f"|torch{torch.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
             f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}|env:{env_digest()}")

@@ -8,6 +8,7 @@ checkpoint are reported to the caller as they are.
 
 from __future__ import annotations
 
+import errno
 import os
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "RegistryUnavailable",
     "SegmentError",
     "SharedWeightsError",
+    "out_of_descriptors_or_memory",
 ]
 
 
@@ -77,3 +79,19 @@ class CheckpointError(DedupError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
+
+
+_PASSING_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+
+
+def out_of_descriptors_or_memory(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised from or while handling, is this process or
+    the system out of descriptors or memory (``EMFILE``, ``ENFILE``, ``ENOMEM``): a failure that
+    may pass, so an answer it caused must not be kept for the process's life."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:  # a chain may loop back
+        if isinstance(error, OSError) and error.errno in _PASSING_ERRNOS:
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False

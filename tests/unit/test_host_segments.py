@@ -1,4 +1,4 @@
-"""Host segments where the kernel refuses a shared mapping of a write-sealed memfd.
+"""Host segments where the kernel refuses a shared mapping of a write-sealed memfd, or a seal.
 
 This machine's kernel maps such a memfd read-only and shared; older ones (Ubuntu 22.04's 5.15)
 refuse every ``MAP_SHARED`` mapping of a memfd sealed with ``F_SEAL_WRITE``, read-only ones too,
@@ -116,3 +116,38 @@ def test_a_memfd_that_cannot_be_sealed_where_it_lies_stays_writable():
     finally:
         mapping.close()
         os.close(fd)
+
+
+_SEAL_OUT_OF_DESCRIPTORS = """
+import os, resource
+from vllm_dedup.errors import SegmentError
+from vllm_dedup.segments.host import HostSegment, seals_future_writes
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))), hard))  # no descriptor left
+starved = seals_future_writes()
+try:
+    HostSegment.allocate(4096)
+    refusal = None
+except SegmentError as e:
+    refusal = str(e)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(repr((starved, refusal, seals_future_writes(), HostSegment.allocate(4096).read_only)))
+"""
+
+
+def test_a_seal_try_that_failed_for_want_of_descriptors_is_tried_again():
+    """`seals_future_writes` tries the seal on a memfd of its own.  A process out of
+    descriptors (a real ``RLIMIT_NOFILE`` in a child) cannot make that memfd: the answer is no,
+    and a writable segment is refused with that reason, not with the kernel blamed; with
+    descriptors again, the next call tries again and this kernel's answer (Linux 5.1+) holds."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _SEAL_OUT_OF_DESCRIPTORS], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    starved, refusal, then, read_only = eval(child.stdout.splitlines()[-1])  # noqa: S307  (our child's repr)
+    assert starved is False
+    assert "Too many open files" in refusal and "kernel" not in refusal, refusal
+    assert then is True, "the failed try was kept"
+    assert read_only is False  # a writable segment, made now

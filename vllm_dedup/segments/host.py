@@ -58,12 +58,12 @@ import stat
 import warnings
 
 from ..content.views import tensor_bytes, typed_view
-from ..errors import SegmentError
+from ..errors import SegmentError, out_of_descriptors_or_memory
 from .base import Segment
 
 __all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
-           "map_read_only", "protect_read_only", "seal", "seal_future_writes", "seal_where_it_lies", "sealed_memfd", "seals_future_writes",
-           "writable_memfd", "write_all"]
+           "future_write_seal_failure", "map_read_only", "protect_read_only", "seal", "seal_future_writes",
+           "seal_where_it_lies", "sealed_memfd", "seals_future_writes", "writable_memfd", "write_all"]
 
 HUGE_PAGE_BYTES = 2 << 20  # a PMD-mapped page on x86-64: Note [huge pages for segments]
 
@@ -163,19 +163,36 @@ def writable_memfd(nbytes: int, name: str = SEGMENT_MEMFD_NAME, huge: bool = Fal
     return fd, mapping
 
 
-@functools.cache
 def seals_future_writes() -> bool:
     """Whether this kernel seals a memfd with ``F_SEAL_FUTURE_WRITE`` while a writable mapping
-    of it, made read-only, stays (Linux 5.1): tried once, on a page of a memfd of its own."""
+    of it, made read-only, stays (Linux 5.1): tried on a page of a memfd of its own, once,
+    unless the try failed for want of descriptors or memory (then again next time; the reason
+    is `future_write_seal_failure`)."""
+    return future_write_seal_failure() is None
+
+
+def future_write_seal_failure() -> str | None:
+    """Why `seals_future_writes` is false (the try's error, one line), or None where it is true."""
+    failure, passing = _future_write_seal()
+    if passing:
+        _future_write_seal.cache_clear()
+    return failure
+
+
+@functools.cache
+def _future_write_seal() -> tuple[str | None, bool]:
+    """The try: ``(None, False)`` where it sealed; else ``(reason, the failure may pass)``."""
     try:
         fd, page = writable_memfd(mmap.PAGESIZE)
-    except OSError:
-        return False
+    except OSError as e:
+        return f"a memfd for the try could not be made: {e}", out_of_descriptors_or_memory(e)
     try:
         seal_where_it_lies(fd, page, mmap.PAGESIZE)
-        return True
-    except OSError:
-        return False
+        return None, False
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return "this kernel does not know F_SEAL_FUTURE_WRITE (Linux 5.1)", False
+        return f"sealing a memfd that stays mapped failed: {e}", out_of_descriptors_or_memory(e)
     finally:
         page.close()
         os.close(fd)
@@ -318,11 +335,12 @@ class HostSegment(Segment):
         """A writable memfd segment (`Segment.allocate`), frozen where it lies by `freeze`.
 
         Raises:
-            SegmentError: the kernel cannot seal a memfd that stays mapped (before Linux 5.1:
-                `seals_future_writes`), or memfd_create, ftruncate or mmap failed.
+            SegmentError: a memfd that stays mapped cannot be sealed here (before Linux 5.1, or
+                out of descriptors: `seals_future_writes`; the message says which), or
+                memfd_create, ftruncate or mmap failed.
         """
-        if not seals_future_writes():
-            raise SegmentError("this kernel cannot seal a memfd that stays mapped (F_SEAL_FUTURE_WRITE, Linux 5.1)")
+        if (failure := future_write_seal_failure()) is not None:
+            raise SegmentError(f"cannot make a writable segment to seal where it lies: {failure}")
         try:
             fd, mapping = writable_memfd(nbytes)
         except OSError as e:
@@ -386,8 +404,9 @@ class HostSegment(Segment):
         return cls(fd, nbytes, device)  # closes the descriptor if it cannot be mapped
 
     def view(self) -> memoryview:
-        """The segment's ``nbytes`` bytes, zero-copy and read-only."""
-        return memoryview(self._map)[: self.nbytes]
+        """The segment's ``nbytes`` bytes, zero-copy and read-only (a frozen segment's mapping
+        was writable once: the view says read-only all the same)."""
+        return memoryview(self._map)[: self.nbytes].toreadonly()
 
     def read(self) -> bytes:
         """A copy of the segment's ``nbytes`` bytes."""

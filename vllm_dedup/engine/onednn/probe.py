@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 from dataclasses import dataclass, field
 
-from ...errors import PackedWeightError
+from ...errors import PackedWeightError, out_of_descriptors_or_memory
 from .handler import find_packed, install
 from .layout import check_packing
 from .library import library
@@ -23,21 +22,6 @@ class Support:
     reason: str = ""
     details: dict = field(default_factory=dict)
     passing: bool = False
-
-
-PASSING_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)  # a probe asked again later may pass
-
-
-def _passing(error: BaseException | None) -> bool:
-    """Whether ``error``, or an error it was raised while handling, is out of descriptors or
-    memory (`library` turns an ``OSError`` into a `PackedWeightError` while handling it)."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:  # a chain may loop back
-        if isinstance(error, OSError) and error.errno in PASSING_ERRNOS:
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def _on_the_cpu(probe_fn):
@@ -62,23 +46,33 @@ def _on_the_cpu(probe_fn):
     return run
 
 
-@functools.cache
-@_on_the_cpu
 def vllm_packs(dtype_name: str = "bfloat16") -> bool:
     """Whether vLLM's CPU backend packs linear weights of this dtype for oneDNN here: its
     ``create_onednn_mm`` makes a handler (``dispatch_cpu_unquantized_gemm`` falls back to
-    ``F.linear`` when it raises, e.g. for bfloat16 on AVX2).  Cached; asks on the CPU whatever
-    the caller's default device (Note [probes under a device context])."""
+    ``F.linear`` when it raises, e.g. for bfloat16 on AVX2).  Asks on the CPU whatever the
+    caller's default device (Note [probes under a device context]).  An answer is kept for the
+    process, except a "no" of a process out of descriptors or memory, asked again next time
+    (vLLM asks each layer afresh)."""
+    packs, passing = _vllm_packs(dtype_name)
+    if passing:
+        _vllm_packs.cache_clear()
+    return packs
+
+
+@functools.cache
+@_on_the_cpu
+def _vllm_packs(dtype_name: str) -> tuple[bool, bool]:
+    """`vllm_packs`' question, asked once per dtype: ``(packs, the answer may pass)``."""
     try:
         import torch
         from vllm import _custom_ops as ops
 
         if not ops._supports_onednn:
-            return False
+            return False, False
         ops.create_onednn_mm(torch.zeros(64, 32, dtype=getattr(torch, dtype_name)).t(), 32)
-        return True
-    except Exception:  # vLLM's own test: any failure means F.linear
-        return False
+        return True, False
+    except Exception as e:  # vLLM's own test: any failure means F.linear
+        return False, out_of_descriptors_or_memory(e)
 
 
 def probe(dtype_name: str = "bfloat16") -> Support:
@@ -130,6 +124,6 @@ def _probe(dtype_name: str) -> Support:
         return Support(True, details={"library": lib.name, "onednn": lib.onednn, "isa": hex(lib.isa),
                                       "vllm": lib.vllm})
     except PackedWeightError as e:
-        return Support(False, str(e), passing=_passing(e))
+        return Support(False, str(e), passing=out_of_descriptors_or_memory(e))
     except Exception as e:  # anything else from vLLM or oneDNN: not supported, say what
-        return Support(False, f"{type(e).__name__}: {e}", passing=_passing(e))
+        return Support(False, f"{type(e).__name__}: {e}", passing=out_of_descriptors_or_memory(e))

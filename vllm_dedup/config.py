@@ -28,7 +28,9 @@ class DedupConfig:
         min_tensor_bytes: tensors smaller than this stay private (bytes).  A segment costs a
             descriptor and at least one page; norms and biases are a tiny share of the bytes.
         verify: compare the bytes exactly before mapping a shared tensor in.  Turning it off
-            trusts XXH3-128 alone; a collision would then serve wrong weights.
+            trusts the key alone: XXH3-128 on the CPU, but on a GPU a fingerprint of row and
+            column sums (`content.fingerprint`) that a few crafted element changes collide;
+            a collision would then serve wrong weights.
         on_registry_error: ``fallback`` (load privately, with a warning) or ``fail`` (stop
             the engine at start-up) when the registry cannot be reached.
         keep_warm_s: seconds a segment nobody maps stays resident, so that a restarting engine

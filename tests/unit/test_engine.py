@@ -289,6 +289,20 @@ def mla_like() -> nn.Module:
     return model
 
 
+def test_a_conjugate_or_negative_view_is_neither_a_slot_nor_a_view_that_follows():
+    """A conjugate view of a complex parameter reads its bytes as other values: it must not
+    merge with the parameter's slot, be keyed by those bytes, or be rebound as a plain view
+    (``as_strided`` drops the conjugate bit)."""
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(64, dtype=torch.complex64), requires_grad=False)
+    model.register_buffer("w_conj", model.w.conj())
+    model.register_buffer("z_conj", torch.randn(64, dtype=torch.complex64).conj())
+    slots, private_n, _ = collect_slots(model, "cpu", min_bytes=1)
+    (slot,) = slots
+    assert [n for _, n, _ in slot.refs] == ["w"] and slot.views == []
+    assert private_n == 2  # w_conj and z_conj stay where they are, their values intact
+
+
 def test_views_follow_their_storage_into_the_shared_copy_and_the_private_one_is_freed():
     model = mla_like()
     before = {n: (p.clone(), p.stride()) for n, p in model.named_parameters()}

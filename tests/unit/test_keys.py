@@ -57,6 +57,15 @@ def test_tensor_bytes_refuses_a_non_contiguous_tensor():
         tensor_bytes(torch.zeros(4, 4).t())
 
 
+def test_tensor_bytes_refuses_a_view_whose_bytes_are_not_its_values():
+    """A conjugate or negative view reads its storage's bytes as other values: keyed by them, it
+    would share a key (and a segment) with the tensor it views."""
+    z = torch.randn(4, dtype=torch.complex64)
+    for view in (z.conj(), torch._neg_view(z)):
+        with pytest.raises(ValueError, match="conjugate or negative"):
+            tensor_bytes(view)
+
+
 def test_key_string_round_trips():
     k = content_key(memoryview(b"abc"), "gguf:Q4_1", (3,), None)
     assert ContentKey.parse(str(k)) == k

@@ -14,8 +14,10 @@ odd per-position weights into one int64 (wrapping modulo 2**64).  Integer additi
 power of two is associative, so the result does not depend on the order in which a GPU's
 reduction adds: equal bytes give equal fingerprints in every process, on every run.  One
 changed word changes its row sum and its column sum; moving rows or columns around changes
-the weighted folds.  Different bytes can still collide (rarely): a fingerprint only proposes
-a candidate, and `same_bytes` decides.  Cost: two reads of the tensor, about what a
+the weighted folds.  Different bytes can still collide, and not only by chance: sums are
+linear, so four changes in a rectangle (+d, -d at two elements of one row, -d, +d in another
+row, same columns) leave every row and column sum as it was.  A fingerprint only proposes a
+candidate, and `same_bytes` decides (``verify: false`` gives that up).  Cost: two reads of the tensor, about what a
 device-to-device copy (one read, one write) costs.
 """
 

@@ -152,7 +152,7 @@ def content_keys(
         loaders: callables, each computing one key (typically ``content_key`` over an
             mmapped tensor).  Exceptions propagate to the caller.
         threads: worker threads; default ``min(8, os.cpu_count())``.
-        on_done: called with each finished key's index, in completion order (progress bars).
+        on_done: called with each finished key's index, in index order (progress bars).
     """
     loaders = list(loaders)
     threads = threads or min(8, os.cpu_count() or 1)

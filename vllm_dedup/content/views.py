@@ -50,13 +50,17 @@ def tensor_bytes(tensor) -> memoryview:
         A 1-d memoryview of ``tensor.numel() * tensor.element_size()`` bytes (uint8).
 
     Raises:
-        ValueError: the tensor is not on the CPU, or not contiguous (its elements are not
-            one dense run of bytes, so the bytes hashed would not be the tensor's).
+        ValueError: the tensor is not on the CPU, not contiguous (its elements are not one
+            dense run of bytes, so the bytes hashed would not be the tensor's), or a conjugate
+            or negative view (its bytes are not its values; ``.resolve_conj().resolve_neg()``).
     """
     import torch
 
     if tensor.device.type != "cpu":
         raise ValueError(f"tensor_bytes needs a CPU tensor, got one on {tensor.device}")
+    if tensor.is_conj() or tensor.is_neg():
+        raise ValueError("tensor_bytes needs a tensor whose bytes are its values, got a conjugate or negative view; "
+                         "call .resolve_conj().resolve_neg() first")
     if not tensor.is_contiguous():
         raise ValueError(
             f"tensor_bytes needs a contiguous tensor (shape {tuple(tensor.shape)}, "

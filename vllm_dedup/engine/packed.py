@@ -155,7 +155,7 @@ def collect_packed(handlers: onednn.ModelHandlers, min_bytes: int, placement: di
             raw = (ctypes.c_uint8 * packed.nbytes).from_address(packed.address)
             census.slots.append(PackedSlot(name, packed, torch.frombuffer(raw, dtype=torch.uint8)))
     if census.declined:
-        logger.warning("%d oneDNN packed weight(s) stay private: their layout is not understood (first: %s)",
+        logger.warning("%d oneDNN packed weight(s) stay private: they could not be found or checked (first: %s)",
                        len(census.declined), census.declined[0])
     return census
 

@@ -4,7 +4,11 @@ found, once.  The one acquire-and-map path of the engine side, used by sharing a
 
 The registry holds every segment an acquire returns until the engine releases it; a segment
 that cannot be mapped is released here at once.  Each segment comes with one descriptor,
-closed here once the segment is mapped (the mapping keeps the memory).
+closed here once the segment is mapped (the mapping keeps the memory).  A host segment's
+mapping still holds a descriptor of its own while it lives: Python's ``mmap`` keeps a
+``dup`` of the one it maps (before Python 3.13's ``trackfd=False``), so an engine holds one
+descriptor per host segment it maps, as many as the model has tensors above
+``min_tensor_bytes``.
 """
 
 from __future__ import annotations

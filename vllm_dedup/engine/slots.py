@@ -58,7 +58,8 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
     Returns:
         (candidate slots, private tensors, private bytes): private are the slots too small, on
         another device, on the meta device, without a plain storage (a sparse or oneDNN
-        layout), non-contiguous, or views of a larger storage.
+        layout), non-contiguous, conjugate or negative views (their bytes are not their
+        values), or views of a larger storage.
     """
     slots: dict[tuple, Slot] = {}
     shared_storages = set()  # storages of the excluded tensors (a replay's mapped ones)
@@ -69,8 +70,9 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
                     shared_storages.add(storage_id(t))
                 if t is None or id(t) in exclude:
                     continue
-                ident = ((t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) if t.numel() and has_storage(t)
-                         else (id(t),))
+                # A conjugate or negative view reads the same bytes as other values: never one slot.
+                ident = ((t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg())
+                         if t.numel() and has_storage(t) else (id(t),))
                 slot = slots.setdefault(ident, Slot(t, []))
                 slot.refs.append((module, name, is_param))
     candidates, others, covering = [], [], {}  # covering: storage -> the candidate covering it
@@ -80,6 +82,7 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
             t.device.type == device_type
             and has_storage(t)
             and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg()  # its bytes are not its values
             and slot.nbytes >= max(min_bytes, 1)
             and covers_storage(t)
         )
@@ -93,8 +96,8 @@ def collect_slots(model, device_type: str, min_bytes: int, exclude: set[int] = f
         t = slot.tensor
         storage = storage_id(t) if t.numel() and has_storage(t) else None
         base = covering.get(storage)
-        if base is not None and t.dtype == base.tensor.dtype:
-            base.views += slot.refs
+        if base is not None and t.dtype == base.tensor.dtype and not t.is_conj() and not t.is_neg():
+            base.views += slot.refs  # (a conjugate or negative view would lose its bit when rebound)
         elif storage is None or storage not in shared_storages:
             private_n += 1
             private_b += slot.nbytes

@@ -16,8 +16,10 @@ and holds what else differs between devices for the engine: how content keys are
 (`Segment.content_keys`), what private memory is (`Segment.private_bytes`) and what an allocator
 gives back (`Segment.return_cached`).
 
-Every backend failure raises `errors.SegmentError`, so the engine side has one thing to catch
-(the tensors concerned stay private).
+Every failure of the memory itself (create, fill, seal, export, import, map) raises
+`errors.SegmentError`, so the engine side has one thing to catch (the tensors concerned stay
+private); a caller's own mistake (a range, part or view outside the segment, a tensor that is
+not contiguous) raises ``ValueError``.
 
 A segment is made in one of two ways: `Segment.create_packed` copies tensors into a new one, or
 `Segment.allocate` gives a writable one that this process fills where it lies (`Segment.member`
@@ -115,8 +117,9 @@ class Segment(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no writable members")
 
     def _check_member(self, offset: int, nbytes: int) -> None:
-        """Raise ValueError unless ``[offset, offset + nbytes)`` lies within the usable bytes."""
-        if not 0 <= offset <= offset + nbytes <= self.nbytes:
+        """Raise ValueError unless ``[offset, offset + nbytes)`` is at least one byte and lies
+        within the usable bytes (torch makes no tensor over an empty buffer range)."""
+        if nbytes < 1 or not 0 <= offset < offset + nbytes <= self.nbytes:
             raise ValueError(f"a {nbytes}-byte member at offset {offset} does not fit in {self.nbytes} bytes")
 
     def freeze(self) -> None:

@@ -297,7 +297,8 @@ class CudaSegment(Segment):
             with torch.cuda.device(ordinal):
                 for t, offset in parts:
                     src = t.detach().reshape(-1).view(torch.uint8)
-                    seg.member(offset, src.numel()).copy_(src)
+                    if src.numel():  # an empty part has no bytes to copy (and no member)
+                        seg.member(offset, src.numel()).copy_(src)
             seg.freeze()
         except BaseException as e:
             seg.discard()

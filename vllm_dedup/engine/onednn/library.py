@@ -254,7 +254,10 @@ def elf_symbols(path: str, names) -> dict[str, int]:
             str_offset, str_size = sections[sh_link][4], sections[sh_link][5]
             strings = m[str_offset:str_offset + str_size]
             syms = np.frombuffer(m, dtype=sym_type, count=sh_size // sym_type.itemsize, offset=sh_offset)
-            defined = syms[syms["shndx"] != 0]
+            try:
+                defined = syms[syms["shndx"] != 0]  # a copy: it holds no export of the mapping
+            finally:
+                del syms  # else closing the mapping would raise BufferError over any error here
             for name in wanted:
                 offsets, at = [], strings.find(b"\0" + name + b"\0")
                 while at >= 0:
@@ -264,7 +267,6 @@ def elf_symbols(path: str, names) -> dict[str, int]:
                     offsets.append(0)
                 for value in defined["value"][np.isin(defined["name"], offsets)]:
                     found.setdefault(name.decode(), []).append(int(value))
-            del syms, defined
     return {name: values[0] for name, values in found.items() if len(set(values)) == 1}
 
 

@@ -48,8 +48,20 @@ from test_heap import faults_of_second_block
 from vllm_dedup.engine import heap
 with heap.reused_heap(large_blocks=True):
     pass
-print(faults_of_second_block(512 << 10))
+print(faults_of_second_block(int(sys.argv[1])))
 """
+
+
+def faults_after_the_heap(env: dict, nbytes: int) -> int:
+    """`faults_of_second_block` (``nbytes``) in a child that left `reused_heap` first, with
+    ``env`` (glibc reads its settings at start-up)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SECOND_BLOCK_AFTER_THE_HEAP, str(nbytes)], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=60, check=True)
+    return int(out.stdout.split()[-1])
 
 
 @pytest.mark.skipif(heap._glibc() is None, reason="glibc's heap only")
@@ -60,19 +72,21 @@ print(faults_of_second_block(512 << 10))
 def test_leaving_the_reused_heap_keeps_the_users_own_thresholds(settings):
     """A user's 1 MiB mmap threshold (and a trim threshold that keeps the heap's top) holds
     after `reused_heap`: a freed 512 KiB block serves the next one from the heap, no page
-    faulted again.  glibc's 128 KiB instead would map and unmap each one (128 pages each)."""
-    import os
-    import subprocess
-    import sys
-
-    def faults(env: dict) -> int:
-        out = subprocess.run([sys.executable, "-c", SECOND_BLOCK_AFTER_THE_HEAP], env={**os.environ, **env},
-                             capture_output=True, text=True, timeout=60, check=True)
-        return int(out.stdout.split()[-1])
-
+    faulted again."""
     pages = (512 << 10) // heap.PAGE_BYTES
-    assert faults(settings) < pages // 8
-    assert faults({}) > pages // 2  # glibc's own starting values: a fresh mapping
+    assert faults_after_the_heap(settings, 512 << 10) < pages // 8
+
+
+@pytest.mark.skipif(heap._glibc() is None, reason="glibc's heap only")
+def test_leaving_the_reused_heap_serves_a_forward_passs_temporaries_from_the_heap():
+    """With no setting of the user's, the thresholds end where glibc's dynamic rule takes a
+    plain process that freed large blocks (Note [glibc's thresholds]): a freed 16 MiB block
+    serves the next one from the heap.  glibc's starting 128 KiB, pinned for good once
+    ``mallopt`` was called, would map and unmap each (4096 pages each), in every forward pass.
+    A block over 32 MiB is mapped, as in any glibc process."""
+    pages = (16 << 20) // heap.PAGE_BYTES
+    assert faults_after_the_heap({}, 16 << 20) < pages // 8
+    assert faults_after_the_heap({}, 64 << 20) > (64 << 20) // heap.PAGE_BYTES // 2
 
 
 def test_a_users_setting_is_read_as_glibc_reads_it(monkeypatch):

@@ -13,7 +13,8 @@ than a plain load leaves it.
 
 Note [glibc's thresholds]
     ``mallopt(M_MMAP_THRESHOLD)`` accepts at most ``HEAP_MAX_SIZE / 2`` (32 MiB on 64-bit):
-    larger blocks (a vocabulary embedding's) are still mapped and unmapped.  Any ``mallopt``
+    larger blocks (a vocabulary embedding's) are still mapped and unmapped, unless
+    ``large_blocks`` (Note [large blocks from the heap]).  Any ``mallopt``
     of these turns glibc's dynamic threshold off for the rest of the process (glibc has no way
     to turn it back on), so `reused_heap` chooses the values the process serves with after the
     load.  The user's own where given (``GLIBC_TUNABLES``' ``glibc.malloc.*``, or the older
@@ -59,7 +60,9 @@ _MAX_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 _SERVING_TRIM_THRESHOLD = 2 * _MAX_MMAP_THRESHOLD  # where glibc's dynamic rule goes: Note [glibc's thresholds]
 _NO_TRIM = 2**31 - 1  # mallopt takes an int
 _MADV_DONTNEED = 4  # asm-generic/mman-common.h
-MAPPED_BLOCK_BYTES = _MAX_MMAP_THRESHOLD  # within `reused_heap`, blocks at least this large are mapped
+# Blocks this large are mapped within `reused_heap()` (not with large_blocks, where none is); staging
+# moves a packed weight this large chunk by chunk (staging.py, Note [moving a packed weight]).
+MAPPED_BLOCK_BYTES = _MAX_MMAP_THRESHOLD
 # mallopt option -> its tunable in GLIBC_TUNABLES and the older environment variable for it
 _TUNABLES = {_M_TRIM_THRESHOLD: ("glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_"),
              _M_MMAP_THRESHOLD: ("glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_"),

@@ -141,6 +141,67 @@ def test_kv_cache_mode_reports_the_bytes_to_map_only_when_the_full_budget_does_n
     assert EngineSession().plan_startup("external", 16 * gib, 80 * gib, 80 * gib, 0.45) == 16 * gib
 
 
+def test_a_start_up_after_a_failed_one_in_the_process_corrects_nothing_of_it():
+    """An engine that predicted 10 GiB failed to load; the next engine of the process (here on
+    the CPU, where nothing is predicted) must not have that prediction applied to its budget."""
+    from types import SimpleNamespace
+
+    gib = 1 << 30
+    session = EngineSession()
+    session.plan_startup("external", 10 * gib, 80 * gib, 80 * gib, 0.5)
+    cpu = SimpleNamespace(device_config=SimpleNamespace(device="cpu"))
+    assert session.begin_startup(DedupConfig(), cpu) == 0
+    session.hold(object(), segment_bytes=14 * gib, shared_bytes=14 * gib)
+    assert session.predicted is None and session.correction_bytes == 0
+
+
+def test_the_start_up_connection_serves_only_the_engine_it_said_hello_for(registry_server, monkeypatch):
+    """A second engine of the process with another share group (or model, or registry) gets a
+    connection of its own, not the first one's, which said hello in the other group; a
+    start-up connection no load holds is closed when the start-up ends, one held as a lease
+    is kept."""
+    from vllm_dedup.engine.session import _connection_for
+
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(registry_server.path.parent))  # its socket: <dir>/test.sock
+    mine = {"registry_namespace": registry_server.path.stem, "registry_address": "local", "on_registry_error": "fail"}
+    config = DedupConfig(**mine, share_group="tenant-a")
+    session = EngineSession()
+    first = session.connect(config, "model-a", GPU0, "sig")
+    assert first is not None
+    session.startup_client, session.startup_for = first, _connection_for(config, "model-a", GPU0, "sig")
+    try:
+        assert session.connect(config, "model-a", GPU0, "sig") is first
+        other_group = DedupConfig(**mine, share_group="tenant-b")
+        second = session.connect(other_group, "model-a", GPU0, "sig")
+        assert second is not first and second.group == "tenant-b"
+        second.close()
+        another_model = session.connect(config, "model-b", GPU0, "sig")
+        assert another_model is not first
+        another_model.close()
+        session.end_startup()  # the load failed: nothing holds the connection
+        assert session.startup_client is None
+        assert wait_for(lambda: registry_stats(registry_server.path).groups == [])
+        held = session.connect(config, "model-a", GPU0, "sig")
+        session.startup_client, session.startup_for = held, _connection_for(config, "model-a", GPU0, "sig")
+        session.hold(held, segment_bytes=0, shared_bytes=0)
+        session.end_startup()
+        assert [g.engines for g in registry_stats(registry_server.path).groups] == [1]  # still connected
+    finally:
+        for lease in session.leases:
+            lease.close()
+
+
+def test_an_engine_takes_the_start_up_locks_of_all_its_ranks():
+    """vLLM's world size is ``pp * tp * pcp``: a PCP=2 engine has two ranks, each of which must
+    take every visible GPU's lock at once (module docstring of `engine.session`)."""
+    from types import SimpleNamespace
+
+    from vllm_dedup.engine.session import _world_size
+
+    pc = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, prefill_context_parallel_size=2)
+    assert _world_size(pc) == 2
+
+
 STARTUP_STEPS = ["init_device", "load_model", "determine_available_memory", "initialize_from_config",
                  "compile_or_warm_up_model"]
 

@@ -81,6 +81,19 @@ __all__ = ["EngineSession", "startup_devices"]
 logger = init_logger(__name__)
 
 
+def _connection_for(config: DedupConfig, model: str, device_key: str, signature: str) -> tuple:
+    """Whom a registry connection said hello for: an engine of another model, group or
+    registry in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) needs a connection of its
+    own."""
+    return (config.registry_namespace, config.registry_address, config.share_group, model, device_key, signature)
+
+
+def _world_size(pc) -> int:
+    """The ranks of one vLLM instance: ``pp * tp * pcp`` (vLLM's ``ParallelConfig.world_size``)."""
+    return getattr(pc, "world_size", None) or (
+        pc.pipeline_parallel_size * pc.tensor_parallel_size * getattr(pc, "prefill_context_parallel_size", 1))
+
+
 def startup_devices(world_size: int) -> list:
     """The torch devices whose start-up locks a worker takes: its own, or every visible GPU
     when the engine has several ranks (see the module docstring)."""
@@ -98,9 +111,8 @@ class EngineSession:
 
     def __init__(self):
         self.leases: list[Lease] = []  # open for the process's lifetime
-        self.startup_client: Lease | None = None  # the connection `begin_startup` opened
-        self.startup_device: str | None = None  # its device key
-        self.startup_signature: str | None = None
+        self.startup_client: Lease | None = None  # the connection `begin_startup` opened, until `end_startup`
+        self.startup_for: tuple | None = None  # whom it said hello for (`_connection_for`)
         self.locks: list[str] = []  # start-up locks held now
         self.predicted: int | None = None  # bytes reported to vLLM as mapped from others (None: none reported)
         self.segment_bytes = 0  # bytes of this process's tensors that live in segments
@@ -125,7 +137,8 @@ class EngineSession:
             RegistryUnavailable: the registry cannot be reached and ``on_registry_error`` is
                 ``fail`` (`fallback.fail_or_fall_back`).
         """
-        if self.startup_device == device_key and self.startup_signature == signature:
+        if self.startup_client is not None and self.startup_for == _connection_for(config, model, device_key,
+                                                                                    signature):
             return self.startup_client
         import functools
 
@@ -164,7 +177,8 @@ class EngineSession:
 
     def let_go(self, lease: Lease) -> None:
         """A load through ``lease`` stopped: close it (the registry drops what it held or
-        published), unless it is the start-up connection, which `end_startup` gives back."""
+        published), unless it is the start-up connection, which `end_startup` closes (it holds
+        the start-up locks until then)."""
         if lease is not self.startup_client:
             lease.close()
 
@@ -227,7 +241,7 @@ class EngineSession:
         except RegistryUnavailable as e:
             client.close()
             if self.startup_client is client:
-                self.startup_client = self.startup_device = self.startup_signature = None
+                self.startup_client = self.startup_for = None
             fail_or_fall_back(config, RegistryUnavailable(
                 f"vllm-dedup: cannot reach the weight registry for the start-up lock ({e}). Set "
                 "on_registry_error='fallback' to load without sharing"), "starting without the start-up lock")
@@ -255,11 +269,13 @@ class EngineSession:
         """
         import torch
 
-        if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
-            return 0
-        if self.locks:  # an earlier start-up of this process that failed before the hooks ran
+        if self.locks or self.startup_client is not None:  # an earlier start-up that failed before the hooks ran
             with contextlib.suppress(RegistryUnavailable):
                 self.end_startup()
+        # Nothing of an earlier engine's start-up in this process is this one's to correct.
+        self.predicted, self.budget_corrected, self.shared_before_startup = None, False, self.shared_bytes
+        if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
+            return 0
         from ..segments.cuda import CudaSegment
         from ..segments.cudadrv import memory_info as cudadrv_memory_info
         from .signature import load_signature, unreadable
@@ -268,7 +284,7 @@ class EngineSession:
         try:
             device = CudaSegment.device_key(torch.cuda.current_device())
             names = sorted({startup_lock_name(CudaSegment.device_key(d))
-                            for d in startup_devices(pc.tensor_parallel_size * pc.pipeline_parallel_size)})
+                            for d in startup_devices(_world_size(pc))})
         except SegmentError as e:  # no usable driver or cuda-bindings: the load will stay private
             fail_or_fall_back(config, SegmentError(f"vllm-dedup: cannot name this GPU ({e})"),
                               "starting without the start-up lock")
@@ -281,7 +297,8 @@ class EngineSession:
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
         if client is None:
             return 0
-        self.startup_client, self.startup_device, self.startup_signature = client, device, signature
+        self.startup_client = client
+        self.startup_for = _connection_for(config, str(vllm_config.model_config.model), device, signature)
         if not self.take_startup_locks(config, client, names, f"vllm-instance:{vllm_config.instance_id}"):
             return 0
         if private_reason(vllm_config):  # the loader will keep this engine's weights private
@@ -301,17 +318,27 @@ class EngineSession:
         return report
 
     def end_startup(self) -> None:
-        """The KV cache is allocated and CUDA graphs are captured: give the start-up lock(s)
-        back, and unmap the segment ranges whose release was deferred during graph capture
-        (`segments.vmm`).  Idempotent."""
+        """The KV cache is allocated and CUDA graphs are captured (or a start-up step failed):
+        give the start-up lock(s) back, let go of the start-up connection (closed where no load
+        holds it as its lease: the load failed or stayed private), and unmap the segment ranges
+        whose release was deferred during graph capture (`segments.vmm`).  Idempotent.
+
+        Raises:
+            RegistryUnavailable: the unlock could not reach the registry (the rest is done).
+        """
         import sys
 
-        if self.locks:
-            self.startup_client.unlock(self.locks)
-            self.locks = []
-        vmm = sys.modules.get("vllm_dedup.segments.vmm")  # imported only where CUDA segments are used
-        if vmm is not None:
-            vmm.release_deferred()
+        client, locks = self.startup_client, self.locks
+        self.startup_client, self.startup_for, self.locks = None, None, []
+        try:
+            if locks:
+                client.unlock(locks)
+        finally:
+            if client is not None and not any(lease is client for lease in self.leases):
+                client.close()
+            vmm = sys.modules.get("vllm_dedup.segments.vmm")  # imported only where CUDA segments are used
+            if vmm is not None:
+                vmm.release_deferred()
 
     def correct_budget(self, worker) -> int:
         """Apply the pending correction (`correction_bytes`) to ``worker.requested_memory``

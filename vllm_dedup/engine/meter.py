@@ -53,6 +53,11 @@ class LoadMeter:
         self._thread = threading.Thread(target=self._sample, name="vllm-dedup-meter", daemon=True)
 
     def __enter__(self) -> LoadMeter:
+        self._cuda_device = None
+        if self.device_type == "cuda":  # the load's device, for the sampling thread
+            import torch
+
+            self._cuda_device = torch.cuda.current_device()
         self._base = private_bytes(self.device_type) + self.live()
         self._start = time.perf_counter()
         self._thread.start()
@@ -68,6 +73,10 @@ class LoadMeter:
         self.peak_growth = max(self.peak_growth, private_bytes(self.device_type) + self.live() - self._base)
 
     def _sample(self) -> None:
+        if self._cuda_device is not None:  # CUDA's current device is per thread: a new one's is GPU 0
+            import torch
+
+            torch.cuda.set_device(self._cuda_device)
         while not self._stop.wait(self.interval_s):
             self._note()
 

@@ -191,6 +191,31 @@ def test_the_start_up_connection_serves_only_the_engine_it_said_hello_for(regist
             lease.close()
 
 
+def test_a_lease_goes_with_the_model_it_was_held_for(registry_server, monkeypatch):
+    """An engine in the user's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) deleted: once
+    its model is collected, its lease is closed (the registry drops its holds) and its bytes
+    leave the process's figures, so a later engine's guards do not count them."""
+    import gc
+
+    import torch.nn as nn
+
+    from vllm_dedup.registry.lease import Lease
+
+    session = EngineSession()
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    leases = [Lease(RegistryClient(registry_server.path), name, GPU0, "default", "sig") for name in ("a", "b")]
+    session.hold(leases[0], segment_bytes=3 * MB, shared_bytes=2 * MB, model=model)
+    session.hold(leases[1], segment_bytes=5 * MB, shared_bytes=0, model=other)
+    assert [g.engines for g in registry_stats(registry_server.path).groups] == [2]
+    del model
+    gc.collect()
+    assert (session.segment_bytes, session.shared_bytes, session.leases) == (5 * MB, 0, [leases[1]])
+    assert wait_for(lambda: [g.engines for g in registry_stats(registry_server.path).groups] == [1])
+    session.release(leases[0], 3 * MB, 2 * MB)  # released already: nothing changes
+    assert session.segment_bytes == 5 * MB
+    leases[1].close()
+
+
 def test_an_engine_takes_the_start_up_locks_of_all_its_ranks():
     """vLLM's world size is ``pp * tp * pcp``: a PCP=2 engine has two ranks, each of which must
     take every visible GPU's lock at once (module docstring of `engine.session`)."""

@@ -240,7 +240,7 @@ class DedupModelLoader(BaseModelLoader):
         except RegistryUnavailable:
             pass
         session = EngineSession.current()
-        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes)
+        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes, model)
         ctx.lease.watch()  # re-registers what it holds with a registry that comes back
         _describe_for_upstream_hooks(model, session)
         logger.info("%s: %s", ctx.model_name, report.summary())

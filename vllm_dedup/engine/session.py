@@ -66,6 +66,7 @@ meanwhile is outside the lock's reach.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import ClassVar
 
 from ..config import DedupConfig
@@ -110,7 +111,7 @@ class EngineSession:
     _current: ClassVar[EngineSession | None] = None
 
     def __init__(self):
-        self.leases: list[Lease] = []  # open for the process's lifetime
+        self.leases: list[Lease] = []  # open while the model each was held for lives (`hold`)
         self.startup_client: Lease | None = None  # the connection `begin_startup` opened, until `end_startup`
         self.startup_for: tuple | None = None  # whom it said hello for (`_connection_for`)
         self.locks: list[str] = []  # start-up locks held now
@@ -167,13 +168,31 @@ class EngineSession:
                 "on_registry_error='fallback' to load without sharing"), "loading without sharing")
             return None
 
-    def hold(self, lease: Lease, segment_bytes: int, shared_bytes: int) -> None:
+    def hold(self, lease: Lease, segment_bytes: int, shared_bytes: int, model=None) -> None:
         """Keep ``lease`` open as this engine's lease on the segments it now maps, and record
         what its load put in segments: ``segment_bytes`` in all, ``shared_bytes`` of them mapped
-        from other engines (for the budget correction: ``shared - predicted``)."""
+        from other engines (for the budget correction: ``shared - predicted``).  With ``model``
+        (the ``nn.Module`` the load returned), the lease lives as long as the model does: once
+        it is collected (an engine of the user's own process deleted), `release`."""
         self.leases.append(lease)
         self.segment_bytes += segment_bytes
         self.shared_bytes += shared_bytes
+        if model is not None:
+            weakref.finalize(model, self.release, lease, segment_bytes, shared_bytes)
+
+    def release(self, lease: Lease, segment_bytes: int, shared_bytes: int) -> None:
+        """`hold`'s counterpart, once its model is gone: close ``lease`` (the registry drops what
+        it held, and frees a segment nobody else holds) and take its bytes off this process's
+        figures, so that the guards of an engine started after it count only what lives.  A
+        lease not held (released already) is left alone.  Never raises."""
+        if not any(held is lease for held in self.leases):
+            return
+        self.leases = [held for held in self.leases if held is not lease]
+        self.segment_bytes -= segment_bytes
+        self.shared_bytes -= shared_bytes
+        self.shared_before_startup = max(0, self.shared_before_startup - shared_bytes)
+        with contextlib.suppress(Exception):  # at interpreter exit too: a closed socket is all it takes
+            lease.close()
 
     def let_go(self, lease: Lease) -> None:
         """A load through ``lease`` stopped: close it (the registry drops what it held or

@@ -140,7 +140,7 @@ def _guard(method, name: str, why: str):
         held = EngineSession.current().segment_bytes
         if held:
             raise SharedWeightsError(
-                f"vllm-dedup: {name} is refused: {why}, and this engine maps {held / 1e6:.1f} MB of "
+                f"vllm-dedup: {name} is refused: {why}, and this engine's process maps {held / 1e6:.1f} MB of "
                 "weights shared read-only with other engines. Start this engine with another "
                 "--load-format (e.g. auto) to use it."
             )

@@ -400,6 +400,10 @@ def test_a_replay_placeholder_packs_zeros_and_a_write_to_it_faults():
     assert packed.view().tobytes().count(0) == packed.nbytes  # every byte zero, padding included
     larger = zeros.tensor(DTYPE, torch.Size((4096, 1024)))  # grows by a new mapping
     assert not larger.any() and not placeholder.any()
+    assert zeros.holds(placeholder) and zeros.holds(larger)
+    del placeholder, handler, packed  # the first mapping goes with its last view: its span too
+    gc.collect()
+    assert zeros.holds(larger) and len(zeros._spans) == 1
     child = subprocess.run([sys.executable, "-c", (
         "import torch\nfrom vllm_dedup.engine.packed import ZeroPages\n"
         "t = ZeroPages().tensor(torch.float32, torch.Size((64, 64)))\nprint('made', flush=True)\nt[3, 5] = 1.0\n")],

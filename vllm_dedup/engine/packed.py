@@ -50,6 +50,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -179,7 +180,9 @@ class ZeroPages:
 
     def __init__(self):
         self._pages = None
-        self._spans: list[tuple[int, int]] = []  # (first byte, one past the last) of every mapping made
+        # (first byte, one past the last, the mapping) of every mapping made and still alive: an
+        # address of one unmapped may be another allocation's by now
+        self._spans: list[tuple[int, int, weakref.ref]] = []
 
     def tensor(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         """A tensor of ``shape`` (2-D: ``[rows, columns]``) and ``dtype`` reading zeros: one row
@@ -195,7 +198,7 @@ class ZeroPages:
             warnings.simplefilter("ignore", UserWarning)
             row = torch.frombuffer(self._pages, dtype=torch.uint8, count=nbytes).view(dtype)
         if grown:  # a read-only mapping's address is known only through a view of it
-            self._spans.append((row.data_ptr(), row.data_ptr() + len(self._pages)))
+            self._spans.append((row.data_ptr(), row.data_ptr() + len(self._pages), weakref.ref(self._pages)))
         return row.expand(rows, columns)
 
     def holds(self, tensor: torch.Tensor) -> bool:
@@ -203,7 +206,8 @@ class ZeroPages:
         if tensor.is_meta or tensor.device.type != "cpu":
             return False
         address = tensor.data_ptr()
-        return any(begin <= address < end for begin, end in self._spans)
+        self._spans = [span for span in self._spans if span[2]() is not None]
+        return any(begin <= address < end for begin, end, _ in self._spans)
 
 
 def packed_and_dropped(module, name: str) -> bool:

@@ -216,6 +216,16 @@ def test_a_lease_goes_with_the_model_it_was_held_for(registry_server, monkeypatc
     leases[1].close()
 
 
+def test_vllms_start_up_plan_is_warned_of_where_it_would_keep_a_kv_cache_grown_by_mapped_weights(monkeypatch):
+    from vllm_dedup.engine.session import startup_plan_warning
+
+    monkeypatch.delenv("VLLM_ENABLE_STARTUP_PLAN", raising=False)
+    assert startup_plan_warning("kv_cache") is None
+    monkeypatch.setenv("VLLM_ENABLE_STARTUP_PLAN", "1")
+    assert "accounting='external'" in startup_plan_warning("kv_cache")
+    assert startup_plan_warning("external") is None  # its KV cache is a plain load's
+
+
 def test_an_engine_takes_the_start_up_locks_of_all_its_ranks():
     """vLLM's world size is ``pp * tp * pcp``: a PCP=2 engine has two ranks, each of which must
     take every visible GPU's lock at once (module docstring of `engine.session`)."""

@@ -77,7 +77,7 @@ from ..registry.state import startup_lock_name
 from .fallback import fail_or_fall_back
 from .vllm_facts import private_reason
 
-__all__ = ["EngineSession", "startup_devices"]
+__all__ = ["EngineSession", "startup_devices", "startup_plan_warning"]
 
 logger = init_logger(__name__)
 
@@ -93,6 +93,28 @@ def _world_size(pc) -> int:
     """The ranks of one vLLM instance: ``pp * tp * pcp`` (vLLM's ``ParallelConfig.world_size``)."""
     return getattr(pc, "world_size", None) or (
         pc.pipeline_parallel_size * pc.tensor_parallel_size * getattr(pc, "prefill_context_parallel_size", 1))
+
+
+def startup_plan_warning(accounting: str) -> str | None:
+    """What to tell a GPU engine with vLLM's start-up plan on (``VLLM_ENABLE_STARTUP_PLAN=1``)
+    under ``accounting="kv_cache"``, or None.  vLLM records the KV cache size a start-up
+    measured and applies it to later start-ups of the same config hash, without profiling
+    again (``v1/worker/startup_plan.py``); the hash leaves the load format out.  In
+    ``kv_cache`` mode that size includes the bytes this engine maps from others, so a plain
+    engine of the same config, or this one when it maps less, would take that many bytes more
+    than ``gpu_memory_utilization`` allows.  In ``external`` mode it is a plain load's."""
+    try:
+        import vllm.envs as envs
+
+        plan = bool(getattr(envs, "VLLM_ENABLE_STARTUP_PLAN", False))
+    except (ImportError, ValueError):  # ValueError: a value that is not a number (vLLM's own int())
+        return None
+    if accounting != "kv_cache" or not plan:
+        return None
+    return ("vllm-dedup: VLLM_ENABLE_STARTUP_PLAN=1 records this engine's KV cache size, which accounting=kv_cache "
+            "grows by the weights mapped from other engines, under a key that leaves the load format out: a plain "
+            "engine of the same config, or this one when it maps less, would reuse it and exceed "
+            "gpu_memory_utilization by those bytes. Set accounting='external' or leave the start-up plan off")
 
 
 def startup_devices(world_size: int) -> list:
@@ -295,6 +317,8 @@ class EngineSession:
         self.predicted, self.budget_corrected, self.shared_before_startup = None, False, self.shared_bytes
         if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
             return 0
+        if warning := startup_plan_warning(config.accounting):
+            logger.warning(warning)
         from ..segments.cuda import CudaSegment
         from ..segments.cudadrv import memory_info as cudadrv_memory_info
         from .signature import load_signature, unreadable

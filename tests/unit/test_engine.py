@@ -612,6 +612,39 @@ def test_post_processing_hooks_run_before_and_after_each_hooked_module_only():
     assert "process_weights_after_loading" not in vars(hooked.quant_method)  # unwrapped after the block
 
 
+def test_a_mapped_module_whose_method_does_not_support_pre_processed_weights_declines_the_replay():
+    """vLLM refuses its pre-processed mode for a quant method without
+    ``supports_pre_processed_weights`` before calling it; the hooks enter that mode only around
+    the call, so they check it themselves: a recipe that calls such a module replayable (another
+    engine's data) must not have its transform run again on the final, mapped tensors."""
+    import torch
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    from vllm_dedup.engine.post_processing import post_processing_hooks
+    from vllm_dedup.engine.recipe import RecipeDeclined
+
+    class Doubles(QuantizeMethodBase):  # supports_pre_processed_weights: the base's False
+        def create_weights(self, *args, **kwargs):
+            pass
+
+        def apply(self, *args, **kwargs):
+            pass
+
+        def process_weights_after_loading(self, layer):
+            layer.weight.data.mul_(2)
+
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.ones(2), requires_grad=False)
+    layer.quant_method = Doubles()
+    with pytest.raises(RecipeDeclined, match="Doubles of layer does not support"):
+        with post_processing_hooks({"layer": layer}, pre_processed=True):
+            layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.tolist() == [1.0, 1.0]
+    with post_processing_hooks({"layer": layer}):  # a usual load: it runs
+        layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.tolist() == [2.0, 2.0]
+
+
 class Mixer(nn.Module):
     """As vLLM's Mamba2 mixer: a ``conv_weights`` buffer registered over its conv layer's
     (dim, 1, width) weight, viewed as (dim, width); only the conv layer has a weight loader."""

@@ -37,11 +37,14 @@ def post_processing_hooks(modules: dict[str, nn.Module], after: Callable[[str, n
             are final already (a replay's mapped modules).
 
     Raises (from inside the block):
-        RecipeDeclined: with ``pre_processed``, a hooked module's post-processing failed in
-            that mode (some of vLLM's methods declare ``supports_pre_processed_weights`` and
+        RecipeDeclined: with ``pre_processed``, a hooked module's quant method does not declare
+            ``supports_pre_processed_weights`` (vLLM refuses the mode for such a method before
+            calling it; its transform would run again on final, mapped tensors), or its
+            post-processing failed in that mode (some of vLLM's methods declare support and
             then ignore the mode: ``patches/`` has their fixes); the message names the module
             and the method.
     """
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.utils import weights_already_processed
 
@@ -53,6 +56,10 @@ def post_processing_hooks(modules: dict[str, nn.Module], after: Callable[[str, n
             name = name_of.get(id(layer_of(args)))
             if name is None:
                 return bound(*args, **kwargs)
+            if (pre_processed and isinstance(owner, QuantizeMethodBase)
+                    and not getattr(owner, "supports_pre_processed_weights", False)):  # vLLM's own check
+                raise RecipeDeclined(f"{type(owner).__name__} of {name} does not support vLLM's pre-processed "
+                                     "mode: its post-processing would run again on the mapped tensors")
             if before is not None:
                 before(name, modules[name])
             if not pre_processed:
@@ -73,18 +80,18 @@ def post_processing_hooks(modules: dict[str, nn.Module], after: Callable[[str, n
         owner.process_weights_after_loading = process
 
     seen = set()
-    for module in modules.values():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None and id(quant_method) not in seen:
-            seen.add(id(quant_method))
-            wrap(quant_method, quant_method.process_weights_after_loading, lambda args: args[0])
-        if is_deferred_attention_layer(module):
-            wrap(module, module.process_weights_after_loading, lambda args, m=module: m)
-    try:
+    try:  # a wrap that fails midway still unwraps the owners wrapped before it
+        for module in modules.values():
+            quant_method = getattr(module, "quant_method", None)
+            if quant_method is not None and id(quant_method) not in seen:
+                seen.add(id(quant_method))
+                wrap(quant_method, quant_method.process_weights_after_loading, lambda args: args[0])
+            if is_deferred_attention_layer(module):
+                wrap(module, module.process_weights_after_loading, lambda args, m=module: m)
         yield
     finally:
-        for owner, had, before in reversed(patched):
+        for owner, had, own in reversed(patched):
             if had:
-                owner.process_weights_after_loading = before
+                owner.process_weights_after_loading = own
             else:
                 del owner.process_weights_after_loading

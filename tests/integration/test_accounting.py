@@ -142,8 +142,10 @@ def test_kv_cache_mode_reports_the_bytes_to_map_only_when_the_full_budget_does_n
 
 
 def test_a_start_up_after_a_failed_one_in_the_process_corrects_nothing_of_it():
-    """An engine that predicted 10 GiB failed to load; the next engine of the process (here on
-    the CPU, where nothing is predicted) must not have that prediction applied to its budget."""
+    """A GPU engine that predicted 10 GiB failed to load; the next engine of the process must
+    not have that prediction applied to its budget.  The next one is asked here on a config
+    without a GPU (begin_startup returns at once: nothing predicted), which resets as a GPU
+    engine's start-up does before anything else."""
     from types import SimpleNamespace
 
     gib = 1 << 30
@@ -213,7 +215,18 @@ def test_a_lease_goes_with_the_model_it_was_held_for(registry_server, monkeypatc
     assert wait_for(lambda: [g.engines for g in registry_stats(registry_server.path).groups] == [1])
     session.release(leases[0], 3 * MB, 2 * MB)  # released already: nothing changes
     assert session.segment_bytes == 5 * MB
-    leases[1].close()
+    # One start-up connection held for a model and its drafter: closed with the last of them.
+    target, drafter = nn.Linear(2, 2), nn.Linear(2, 2)
+    session.hold(leases[1], segment_bytes=2 * MB, shared_bytes=MB, model=target)
+    session.hold(leases[1], segment_bytes=MB, shared_bytes=MB, model=drafter)
+    del drafter, other
+    gc.collect()
+    assert (session.segment_bytes, session.shared_bytes, session.leases) == (2 * MB, MB, [leases[1]])
+    assert [g.engines for g in registry_stats(registry_server.path).groups] == [1]  # the target still holds it
+    del target
+    gc.collect()
+    assert (session.segment_bytes, session.shared_bytes, session.leases) == (0, 0, [])
+    assert wait_for(lambda: registry_stats(registry_server.path).groups == [])
 
 
 def test_vllms_start_up_plan_is_warned_of_where_it_would_keep_a_kv_cache_grown_by_mapped_weights(monkeypatch):
@@ -259,6 +272,9 @@ def test_the_hook_gives_the_startup_lock_back_even_when_the_method_fails(registr
     client.lock([startup_lock_name(GPU0)], owner="vllm-instance:X")
     session = EngineSession()
     session.startup_client, session.locks = client, [startup_lock_name(GPU0)]
+    # Held as the load's lease (a later step failed): the connection stays open, so only the
+    # unlock can give the lock back.
+    session.hold(client, segment_bytes=0, shared_bytes=0)
     monkeypatch.setattr(EngineSession, "_current", session)
     try:
         with pytest.raises(AttributeError):  # not a real worker: the method itself fails

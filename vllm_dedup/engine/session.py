@@ -66,6 +66,7 @@ meanwhile is outside the lock's reach.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import ClassVar
 
@@ -142,6 +143,7 @@ class EngineSession:
         self.shared_bytes = 0  # of them, mapped from other engines' segments
         self.shared_before_startup = 0  # shared_bytes when this start-up began (engines before it, in-process)
         self.budget_corrected = False  # the correction was applied to the worker
+        self._holds = threading.RLock()  # `hold` and `release` (the garbage collector's, on any thread)
     @classmethod
     def current(cls) -> EngineSession:
         """This process's session (created on first use)."""
@@ -152,7 +154,8 @@ class EngineSession:
     # the registry connection -------------------------------------------------------------
     def connect(self, config: DedupConfig, model: str, device_key: str, signature: str) -> Lease | None:
         """A registry connection that has said hello for this engine: the one `begin_startup`
-        opened for this device and signature, else a new one; where this call had to start the
+        opened for the same registry, share group, model, device and signature
+        (`_connection_for`), else a new one; where this call had to start the
         daemon, one that connects and says hello on first use (Note [a lease on a registry still
         starting] in `registry/lease.py`).  None: no registry (fallback).
 
@@ -196,25 +199,34 @@ class EngineSession:
         from other engines (for the budget correction: ``shared - predicted``).  With ``model``
         (the ``nn.Module`` the load returned), the lease lives as long as the model does: once
         it is collected (an engine of the user's own process deleted), `release`."""
-        self.leases.append(lease)
-        self.segment_bytes += segment_bytes
-        self.shared_bytes += shared_bytes
+        with self._holds:
+            self.leases.append(lease)
+            self.segment_bytes += segment_bytes
+            self.shared_bytes += shared_bytes
         if model is not None:
             weakref.finalize(model, self.release, lease, segment_bytes, shared_bytes)
 
     def release(self, lease: Lease, segment_bytes: int, shared_bytes: int) -> None:
-        """`hold`'s counterpart, once its model is gone: close ``lease`` (the registry drops what
-        it held, and frees a segment nobody else holds) and take its bytes off this process's
-        figures, so that the guards of an engine started after it count only what lives.  A
-        lease not held (released already) is left alone.  Never raises."""
-        if not any(held is lease for held in self.leases):
-            return
-        self.leases = [held for held in self.leases if held is not lease]
-        self.segment_bytes -= segment_bytes
-        self.shared_bytes -= shared_bytes
-        self.shared_before_startup = max(0, self.shared_before_startup - shared_bytes)
-        with contextlib.suppress(Exception):  # at interpreter exit too: a closed socket is all it takes
-            lease.close()
+        """`hold`'s counterpart, once per hold, when its model is gone: take that hold's bytes
+        off this process's figures (the guards of an engine started after it count only what
+        lives), and close ``lease`` once no hold of it is left (one start-up connection may be
+        held for a model and its drafter): the registry drops what it held, and frees a segment
+        nobody else holds.  A lease with no hold left is left alone.  Never raises.
+
+        The garbage collector may call it on any thread, even inside another call of this
+        session's: the figures change under a reentrant lock, the list by one removal."""
+        with self._holds:
+            index = next((i for i, held in enumerate(self.leases) if held is lease), None)
+            if index is None:
+                return
+            del self.leases[index]
+            self.segment_bytes -= segment_bytes
+            self.shared_bytes -= shared_bytes
+            self.shared_before_startup = max(0, self.shared_before_startup - shared_bytes)
+            last = not any(held is lease for held in self.leases)
+        if last:
+            with contextlib.suppress(Exception):  # at interpreter exit too: a closed socket is all it takes
+                lease.close()
 
     def let_go(self, lease: Lease) -> None:
         """A load through ``lease`` stopped: close it (the registry drops what it held or
@@ -261,9 +273,10 @@ class EngineSession:
                 "budget (%.1f MB) and enough once the %.1f MB it will map from other engines are set aside (their "
                 "creator has gone, so no budget holds them): this engine reports them as external weight memory "
                 "(its KV cache is a plain load's)", free / 1e6, budget / 1e6, predicted / 1e6)
-        self.predicted = report if report > 0 else None
-        self.budget_corrected = False
-        self.shared_before_startup = self.shared_bytes
+        with self._holds:
+            self.predicted = report if report > 0 else None
+            self.budget_corrected = False
+            self.shared_before_startup = self.shared_bytes
         return report
 
     # the GPU start-up ----------------------------------------------------------------------
@@ -311,10 +324,10 @@ class EngineSession:
         import torch
 
         if self.locks or self.startup_client is not None:  # an earlier start-up that failed before the hooks ran
-            with contextlib.suppress(RegistryUnavailable):
-                self.end_startup()
+            self.end_startup()
         # Nothing of an earlier engine's start-up in this process is this one's to correct.
-        self.predicted, self.budget_corrected, self.shared_before_startup = None, False, self.shared_bytes
+        with self._holds:
+            self.predicted, self.budget_corrected, self.shared_before_startup = None, False, self.shared_bytes
         if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
             return 0
         if warning := startup_plan_warning(config.accounting):
@@ -364,11 +377,8 @@ class EngineSession:
         """The KV cache is allocated and CUDA graphs are captured (or a start-up step failed):
         give the start-up lock(s) back, let go of the start-up connection (closed where no load
         holds it as its lease: the load failed or stayed private), and unmap the segment ranges
-        whose release was deferred during graph capture (`segments.vmm`).  Idempotent.
-
-        Raises:
-            RegistryUnavailable: the unlock could not reach the registry (the rest is done).
-        """
+        whose release was deferred during graph capture (`segments.vmm`).  Idempotent; never
+        raises for a registry that is gone (it took the locks with it)."""
         import sys
 
         client, locks = self.startup_client, self.locks

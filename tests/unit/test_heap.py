@@ -66,15 +66,24 @@ def faults_after_the_heap(env: dict, nbytes: int) -> int:
 
 @pytest.mark.skipif(heap._glibc() is None, reason="glibc's heap only")
 @pytest.mark.parametrize("settings", [
-    {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_TRIM_THRESHOLD_": "0x4000000"},
-    {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=67108864"},
+    {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "0x4000000"},
+    {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=67108864"},
 ])
 def test_leaving_the_reused_heap_keeps_the_users_own_thresholds(settings):
-    """A user's 1 MiB mmap threshold (and a trim threshold that keeps the heap's top) holds
-    after `reused_heap`: a freed 512 KiB block serves the next one from the heap, no page
-    faulted again."""
-    pages = (512 << 10) // heap.PAGE_BYTES
-    assert faults_after_the_heap(settings, 512 << 10) < pages // 8
+    """A user's 256 KiB mmap threshold holds after `reused_heap`: a 1 MiB block is a fresh
+    mapping each time, as the user asked (the 32 MiB `reused_heap` uses, or ends with where the
+    user set nothing, would serve it from the heap), while a 128 KiB one comes from the heap."""
+    pages = (1 << 20) // heap.PAGE_BYTES
+    assert faults_after_the_heap(settings, 1 << 20) > pages // 2
+    assert faults_after_the_heap(settings, 128 << 10) < 32 // 8
+
+
+@pytest.mark.skipif(heap._glibc() is None, reason="glibc's heap only")
+def test_a_user_who_turned_the_dynamic_threshold_off_keeps_glibcs_starting_thresholds():
+    """``MALLOC_TOP_PAD_`` alone turns glibc's dynamic threshold off at start-up (malloc.c's
+    do_set_top_pad): such a process keeps 128 KiB, and so it does after `reused_heap`."""
+    pages = (16 << 20) // heap.PAGE_BYTES
+    assert faults_after_the_heap({"MALLOC_TOP_PAD_": "0"}, 16 << 20) > pages // 2
 
 
 @pytest.mark.skipif(heap._glibc() is None, reason="glibc's heap only")
@@ -87,6 +96,19 @@ def test_leaving_the_reused_heap_serves_a_forward_passs_temporaries_from_the_hea
     pages = (16 << 20) // heap.PAGE_BYTES
     assert faults_after_the_heap({}, 16 << 20) < pages // 8
     assert faults_after_the_heap({}, 64 << 20) > (64 << 20) // heap.PAGE_BYTES // 2
+
+
+def test_the_settings_that_turn_the_dynamic_threshold_off_are_known(monkeypatch):
+    for name in ("GLIBC_TUNABLES", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                 "MALLOC_MMAP_MAX_", "MALLOC_ARENA_MAX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # leaves the threshold dynamic
+    assert heap.dynamic_threshold_at_start()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.top_pad=0")
+    assert not heap.dynamic_threshold_at_start()
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "100")
+    assert not heap.dynamic_threshold_at_start()
 
 
 def test_a_users_setting_is_read_as_glibc_reads_it(monkeypatch):

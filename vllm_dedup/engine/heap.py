@@ -17,17 +17,21 @@ Note [glibc's thresholds]
     ``large_blocks`` (Note [large blocks from the heap]).  Any ``mallopt``
     of these turns glibc's dynamic threshold off for the rest of the process (glibc has no way
     to turn it back on), so `reused_heap` chooses the values the process serves with after the
-    load.  The user's own where given (``GLIBC_TUNABLES``' ``glibc.malloc.*``, or the older
-    ``MALLOC_*_`` variables: glibc's manual, "Memory Allocation Tunables"): the dynamic rule
-    was off for them anyway.  Otherwise where the dynamic rule takes a plain process: each
-    ``free`` of a mapped block of at most 32 MiB raises the mmap threshold to that block's
-    size and the trim threshold to twice it (glibc's ``free``), and a plain load frees such
-    blocks (the plain weights it packs), as do its forward passes (activations).  So the
-    mmap threshold goes to 32 MiB and the trim threshold to 64 MiB, the rule's ceiling.
+    load.  Where the user set any of the settings that turn the rule off (the mmap or trim
+    threshold, the top pad, the mmap count, through ``GLIBC_TUNABLES``' ``glibc.malloc.*`` or
+    the older ``MALLOC_*_`` variables: glibc's manual, "Memory Allocation Tunables"), the
+    rule was off from the start: the thresholds go back to the user's, or to glibc's 128 KiB.
+    Otherwise to where the rule takes a plain process: each ``free`` of a mapped block of at
+    most 32 MiB raises the mmap threshold to that block's size and the trim threshold to
+    twice it (glibc's ``free``), and a plain load frees such blocks (the plain weights it
+    packs), as do its forward passes (activations): 32 MiB and 64 MiB, the rule's ceiling.
     glibc's starting 128 KiB instead, kept for good, would make every temporary of a forward
     pass between 128 KiB and 32 MiB a fresh mapping faulted in page by page: 500 of 4 MiB took
-    0.88 s that way against 0.02 s from the heap.  On a C library other than glibc both
-    functions do nothing.
+    0.88 s that way against 0.02 s from the heap.  The price: each of glibc's arenas may keep
+    up to 64 MiB of freed blocks at its top for reuse, where a plain process that never freed
+    a block that large keeps less (twice the largest it did free; five threads freeing a
+    30 MiB temporary each kept 150 MiB here against 30 MiB).  On a C library other than glibc
+    both functions do nothing.
 
 Note [large blocks from the heap]
     A replay's packed linear layers are larger than 32 MiB from a 1B model up (a gate and up
@@ -67,6 +71,9 @@ MAPPED_BLOCK_BYTES = _MAX_MMAP_THRESHOLD
 _TUNABLES = {_M_TRIM_THRESHOLD: ("glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_"),
              _M_MMAP_THRESHOLD: ("glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_"),
              _M_MMAP_MAX: ("glibc.malloc.mmap_max", "MALLOC_MMAP_MAX_")}
+_DEFAULT_THRESHOLD = 128 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MIN and DEFAULT_TRIM_THRESHOLD
+# Any of these given turns glibc's dynamic threshold off at start-up (do_set_* in malloc.c).
+_STATIC_SETTINGS = (*_TUNABLES.values(), ("glibc.malloc.top_pad", "MALLOC_TOP_PAD_"))
 
 
 @functools.cache
@@ -98,16 +105,26 @@ def drop_pages(address: int, nbytes: int) -> int:
     return end - start if libc.madvise(start, end - start, _MADV_DONTNEED) == 0 else 0
 
 
+def _given(tunable: str, variable: str) -> list[str]:
+    """The user's values of one malloc setting: ``GLIBC_TUNABLES``' (recent glibc applies them
+    last, so they win), else the older variable's."""
+    given = [value for key, _, value in (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
+             if key == tunable]
+    return given or ([os.environ[variable]] if variable in os.environ else [])
+
+
+def dynamic_threshold_at_start() -> bool:
+    """Whether glibc started this process with its dynamic mmap threshold on: the user set none
+    of the settings that turn it off (Note [glibc's thresholds])."""
+    return not any(_given(tunable, variable) for tunable, variable in _STATIC_SETTINGS)
+
+
 def starting_value(option: int, default: int) -> int:
     """The value glibc gave the mallopt ``option`` (``_M_*``) at start-up: the user's, from
     ``GLIBC_TUNABLES`` (which recent glibc reads before the ``MALLOC_*_`` variables) or the
     older variable, else ``default``.  A value that is not a number, or does not fit
     mallopt's ``int``, counts as not given."""
-    tunable, variable = _TUNABLES[option]
-    given = [value for key, _, value in (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
-             if key == tunable]
-    if not given and variable in os.environ:
-        given = [os.environ[variable]]
+    given = _given(*_TUNABLES[option])
     try:
         value = int(given[-1], 0) if given else default
     except ValueError:
@@ -150,6 +167,7 @@ def reused_heap(large_blocks: bool = False):
     finally:
         if large_blocks:
             _restore(libc, _M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        _restore(libc, _M_TRIM_THRESHOLD, _SERVING_TRIM_THRESHOLD)
-        _restore(libc, _M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)
+        dynamic = dynamic_threshold_at_start()
+        _restore(libc, _M_TRIM_THRESHOLD, _SERVING_TRIM_THRESHOLD if dynamic else _DEFAULT_THRESHOLD)
+        _restore(libc, _M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD if dynamic else _DEFAULT_THRESHOLD)
         libc.malloc_trim(0)

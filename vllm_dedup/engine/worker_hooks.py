@@ -115,8 +115,9 @@ def _wrap(module_name: str, cls_name: str, name: str, make, marker: str | None =
     hooked by patches/ (its source holds ``marker``)."""
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError):
-        logger.warning("%s.%s not found; its %s hook is skipped", module_name, cls_name, name)
+    except Exception as e:  # a module another platform's build cannot import: no engine here runs it
+        logger.warning("%s.%s not found (%s: %s); its %s hook is skipped", module_name, cls_name,
+                       type(e).__name__, e, name)
         return False
     method = cls.__dict__.get(name)
     if method is None:

@@ -12,14 +12,19 @@ from __future__ import annotations
 from ..errors import DedupError
 from ..log import init_logger
 
-__all__ = ["fail_or_fall_back"]
+__all__ = ["FALLBACK_ADVICE", "fail_or_fall_back"]
 
 logger = init_logger(__name__)
+
+# What an error raised under ``fail`` may add; logged under ``fallback``, it would advise what is set.
+FALLBACK_ADVICE = ", or set on_registry_error='fallback' to load without sharing"
+_PREFIX = "vllm-dedup: "  # a raised error's own; the logger adds its own prefix
 
 
 def fail_or_fall_back(config, error: DedupError, fallback: str) -> None:
     """Raise ``error`` when ``config.on_registry_error`` is ``"fail"``; else log one warning,
-    ``"<error>; <fallback>"``, and return (the caller then goes on without sharing).
+    ``"<error>; <fallback>"`` (without the error's own ``"vllm-dedup: "``: the logger says
+    it), and return (the caller then goes on without sharing).
 
     Args:
         config: the load's `config.DedupConfig`.
@@ -31,4 +36,5 @@ def fail_or_fall_back(config, error: DedupError, fallback: str) -> None:
     """
     if config.on_registry_error == "fail":
         raise error
-    logger.warning("%s; %s", error, fallback)
+    message = str(error)
+    logger.warning("%s; %s", message[len(_PREFIX):] if message.startswith(_PREFIX) else message, fallback)

@@ -75,7 +75,7 @@ from ..errors import LockTimeout, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from ..registry.lease import Lease
 from ..registry.state import startup_lock_name
-from .fallback import fail_or_fall_back
+from .fallback import FALLBACK_ADVICE, fail_or_fall_back
 from .vllm_facts import private_reason
 
 __all__ = ["EngineSession", "startup_devices", "startup_plan_warning"]
@@ -189,8 +189,8 @@ class EngineSession:
                          timeout_s=config.registry_timeout_s)
         except (RegistryUnavailable, OSError) as e:
             fail_or_fall_back(config, RegistryUnavailable(
-                f"vllm-dedup: cannot reach the weight registry ({e}). Start it or fix registry_address, or set "
-                "on_registry_error='fallback' to load without sharing"), "loading without sharing")
+                f"vllm-dedup: cannot reach the weight registry ({e}). Start it or fix registry_address"
+                + FALLBACK_ADVICE * (config.on_registry_error == "fail")), "loading without sharing")
             return None
 
     def hold(self, lease: Lease, segment_bytes: int, shared_bytes: int, model=None) -> None:
@@ -297,8 +297,8 @@ class EngineSession:
             if self.startup_client is client:
                 self.startup_client = self.startup_for = None
             fail_or_fall_back(config, RegistryUnavailable(
-                f"vllm-dedup: cannot reach the weight registry for the start-up lock ({e}). Set "
-                "on_registry_error='fallback' to load without sharing"), "starting without the start-up lock")
+                f"vllm-dedup: cannot reach the weight registry for the start-up lock ({e})"
+                + FALLBACK_ADVICE * (config.on_registry_error == "fail")), "starting without the start-up lock")
             return False
         except TimeoutError as e:
             fail_or_fall_back(config, LockTimeout(f"vllm-dedup: {e}"),

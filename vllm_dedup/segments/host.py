@@ -271,11 +271,15 @@ def check_sealed_memfd(fd: int, nbytes: int) -> None:
     if not target.startswith("/memfd:"):
         kind = next((what for test, what in _KINDS if test(info.st_mode)), target)
         raise SegmentError(f"the descriptor is {kind}, not a memfd")
-    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    missing = [name for flag, name in _SEAL_NAMES if not seals & flag]
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        missing = [name for flag, name in _SEAL_NAMES if not seals & flag]
+        if not missing:
+            info = os.fstat(fd)  # its size again, now that it cannot shrink: it could before the seals
+    except OSError as e:  # a SegmentError, so that `attach` closes the descriptor
+        raise SegmentError(f"the memfd's seals or size cannot be read ({e})") from None
     if missing:
         raise SegmentError(f"the memfd is not sealed read-only (missing {', '.join(missing)})")
-    info = os.fstat(fd)  # its size again, now that it cannot shrink: it could before the seals
     if info.st_size < nbytes:
         raise SegmentError(f"the memfd holds {info.st_size} bytes, fewer than the {nbytes} expected")
 

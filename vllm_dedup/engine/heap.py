@@ -106,8 +106,8 @@ def drop_pages(address: int, nbytes: int) -> int:
 
 
 def _given(tunable: str, variable: str) -> list[str]:
-    """The user's values of one malloc setting: ``GLIBC_TUNABLES``' (recent glibc applies them
-    last, so they win), else the older variable's."""
+    """The user's values of one malloc setting: ``GLIBC_TUNABLES``' where given (they take
+    precedence, as `starting_value` says), else the older variable's."""
     given = [value for key, _, value in (item.partition("=") for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
              if key == tunable]
     return given or ([os.environ[variable]] if variable in os.environ else [])

@@ -240,7 +240,9 @@ class DedupModelLoader(BaseModelLoader):
         except RegistryUnavailable:
             pass
         session = EngineSession.current()
-        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes, model)
+        # Held for the process's life: tying it to the model (`hold`'s ``model``) saw an engine's
+        # lease released while it served, once in a CI run under load (cause not found yet).
+        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes)
         ctx.lease.watch()  # re-registers what it holds with a registry that comes back
         _describe_for_upstream_hooks(model, session)
         logger.info("%s: %s", ctx.model_name, report.summary())

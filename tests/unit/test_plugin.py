@@ -84,6 +84,37 @@ def test_where_packed_sharing_cannot_work_linears_keep_vllms_private_packed_copi
     assert packed.shares_packed(types.SimpleNamespace(dtype="bfloat16"))
 
 
+@pytest.mark.parametrize("on_error", ["fallback", "fail"])
+def test_plain_linears_whose_graph_the_compile_cache_cannot_key_run_vllms_graph(on_error, caplog):
+    """``cpu_linear="plain"`` changes the compiled graph, which vLLM's compile-cache key must
+    say (`compile_cache.key_compile_cache`); with an ``additional_config`` object it cannot, so
+    the engine runs vLLM's own graph on private packed copies (``private``), warning, rather
+    than stopping; under ``fail`` it stops with that message."""
+    import types
+
+    from vllm.config import VllmConfig
+
+    from vllm_dedup.errors import DedupError
+
+    class Opaque:  # vLLM's SupportsHash
+        def compute_hash(self) -> str:
+            return "x"
+
+    extra = {"cpu_linear": "plain", "on_registry_error": on_error}
+    loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config=extra))
+    config, model_config = VllmConfig(additional_config=Opaque()), types.SimpleNamespace(dtype="bfloat16")
+    if on_error == "fail":
+        with pytest.raises(DedupError, match="additional_config is a Opaque, not a dict"):
+            loader.cpu_linear(model_config, config)
+        return
+    assert loader.cpu_linear(model_config, config) == "private"
+    assert "additional_config is a Opaque, not a dict" in caplog.text and "cpu_linear=private" in caplog.text
+    assert loader.packed_declined and loader.cpu_linear(model_config) == "private"
+    # A dict carries the key: plain as asked.
+    keyed = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config=extra))
+    assert keyed.cpu_linear(model_config, VllmConfig(additional_config={"user": 1})) == "plain"
+
+
 def test_a_linear_marked_for_f_linear_keeps_its_weight():
     """`packed.packed_and_dropped`: vLLM packs and drops an unmarked linear's weight; one marked
     ``_cpu_skip_gemm_dispatch`` (``plain``, ``vllm``, or vLLM's own mark on MLA's kv_b_proj)
@@ -154,7 +185,7 @@ def test_a_model_folder_file_the_signature_cannot_read_makes_the_load_private(mo
 
     monkeypatch.setattr(loader_module, "load_signature", load_signature)
     loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"on_registry_error": on_error}))
-    monkeypatch.setattr(loader, "cpu_linear", lambda model_config: "packed")
+    monkeypatch.setattr(loader, "cpu_linear", lambda model_config, vllm_config=None: "packed")
     monkeypatch.setattr(loader, "shares_packed", lambda model_config: True)
     vllm_config = types.SimpleNamespace(load_config=types.SimpleNamespace(device=None),
                                         device_config=types.SimpleNamespace(device="cpu"))

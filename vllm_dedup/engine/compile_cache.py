@@ -30,10 +30,20 @@ it over the plain one's; two dedup engines never reused a compilation either.
 
 from __future__ import annotations
 
-__all__ = ["COMPILE_KEY", "allow_cpu_aot_loads", "key_compile_cache"]
+__all__ = ["COMPILE_KEY", "allow_cpu_aot_loads", "can_key_compile_cache", "key_compile_cache"]
 
 # The entry of ``VllmConfig.additional_config`` that carries the loader's share of the key.
 COMPILE_KEY = "vllm_dedup"
+
+
+def can_key_compile_cache(vllm_config) -> bool:
+    """Whether `key_compile_cache` can put a graph change in this engine's compile-cache key:
+    ``additional_config`` is a dict (an object's own ``compute_hash`` cannot be extended), or
+    nothing is compiled (``CompilationMode.NONE``: nothing is cached either)."""
+    from vllm.config import CompilationMode
+
+    return (isinstance(vllm_config.additional_config, dict)
+            or vllm_config.compilation_config.mode == CompilationMode.NONE)
 
 
 def key_compile_cache(vllm_config, plain_linear: bool) -> None:
@@ -52,15 +62,14 @@ def key_compile_cache(vllm_config, plain_linear: bool) -> None:
 
     Raises:
         ValueError: the graph is changed and compiled, but ``additional_config`` is an object
-            rather than a dict, so the key cannot say so.
+            rather than a dict, so the key cannot say so (`can_key_compile_cache`; the loader
+            asks it first and keeps vLLM's graph then).
     """
-    from vllm.config import CompilationMode
-
     if not plain_linear:
         return
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
-        if vllm_config.compilation_config.mode == CompilationMode.NONE:
+        if can_key_compile_cache(vllm_config):
             return  # nothing is compiled, nothing cached
         raise ValueError(
             "vllm-dedup: cpu_linear='plain' changes the model's graph, and vLLM's compile cache must know it, "

@@ -60,11 +60,11 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..config import DedupConfig
 from ..content.views import dtype_name
-from ..errors import CheckpointError, RegistryUnavailable, SegmentError
+from ..errors import CheckpointError, DedupError, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from ..segments import segment_class
 from . import onednn
-from .compile_cache import allow_cpu_aot_loads, key_compile_cache
+from .compile_cache import allow_cpu_aot_loads, can_key_compile_cache, key_compile_cache
 from .context import LoadContext, LoadReport
 from .fallback import fail_or_fall_back
 from .fast_path import RecordedLoad, decide, fast_path_files, leave_recipe
@@ -132,7 +132,7 @@ class DedupModelLoader(BaseModelLoader):
         return (self.inner.get_external_weight_memory(vllm_config)
                 + EngineSession.current().begin_startup(self.config, vllm_config))
 
-    def cpu_linear(self, model_config: ModelConfig) -> str:
+    def cpu_linear(self, model_config: ModelConfig, vllm_config: VllmConfig | None = None) -> str:
         """``cpu_linear`` as this engine runs it on the CPU backend: the configured mode; where
         ``packed`` cannot work here (`onednn.probe`), ``vllm`` if vLLM itself runs ``F.linear``
         for the model's dtype (`onednn.vllm_packs`): each layer runs as vLLM's own dispatch
@@ -140,9 +140,27 @@ class DedupModelLoader(BaseModelLoader):
         packed copy where it packs (a float32 router gate; shared where `shares_packed`); else
         ``private`` (said once in the log and in every load report's ``private_linears``).  ``vllm`` is
         never asked for, only chosen here, and it has a load signature of its own: its final
-        tensors differ from ``plain``'s wherever vLLM packs a layer."""
+        tensors differ from ``plain``'s wherever vLLM packs a layer.
+
+        ``plain`` asked for in a compiled engine whose compile-cache key cannot say so
+        (`compile_cache.can_key_compile_cache`: an ``additional_config`` object) runs as
+        ``private`` instead, with a warning (`fallback.fail_or_fall_back`): vLLM's own graph.
+        The first call decides (the load's `_context` or `create_model`, which pass
+        ``vllm_config``); later calls return that decision.
+
+        Raises:
+            DedupError: that fallback, under ``on_registry_error="fail"``.
+        """
         if self._cpu_linear is None:
             mode = self.config.cpu_linear
+            if mode == "plain" and vllm_config is not None and not can_key_compile_cache(vllm_config):
+                fail_or_fall_back(self.config, DedupError(
+                    "vllm-dedup: cpu_linear='plain' changes the model's graph, and vLLM's compile cache must know "
+                    f"it, but additional_config is a {type(vllm_config.additional_config).__name__}, not a dict; "
+                    "pass a dict, set cpu_linear='packed', or run with enforce_eager"),
+                    "linear layers keep vLLM's own private packed copies (cpu_linear=private)")
+                self.packed_declined = "every linear: cpu_linear='plain' needs a compile-cache key of its own"
+                mode = "private"
             if mode == "packed":
                 dtype = dtype_name(model_config.dtype)
                 support = onednn.probe(dtype)  # through the package: tests replace it there
@@ -181,7 +199,7 @@ class DedupModelLoader(BaseModelLoader):
             return model
 
         allow_cpu_aot_loads()
-        mode = self.cpu_linear(model_config)
+        mode = self.cpu_linear(model_config, vllm_config)
         marked = _keep_cpu_weights_plain(model, only_where_vllm_does=mode == "vllm") if mode in ("plain", "vllm") \
             else Counter()
         key_compile_cache(vllm_config, _changes_graph(marked))
@@ -381,7 +399,7 @@ class DedupModelLoader(BaseModelLoader):
             fail_or_fall_back(self.config, SegmentError(f"vllm-dedup: cannot share weights on {device}: {e}"),
                               "loading privately")
             return None
-        cpu_linear = self.cpu_linear(model_config) if device.type == "cpu" else ""
+        cpu_linear = self.cpu_linear(model_config, vllm_config) if device.type == "cpu" else ""
         share_packed = device.type == "cpu" and self.shares_packed(model_config)
         try:
             signature = load_signature(vllm_config, model_config, self.config.inner_load_format, cpu_linear)

@@ -9,7 +9,9 @@ checkpoint are reported to the caller as they are.
 from __future__ import annotations
 
 import errno
+import functools
 import os
+from collections.abc import Callable
 
 __all__ = [
     "CheckpointError",
@@ -21,6 +23,7 @@ __all__ = [
     "RegistryUnavailable",
     "SegmentError",
     "SharedWeightsError",
+    "kept_unless_passing",
     "out_of_descriptors_or_memory",
 ]
 
@@ -95,3 +98,23 @@ def out_of_descriptors_or_memory(error: BaseException | None) -> bool:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
+
+
+def kept_unless_passing(passing: Callable[[object], bool]):
+    """Decorator: keep a function's answer for the process, per arguments (`functools.cache`),
+    except an answer for which ``passing(answer)`` is true (one caused by a failure that may
+    pass: `out_of_descriptors_or_memory`): that answer is returned and the next call asks
+    again (every kept answer of the function is forgotten then; they are cheap to ask)."""
+    def decorate(fn):
+        kept = functools.cache(fn)
+
+        @functools.wraps(fn)
+        def ask(*args):
+            answer = kept(*args)
+            if passing(answer):
+                kept.cache_clear()
+            return answer
+
+        return ask
+
+    return decorate

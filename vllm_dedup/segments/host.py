@@ -58,7 +58,7 @@ import stat
 import warnings
 
 from ..content.views import tensor_bytes, typed_view
-from ..errors import SegmentError, out_of_descriptors_or_memory
+from ..errors import SegmentError, kept_unless_passing, out_of_descriptors_or_memory
 from .base import Segment
 
 __all__ = ["MESSAGE_MEMFD_NAME", "RECIPE_MEMFD_NAME", "SEGMENT_MEMFD_NAME", "HostSegment", "check_sealed_memfd",
@@ -173,13 +173,10 @@ def seals_future_writes() -> bool:
 
 def future_write_seal_failure() -> str | None:
     """Why `seals_future_writes` is false (the try's error, one line), or None where it is true."""
-    failure, passing = _future_write_seal()
-    if passing:
-        _future_write_seal.cache_clear()
-    return failure
+    return _future_write_seal()[0]
 
 
-@functools.cache
+@kept_unless_passing(lambda answer: answer[1])
 def _future_write_seal() -> tuple[str | None, bool]:
     """The try: ``(None, False)`` where it sealed; else ``(reason, the failure may pass)``."""
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from ...errors import PackedWeightError, out_of_descriptors_or_memory
+from ...errors import PackedWeightError, kept_unless_passing, out_of_descriptors_or_memory
 from .handler import find_packed, install
 from .layout import check_packing
 from .library import library
@@ -53,16 +53,13 @@ def vllm_packs(dtype_name: str = "bfloat16") -> bool:
     caller's default device (Note [probes under a device context]).  An answer is kept for the
     process, except a "no" of a process out of descriptors or memory, asked again next time
     (vLLM asks each layer afresh)."""
-    packs, passing = _vllm_packs(dtype_name)
-    if passing:
-        _vllm_packs.cache_clear()
-    return packs
+    return _vllm_packs(dtype_name)[0]
 
 
-@functools.cache
+@kept_unless_passing(lambda answer: answer[1])
 @_on_the_cpu
 def _vllm_packs(dtype_name: str) -> tuple[bool, bool]:
-    """`vllm_packs`' question, asked once per dtype: ``(packs, the answer may pass)``."""
+    """`vllm_packs`' question: ``(packs, the answer may pass)``."""
     try:
         import torch
         from vllm import _custom_ops as ops
@@ -75,6 +72,8 @@ def _vllm_packs(dtype_name: str) -> tuple[bool, bool]:
         return False, out_of_descriptors_or_memory(e)
 
 
+@kept_unless_passing(lambda support: support.passing)
+@_on_the_cpu
 def probe(dtype_name: str = "bfloat16") -> Support:
     """Whether packed weights can be shared here, for linear layers of this dtype: this
     process's vLLM extension is found with its symbol table, and a small handler passes the
@@ -88,16 +87,6 @@ def probe(dtype_name: str = "bfloat16") -> Support:
     Returns:
         `Support`: ``supported``, or the reason why not (one line, for the log).
     """
-    support = _probe(dtype_name)
-    if support.passing:
-        _probe.cache_clear()
-    return support
-
-
-@functools.cache
-@_on_the_cpu
-def _probe(dtype_name: str) -> Support:
-    """`probe`'s cycle, asked once per dtype."""
     try:
         import torch
         from vllm import _custom_ops as ops

@@ -43,6 +43,8 @@ nothing is extrapolated).  A phase stops adding engines once its total passes G 
 that passed it is measured: it shows what does not fit), so the two phases may end at different
 counts.  Whatever the budget, a phase also stops before an engine the machine has no memory left
 for (``MemAvailable`` under the last engine's PSS plus 1 GiB); the JSON says why each stopped.
+The JSON (``dedup_warnings``) and the output also give each dedup engine's vllm-dedup warnings
+from its log, e.g. why one loaded privately.
 
 Output: the machine's CPU flags and a table on stdout; ``engines_per_host.json`` and
 ``engines_per_host.png`` (matplotlib; ``engines_per_host-llama-1.2b.*`` for that preset) in
@@ -179,8 +181,9 @@ class Ramp:
             parts = tree_pss_parts(server.proc.pid)
             total, file = total + parts["Pss"], file + parts["Pss_File"]
         registry_pss = mapped = 0
-        load = {}
+        load, warnings = {}, []
         if self.load_format == "dedup":
+            warnings = dedup_warnings(servers[-1].log_path)
             stats = registry_stats()
             self.pids.add(stats.registry_pid)
             registry_pss = pss_bytes(stats.registry_pid)
@@ -188,7 +191,17 @@ class Ramp:
             newest = set(descendants(servers[-1].proc.pid))  # the engine's pid is its worker's
             load = next((e.load for e in stats.engines if e.pid in newest), {})
         return {"pss_bytes": total + registry_pss, "file_pss_bytes": file, "registry_pss_bytes": registry_pss,
-                "mapped_bytes": mapped, "load": {"path": load.get("load_path", "-"), "seconds": load.get("load_seconds")}}
+                "mapped_bytes": mapped, "load": {"path": load.get("load_path", "-"), "seconds": load.get("load_seconds")},
+                "warnings": warnings}
+
+
+def dedup_warnings(log: Path) -> list[str]:
+    """The vllm-dedup warnings and errors in an engine's log so far, each line cut to 400
+    characters: why a dedup engine shares less than it could (a registry it could not reach,
+    a fallback)."""
+    with open(log, errors="replace") as f:
+        return [line.strip()[:400] for line in f
+                if "vllm-dedup:" in line and ("WARNING" in line or "ERROR" in line)]
 
 
 def _mem_available() -> int:
@@ -273,6 +286,7 @@ def run(model: Path, max_engines: int, scenarios: list[str], logs: Path, budget_
             "file_pss_dedup_bytes": [d["file_pss_bytes"] for d in dedup],
             "mapped_bytes": [d["mapped_bytes"] for d in dedup],
             "dedup_loads": [d["load"] for d in dedup],
+            "dedup_warnings": [d["warnings"] for d in dedup],
             "same_text": [p["text"] == d["text"] for p, d in zip(plain, dedup)],
             "stopped": stopped,
         }
@@ -327,6 +341,9 @@ def print_table(result: dict) -> None:
         for fmt, why in more.get("stopped", {}).items():
             if why:
                 print(f"{s}, {fmt}: stopped early: {why}")
+        for i, lines in enumerate(more.get("dedup_warnings", [])):
+            for line in lines:
+                print(f"{s}, dedup engine {i + 1} warned: {line}")
     if budget := result.get("budget"):
         for f in budget["fit"]:
             counts = {fmt: ("≥ " if f[f"{fmt}_at_least"] else "") + str(f[f"{fmt}_engines"]) for fmt in ("plain", "dedup")}

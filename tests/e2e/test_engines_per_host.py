@@ -81,8 +81,8 @@ def test_the_command_measures_plain_and_dedup_engines(smollm2, tmp_path):
     # The second dedup engine maps the first one's weights: the saving grows by at least half
     # the model's bytes from one engine to two (all of them, less PSS noise of tens of MB).
     growth = (two["plain"] - two["dedup"]) - (one["plain"] - one["dedup"])
-    assert growth > 0.5 * result["model_weight_bytes"], (growth, own)
-    assert details["mapped_bytes"][1] >= 0.95 * result["model_weight_bytes"]
+    assert growth > 0.5 * result["model_weight_bytes"], (growth, own, details)
+    assert details["mapped_bytes"][1] >= 0.95 * result["model_weight_bytes"], details
     assert details["same_text"] == [True, True]
     assert result["leftover_pids"] == []
 

@@ -7,7 +7,8 @@ plugin's worker hooks installed, for tests/unit/test_patches.py.
 in place of the installed one (``-``: the installed one).  The worker is vLLM's class; what it
 loads is not a model: its model runner does what `DedupModelLoader.load_model` does to the
 engine's session and model (a prediction reported before loading, the bytes really mapped,
-the attributes patches/ reads).  The budget before and after comes from vLLM's own
+the attributes patches/ reads), for a target model and then its drafter (vLLM's runner loads
+the drafter inside ``load_model``).  The budget before and after comes from vLLM's own
 ``request_memory``.  Prints ``OK {wrapped, requested, expected}`` (bytes).
 """
 
@@ -21,7 +22,11 @@ from types import SimpleNamespace
 
 GIB = 1 << 30
 TOTAL, FREE, UTILIZATION = 80 * GIB, 60 * GIB, 0.5
-PREDICTED, SHARED = 10 * GIB, 12 * GIB
+PREDICTED, SHARED, DRAFTER_SHARED = 10 * GIB, 12 * GIB, 1 * GIB
+
+
+class Model:
+    """What the hooks read of a model: attributes (and a weak reference, as an nn.Module)."""
 
 
 def main() -> None:
@@ -36,7 +41,6 @@ def main() -> None:
     from vllm.v1.worker.utils import request_memory
 
     from vllm_dedup.engine import worker_hooks
-    from vllm_dedup.engine.loader import _describe_for_upstream_hooks
     from vllm_dedup.engine.session import EngineSession
 
     wrapped = worker_hooks.install()
@@ -51,16 +55,19 @@ def main() -> None:
     worker.init_snapshot, worker.cache_config = snapshot, SimpleNamespace(gpu_memory_utilization=UTILIZATION)
     worker.external_weight_memory = external  # what the patched init_device keeps
     worker.requested_memory = request_memory(snapshot, worker.cache_config, external)
-    model = SimpleNamespace()
+    model, drafter = Model(), Model()
 
     def load_model(load_dummy_weights: bool = False) -> None:
         session.hold(object(), SHARED, SHARED)
-        _describe_for_upstream_hooks(model, session)
+        session.describe(model)
+        session.hold(object(), DRAFTER_SHARED, DRAFTER_SHARED)  # the drafter, loaded after the target
+        session.describe(drafter)
 
     worker.model_runner = SimpleNamespace(load_model=load_model, get_model=lambda: model)
     Worker.load_model(worker)
     print("OK " + json.dumps({"wrapped": wrapped, "requested": worker.requested_memory,
-                              "expected": request_memory(snapshot, worker.cache_config, SHARED)}), flush=True)
+                              "expected": request_memory(snapshot, worker.cache_config, SHARED + DRAFTER_SHARED)}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ class DedupModelLoader(BaseModelLoader):
         # lease released while it served, once in a CI run under load (cause not found yet).
         session.hold(ctx.lease, report.segment_bytes, report.shared_bytes)
         ctx.lease.watch()  # re-registers what it holds with a registry that comes back
-        _describe_for_upstream_hooks(model, session)
+        session.describe(model)
         logger.info("%s: %s", ctx.model_name, report.summary())
         return model
 
@@ -499,14 +499,6 @@ def _gc_heap_frozen():
         yield
     finally:
         gc.unfreeze()
-
-
-def _describe_for_upstream_hooks(model, session: EngineSession) -> None:
-    """Set the model attributes that upstream vLLM's form of the worker hooks reads
-    (``patches/``): with those patches applied, vLLM needs no wrapper from `worker_hooks`."""
-    model.shared_weight_bytes = session.segment_bytes
-    model.external_weight_correction_bytes = session.correction_bytes
-    model.on_startup_done = session.end_startup
 
 
 def _keep_cpu_weights_plain(model: nn.Module, only_where_vllm_does: bool = False) -> Counter:

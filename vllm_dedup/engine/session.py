@@ -143,6 +143,7 @@ class EngineSession:
         self.shared_bytes = 0  # of them, mapped from other engines' segments
         self.shared_before_startup = 0  # shared_bytes when this start-up began (engines before it, in-process)
         self.budget_corrected = False  # the correction was applied to the worker
+        self.described = weakref.WeakSet()  # models given to `describe` since this start-up began
         self._holds = threading.RLock()  # `hold` and `release` (the garbage collector's, on any thread)
     @classmethod
     def current(cls) -> EngineSession:
@@ -227,6 +228,20 @@ class EngineSession:
         if last:
             with contextlib.suppress(Exception):  # at interpreter exit too: a closed socket is all it takes
                 lease.close()
+
+    def describe(self, model) -> None:
+        """Set the model attributes that upstream vLLM's form of the worker hooks reads
+        (``patches/0001`` and ``0002``: with them applied, vLLM needs no wrapper from
+        `worker_hooks`) on ``model`` and again on every model described since this start-up
+        began: ``0002`` reads the target model's ``external_weight_correction_bytes`` after
+        ``Worker.load_model``, which loads a drafter after it, so the target's must count the
+        drafter's load too."""
+        with self._holds:
+            self.described.add(model)
+            for each in list(self.described):
+                each.shared_weight_bytes = self.segment_bytes
+                each.external_weight_correction_bytes = self.correction_bytes
+                each.on_startup_done = self.end_startup
 
     def let_go(self, lease: Lease) -> None:
         """A load through ``lease`` stopped: close it (the registry drops what it held or
@@ -328,6 +343,7 @@ class EngineSession:
         # Nothing of an earlier engine's start-up in this process is this one's to correct.
         with self._holds:
             self.predicted, self.budget_corrected, self.shared_before_startup = None, False, self.shared_bytes
+            self.described = weakref.WeakSet()
         if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
             return 0
         if warning := startup_plan_warning(config.accounting):

@@ -395,3 +395,42 @@ def test_a_file_replaced_while_a_reader_opens_it_by_path_has_no_keys_and_no_cach
     with pytest.raises(CheckpointError, match="changed while it was opened"):
         file_manifest(path, cache)
     assert not list((tmp_path / "cache").glob("manifests/*.json"))
+
+
+@pytest.mark.parametrize("shape", ["shared", "within itself", "deep"])
+def test_a_pickle_whose_containers_are_not_a_shallow_tree_is_refused_at_once(tmp_path, shape):
+    """A pickle may point at one list from many places: 40 levels of ``[x, x]`` (1.9 KB) would
+    be 2**40 tensors walked as a tree; a list may hold itself; nesting has a limit (the walk
+    does not recurse).  Each is refused in one line, at once."""
+    import time
+
+    x = [torch.ones(1)]
+    if shape == "shared":
+        for _ in range(40):
+            x = [x, x]
+    elif shape == "within itself":
+        x.append(x)
+    else:
+        for _ in range(200):  # past MAX_NESTING (64); torch.save itself recurses at thousands
+            x = [x]
+    path = tmp_path / "model.bin"
+    torch.save({"w": x}, path)
+    begin = time.monotonic()
+    with pytest.raises(CheckpointError, match="reached twice" if shape != "deep" else "nest deeper than") as e:
+        TorchFile(path)
+    assert time.monotonic() - begin < 30 and "flat state_dict" in str(e.value)
+
+
+@pytest.mark.parametrize("state", [{"x.y": torch.ones(2), "x": {"y": torch.zeros(2)}},
+                                   {1: torch.ones(2), "1": torch.zeros(2)}])
+def test_two_tensors_that_flatten_to_one_name_are_refused_not_one_dropped(tmp_path, state):
+    torch.save(state, tmp_path / "model.bin")
+    with pytest.raises(CheckpointError, match="flatten to the name"):
+        TorchFile(tmp_path / "model.bin")
+
+
+def test_a_nested_state_dict_and_tied_tensors_still_read(tmp_path):
+    tied = torch.arange(4.0)
+    torch.save({"state_dict": {"a": tied, "b": tied, "layers": [torch.ones(2), torch.zeros(3)]}}, tmp_path / "m.bin")
+    with TorchFile(tmp_path / "m.bin") as f:
+        assert [e.name for e in f.entries()] == ["state_dict.a", "state_dict.layers.0", "state_dict.layers.1"]

@@ -438,7 +438,8 @@ class TorchFile(WeightFile):
     """PyTorch pickled weights, loaded with ``torch.load(weights_only=True)``.
 
     Zipfile checkpoints are mmapped; legacy (pre-1.6) ones are read into memory.  Nested
-    dicts (``{"state_dict": {...}}``) are flattened with dotted names; one view of a storage
+    dicts (``{"state_dict": {...}}``) are flattened with dotted names (`_flatten`: a tree, at
+    most `MAX_NESTING` deep; two entries that flatten to one name are refused); one view of a storage
     saved under two names (tied weights) is listed once; other views of it are tensors of their
     own.  A view that is not contiguous is copied to be read, and the copies together may not
     exceed the file's size (a crafted file of many views of one storage would need any amount).
@@ -467,7 +468,7 @@ class TorchFile(WeightFile):
         self._tensors: dict[str, object] = {}
         seen: set[tuple] = set()
         copied, budget = 0, os.path.getsize(path)
-        for name, t in _flatten(obj):
+        for name, t in _flatten(obj, path):
             kind = _not_plain(t)
             if kind:  # its bytes are not its values, or it has no bytes here: refused, never misread
                 raise CheckpointError(path, f"tensor {name!r} is {kind}; re-save it as a plain dense tensor")
@@ -479,6 +480,9 @@ class TorchFile(WeightFile):
             if view in seen and nbytes > 0:
                 continue
             seen.add(view)
+            if name in self._tensors:  # {"a.b": x, "a": {"b": y}}, or {1: x, "1": y}
+                raise CheckpointError(path, f"two different tensors flatten to the name {name!r}; re-save them "
+                                            "as a flat state_dict with unique names")
             if not t.is_contiguous():
                 copied += nbytes
                 if copied > budget:
@@ -535,17 +539,42 @@ def _torch_load_reason(message: str) -> str:
     return (said or ["no reason given"])[0].removeprefix("WeightsUnpickler error: ").rstrip(".")
 
 
-def _flatten(obj, prefix: str = ""):
+MAX_NESTING = 64  # dicts and lists within each other in a .bin; a state_dict has one or two
+
+
+def _flatten(obj, path: Path):
+    """``(dotted name, tensor)`` for each tensor in the dicts, lists and tuples of a loaded
+    ``.bin`` (other leaves are left out), walked as a tree without recursion.
+
+    Raises:
+        CheckpointError: a container is reached twice (a pickle may point at one list from many
+            places, or from within itself: walking it as a tree would take time exponential in
+            a file of a few KB), or they nest deeper than `MAX_NESTING`.
+    """
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
+    entered: set[int] = set()
+    stack = [("", obj, 0)]
+    while stack:
+        prefix, node, depth = stack.pop()
+        if isinstance(node, torch.Tensor):
+            yield prefix, node
+            continue
+        if isinstance(node, dict):
+            items = [(str(k), v) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            items = [(str(i), v) for i, v in enumerate(node)]
+        else:
+            continue
+        if id(node) in entered:
+            raise CheckpointError(path, f"{prefix or 'its top level'!r} is reached twice (a container shared or "
+                                        "within itself); re-save its tensors as a flat state_dict")
+        if depth >= MAX_NESTING:
+            raise CheckpointError(path, f"its containers nest deeper than {MAX_NESTING} (at {prefix!r}); re-save "
+                                        "its tensors as a flat state_dict")
+        entered.add(id(node))
+        # Reversed onto the stack, so tensors come out in the file's order.
+        stack.extend((f"{prefix}.{key}" if prefix else key, value, depth + 1) for key, value in reversed(items))
 
 
 def _version(dist: str) -> str:

@@ -56,7 +56,12 @@ CRAFTED = {
     "overlapping tensors": ({"a": _entry(0, 16, (4,)), "b": _entry(8, 24, (4,))}, "overlap"),
     "a tensor inside another": ({"a": _entry(0, 32, (8,)), "b": _entry(8, 16, (2,))}, "overlap"),
     "a huge rank": ({"w": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, "shape"),
-    "a huge shape": ({"w": {"dtype": "F32", "shape": [2] * 64, "data_offsets": [0, 8]}}, "does not fit"),
+    "a huge shape": ({"w": {"dtype": "F32", "shape": [2] * 63, "data_offsets": [0, 8]}}, "does not fit"),
+    "a shape past 64 bits": ({"w": {"dtype": "F32", "shape": [2] * 64, "data_offsets": [0, 8]}}, "overflows 64 bits"),
+    "past 64 bits, then 0": ({"w": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}},
+                             "overflows 64 bits"),
+    "a dimension past 64 bits and 0": ({"w": {"dtype": "F32", "shape": [2**70, 0], "data_offsets": [0, 0]}},
+                                       "overflows 64 bits"),
     "a repeated name": (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
                         b'"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}', "repeated"),
     "deeply nested": (b"[" * 100_000, "JSON"),
@@ -434,3 +439,10 @@ def test_a_nested_state_dict_and_tied_tensors_still_read(tmp_path):
     torch.save({"state_dict": {"a": tied, "b": tied, "layers": [torch.ones(2), torch.zeros(3)]}}, tmp_path / "m.bin")
     with TorchFile(tmp_path / "m.bin") as f:
         assert [e.name for e in f.entries()] == ["state_dict.a", "state_dict.layers.0", "state_dict.layers.1"]
+
+
+def test_a_header_past_safetensors_own_limit_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")  # safetensors: 100,000,000 bytes at most
+    with pytest.raises(CheckpointError, match="over the 100000000-byte limit"):
+        SafetensorsFile(path)

@@ -191,7 +191,7 @@ class SafetensorsFile(WeightFile):
     """
 
     format = "safetensors"
-    MAX_HEADER = 100 << 20  # bytes; safetensors' own limit
+    MAX_HEADER = 100_000_000  # bytes; safetensors' own limit (MAX_HEADER_SIZE)
     MAX_RANK = 64  # dimensions of one tensor: far above any model's, and a shape's product stays cheap
 
     def __init__(self, path: Path):
@@ -282,11 +282,12 @@ class SafetensorsFile(WeightFile):
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise self._corrupt(f"header entry {name!r} is malformed ({type(e).__name__}: {e})") from None
             begin, end = offsets
-            numel = 0 if 0 in shape else 1  # an empty tensor, whatever its other dimensions
-            for dim in shape:
+            numel = 1
+            for dim in shape:  # in order, as safetensors does, which refuses a product past 64 bits
                 numel *= dim
-                if numel > data_bytes:  # a huge shape never costs a huge product
-                    break
+                if numel >= 1 << 64:  # even where a later dimension is 0
+                    raise self._corrupt(f"tensor {name!r} has shape {str(shape)[:80]}, whose element count "
+                                        "overflows 64 bits")
             if not begin <= end <= data_bytes or end - begin != numel * itemsize:
                 raise self._corrupt(f"tensor {name!r} at bytes {begin}..{end} does not fit its shape or the "
                                     f"{data_bytes}-byte data section")

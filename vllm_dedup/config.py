@@ -121,7 +121,9 @@ class DedupConfig:
         config = cls(**extra)
         if not isinstance(config.inner_load_format, str) or not config.inner_load_format:
             raise ValueError(f"inner_load_format must be a load format name, got {config.inner_load_format!r}")
-        if config.inner_load_format.lower() == "dedup":
+        # vLLM's names are lower case; the fast path and the load signature compare them as given.
+        config = replace(config, inner_load_format=config.inner_load_format.strip().lower())
+        if config.inner_load_format == "dedup":
             raise ValueError("inner_load_format cannot be 'dedup' itself; use 'auto' or another vLLM load format")
         if not isinstance(config.inner_extra_config, dict):
             raise ValueError(
@@ -176,6 +178,11 @@ def is_registry_namespace(name) -> bool:
 def is_finite_number(value, kinds=(int, float)) -> bool:
     """Whether ``value`` is a finite number of ``kinds``; JSON's true and false are not (Python's
     bools are ints), nor infinity (vLLM's ``json.loads`` reads ``1e999`` and ``Infinity`` as
-    ``inf``: a registry kept warm forever could not even encode its stats)."""
-    return (isinstance(value, kinds) and not isinstance(value, bool)
-            and (isinstance(value, int) or math.isfinite(value)))
+    ``inf``: a registry kept warm forever could not even encode its stats), nor an integer past
+    a float's range (``10**400``: ``time.monotonic() + timeout`` would raise ``OverflowError``)."""
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

@@ -147,6 +147,9 @@ def test_a_linear_marked_for_f_linear_keeps_its_weight():
     ({"keep_warm_s": float("inf")}, "keep_warm_s must be a finite number >= 0"),
     ({"keep_warm_s": float("nan")}, "keep_warm_s must be a finite number >= 0"),
     ({"startup_lock_timeout_s": float("inf")}, "startup_lock_timeout_s must be a finite number > 0"),
+    # An integer past a float's range: time.monotonic() + 10**400 raises OverflowError.
+    ({"startup_lock_timeout_s": 10**400}, "startup_lock_timeout_s must be a finite number > 0"),
+    ({"min_tensor_bytes": 10**400}, "min_tensor_bytes must be an integer >= 0"),
     # Ray would answer "Invalid address format", and the engine would blame the registry.
     ({"registry_address": "LOCAL"}, "registry_address must be null, 'local' \\(lower case\\)"),
     ({"registry_address": " local"}, "registry_address must be null, 'local'"),
@@ -159,6 +162,16 @@ def test_a_value_that_would_fail_later_is_refused_with_the_config(extra, words):
     which stopped the engine under fallback too); JSON's true is no number."""
     with pytest.raises(ValueError, match=words):
         DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config=extra))
+
+
+def test_the_inner_load_format_is_vllms_lower_case_name():
+    """vLLM's load formats are lower case; the fast path and the load signature compare the
+    name as kept, so "AUTO" and "auto" must be one format (and "Safetensors" keep recipes)."""
+    from vllm_dedup.config import DedupConfig
+
+    assert DedupConfig.from_extra_config({"inner_load_format": " Safetensors"}).inner_load_format == "safetensors"
+    with pytest.raises(ValueError, match="cannot be 'dedup' itself"):
+        DedupConfig.from_extra_config({"inner_load_format": "DEDUP"})
 
 
 def test_the_cli_refuses_a_bad_namespace_or_number_in_one_line():

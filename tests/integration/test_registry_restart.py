@@ -265,6 +265,49 @@ def test_a_hung_registry_costs_one_timeout_and_the_connection_is_not_reused(tmp_
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
 
 
+def test_a_registry_killed_between_the_round_trips_of_an_acquire_is_recovered_from(tmp_path, monkeypatch):
+    """An acquire of more keys than one message carries (`wire.MAX_FDS`) takes several round
+    trips (the sharing pass and a replay ask for every key at once).  The registry SIGKILLed
+    between two is a hang-up like any other: the lease re-registers with the next registry (a
+    daemon started again) and acquires there, rather than failing every later call of the load;
+    and its new connection keeps the lease's reply timeout, not what was left of the window."""
+    from vllm_dedup.registry import messages as m
+    from vllm_dedup.registry import wire
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    sock = run / "vllm-dedup.sock"
+    start_daemon(sock)
+    first = registry_stats(sock).registry_pid
+    client = RegistryClient(sock, timeout_s=10)
+    lease = Lease(client, "m", "cpu", "default", "sig", start_daemon, timeout_s=10)
+    acquires = []
+    original = client._call
+
+    def killed_before_the_second(request, *args, **kwargs):
+        if isinstance(request, m.Acquire):
+            acquires.append(request)
+            if len(acquires) == 2:
+                os.kill(first, signal.SIGKILL)
+                assert wait_for(lambda: not os.path.exists(f"/proc/{first}") or
+                                open(f"/proc/{first}/stat").read().split(") ")[1].startswith("Z"), 10)
+        return original(request, *args, **kwargs)
+
+    monkeypatch.setattr(client, "_call", killed_before_the_second)
+    try:
+        keys = [f"k{i}" for i in range(wire.MAX_FDS + 50)]  # two round trips
+        assert lease.acquire(keys) == []  # nothing published: no hits, and no error
+        assert len(acquires) == 2 and lease.reregistrations == 1
+        stats = registry_stats(sock)
+        assert stats.registry_pid != first and [e.pid for e in stats.engines] == [os.getpid()]
+        assert lease.expected_shared_bytes() == 0  # later calls of the load work
+        assert lease._client.timeout_s == 10
+    finally:
+        lease.close()
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+
+
 def test_a_daemon_slower_to_start_than_asked_is_a_registry_unavailable_not_a_crash(tmp_path):
     """On a busy machine the daemon's launcher can take longer than the caller waits: that is
     `RegistryUnavailable` (an engine's lease retries on it), never ``subprocess.TimeoutExpired``

@@ -188,7 +188,8 @@ class RegistryClient:
         `release`.  Every round trip's request is checked as the registry will check it before
         the first is sent; when a later round trip fails all the same, the descriptors of the
         earlier ones are closed and, the registry having recorded their holds, so is this
-        connection (Note [a reply that cannot be read])."""
+        connection (Note [a reply that cannot be read]), unless the registry hung up: its holds
+        went with it, and `hung_up` stays true for the caller's recovery (`lease.Lease._call`)."""
         requests = [m.Acquire(keys[s:s + wire.MAX_FDS], list(uids[s:s + wire.MAX_FDS]) if uids else [])
                     for s in range(0, len(keys), wire.MAX_FDS)]
         for request in requests:  # ProtocolError: a key or uid the registry would refuse; nothing sent
@@ -216,7 +217,7 @@ class RegistryClient:
         except BaseException as e:
             for found in out.values():
                 os.close(found.fd)
-            if done and self.closed_by_us is None and self._sock.fileno() >= 0:
+            if done and self.closed_by_us is None and self._sock.fileno() >= 0 and not self.hung_up():
                 self.abandon(f"acquire round trip {done + 1} failed after {done} recorded holds ({e})")
             raise
         return list(out.values())

@@ -529,14 +529,16 @@ class Lease:
     def _reopen(self, timeout_s: float, start: bool = True) -> RegistryClient:
         """A new connection to ``self.path``: to the daemon this lease was given the launch of
         (waited for once), else to whatever answers there, else, with ``start``, to a daemon
-        started now where that is what served this engine."""
+        started now where that is what served this engine.  ``timeout_s`` bounds the waits for a
+        daemon; the connection's replies get the lease's own timeout, for the engine's life (a
+        window's remainder there would make a later slow reply close it)."""
         launch, self._launch = self._launch, None
         if launch is not None:
             return launch.connect(timeout_s)
         try:
-            return RegistryClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
+            return RegistryClient(self.path, timeout_s=self._timeout_s)
         except RegistryUnavailable:
             if self._start_daemon is None or not start:
                 raise
         self._start_daemon(self.path, timeout_s=timeout_s)
-        return RegistryClient(self.path, timeout_s=min(timeout_s, self._timeout_s))
+        return RegistryClient(self.path, timeout_s=self._timeout_s)

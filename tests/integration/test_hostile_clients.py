@@ -446,6 +446,55 @@ def test_a_lease_out_of_descriptors_after_the_registry_recorded_a_hold_leaves_no
         owner.close()
 
 
+def test_a_lease_out_of_descriptors_midway_through_an_acquire_keeps_what_it_held_as_it_was(published, monkeypatch):
+    """The lease already maps segment A once; an acquire of A and a new segment B fails at B's
+    ``dup`` (both have a uid, so the lease keeps a descriptor of each to re-register them).  The
+    engine got nothing from that acquire, so the lease must still count one use of A: the
+    engine's one release lets it go, also after the watcher re-registered what is held."""
+    import errno
+
+    from vllm_dedup.registry import lease as lease_module
+    from vllm_dedup.registry.lease import Lease
+
+    owner = RegistryClient(published.path)
+    owner.hello("owner", "cpu", "default")
+    keys = ["uint8[8192]/[1]:" + digit * 32 for digit in "ab"]
+    for key, uid in zip(keys, ("a" * 32, "b" * 32)):
+        fd = memfd(NBYTES)
+        owner.publish(fd, NBYTES, [(key, 0, NBYTES)], uid=uid)
+        os.close(fd)
+    lease = Lease(RegistryClient(published.path), "reader", "cpu", "default", "sig")
+    (mapped,) = lease.acquire(keys[:1])
+    os.close(mapped.fd)
+    lease.watch()
+    before = lease.reregistrations
+
+    def dup(fd):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(lease_module.os, "dup", dup)
+    try:
+        with pytest.raises(RegistryUnavailable, match="out of descriptors"):
+            lease.acquire(keys)
+        monkeypatch.undo()
+        assert wait_for(lambda: lease.reregistrations == before + 1)  # the watcher gave the registry what is held
+        lease.release([mapped.segment])  # the engine's one use
+        assert wait_for(lambda: engine_holds(published, lease.engine_id) == 0), "the reader still holds A"
+        with published._mutex:
+            holders = sorted(len(s.holders) for s in published.registry.segments.values())
+        assert holders == [1, 1, 1], holders  # each held by its publisher alone
+    finally:
+        monkeypatch.undo()
+        lease.close()
+        owner.close()
+
+
+def engine_holds(server: RegistryServer, engine_id: int) -> int:
+    """How many segments the registry records engine ``engine_id`` as holding."""
+    with server._mutex:
+        return sum(engine_id in s.holders for s in server.registry.segments.values())
+
+
 def test_an_acquire_of_many_round_trips_that_fails_leaves_no_hold(published, monkeypatch):
     """An acquire of more keys than one reply can carry descriptors for goes in round trips,
     and the registry records each one's holds as it answers.  A key the registry would refuse

@@ -166,19 +166,20 @@ class Lease:
         with self._lock:
             self._check_locks()
             found = self._call(lambda c: c.acquire(keys, uids))
-            for seg in found:
-                lease_id = self._by_registry.get(seg.segment)
-                if lease_id is None and seg.uid:
-                    lease_id = self._by_uid.get(seg.uid)
+            known = [self._known(seg) for seg in found]
+            kept: dict[int, int] = {}  # registry id -> this lease's own descriptor of a new segment
+            try:  # every descriptor first: a failure then leaves what the lease holds as it was
+                for seg, lease_id in zip(found, known):
+                    if lease_id is None and seg.uid:
+                        kept[seg.segment] = os.dup(seg.fd)
+            except OSError as e:  # out of descriptors: these holds cannot be kept
+                for fd in [*kept.values(), *(unkept.fd for unkept in found)]:
+                    os.close(fd)
+                raise self._lost_track(f"acquire: {e}") from None
+            for seg, lease_id in zip(found, known):
                 if lease_id is None:
-                    try:
-                        fd = os.dup(seg.fd) if seg.uid else -1
-                    except OSError as e:  # out of descriptors: these holds cannot be kept
-                        for unkept in found:
-                            os.close(unkept.fd)
-                        raise self._lost_track(f"acquire: {e}") from None
                     lease_id = next(self._ids)
-                    self._held[lease_id] = _Held(fd, seg.nbytes, seg.uid, seg.segment)
+                    self._held[lease_id] = _Held(kept.get(seg.segment, -1), seg.nbytes, seg.uid, seg.segment)
                     if seg.uid:
                         self._by_uid[seg.uid] = lease_id
                 else:
@@ -190,6 +191,14 @@ class Lease:
                 seg.segment = lease_id
                 seg.hits = [dataclasses.replace(hit, segment=lease_id) for hit in seg.hits]
             return found
+
+    def _known(self, seg: SegmentHits) -> int | None:
+        """This lease's id of a segment an acquire returned, if it holds it already (by its id
+        in this registry, or by its uid across restarts); else None."""
+        lease_id = self._by_registry.get(seg.segment)
+        if lease_id is None and seg.uid:
+            lease_id = self._by_uid.get(seg.uid)
+        return lease_id
 
     def _lost_track(self, why: str) -> RegistryUnavailable:
         """The registry recorded holds that this lease cannot keep (no descriptor left to keep

@@ -286,3 +286,40 @@ def test_a_uid_names_a_segment_only_in_its_own_device_and_group(reg):
     reg.drop_engine(other)  # frees the other device's copy; the first pair's uid stays
     assert 102 in reg.closed
     assert [h.segment for h in reg.acquire(engine(reg, 5), ["k"], uids=["u"])] == [first]
+
+
+def test_a_daemon_started_under_a_low_descriptor_limit_raises_it_to_the_hard_one(tmp_path):
+    """Each segment published keeps a registry descriptor (a CPU engine publishes one per
+    tensor); an engine run from a script often has a soft limit of 1024, which its daemon
+    inherits.  A real daemon, started from a child with a soft limit of 256."""
+    import resource
+    import subprocess
+    import sys
+    import textwrap
+
+    from harness.procs import processes_matching
+    from helpers import wait_for
+    from vllm_dedup.registry.client import registry_stats, shutdown_registry
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    expected = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    if expected <= 256:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    code = textwrap.dedent("""
+        import resource, sys
+        from pathlib import Path
+        from vllm_dedup.registry.daemon import start_daemon
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        start_daemon(Path(sys.argv[1]), idle_exit_s=30)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(sock)], capture_output=True, text=True, timeout=120)
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        pid = registry_stats(sock).registry_pid
+        with open(f"/proc/{pid}/limits") as f:
+            (line,) = [line for line in f if line.startswith("Max open files")]
+        assert int(line.split()[3]) == expected, line
+    finally:
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 30)

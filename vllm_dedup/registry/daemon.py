@@ -23,7 +23,7 @@ from pathlib import Path
 from ..config import is_finite_number
 from ..errors import RegistryUnavailable
 from .client import RegistryClient
-from .server import RegistryServer
+from .server import RegistryServer, raise_descriptor_limit
 from .state import RECLAIM_GRACE_S, Registry
 from .wire import ensure_private_dir, socket_path
 
@@ -361,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if lock is None:
         return 0  # another daemon owns this socket (Note [one daemon per socket])
     server = None
+    raise_descriptor_limit()
     try:
         server = RegistryServer(Registry(keep_warm_s=args.keep_warm_s), path, reclaim_grace_s=grace_s,
                                 awaited_pid=args.awaits_pid).start()

@@ -22,7 +22,7 @@ from ..errors import RegistryUnavailable
 from ..log import init_logger
 from .metrics import RegistryMetrics
 from .nodes import HEAD_RESOURCE, node_socket_path, ray_node, this_node
-from .server import RegistryServer
+from .server import RegistryServer, raise_descriptor_limit
 from .state import Registry, RegistryStats
 
 __all__ = ["ACTOR_PREFIX", "NodeRegistry", "RegistryActor", "actor_name", "ensure_actor", "node_registries",
@@ -45,6 +45,7 @@ class RegistryActor:
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
+        raise_descriptor_limit()  # a process of its own (a detached actor)
         self.server = RegistryServer(Registry(keep_warm_s=keep_warm_s), Path(path)).start()
         self.metrics = RegistryMetrics(self.server.stats, node=self.node_id).start()
         # A registry stopped through its socket (`client.shutdown_registry`) takes its actor

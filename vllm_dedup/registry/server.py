@@ -61,6 +61,23 @@ EXPIRE_EVERY_S = 0.5
 SELECT_TIMEOUT_S = 0.1  # how soon the loop sees `stop` and a paused listener's time is up
 
 
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (at most 2**20) and return
+    the soft limit now.  For a process that serves a registry and nothing else (the daemon, the
+    Ray actor): every segment published keeps one of its descriptors (a CPU engine publishes one
+    per tensor, so a few models pass the 1024 an engine started from a script often has, and the
+    registry would stop accepting connections).  A limit that cannot be raised stays as it is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target
+
+
 def default_max_connections() -> int:
     """Half of this process's descriptors (``RLIMIT_NOFILE``), at most 4096: the other half
     holds segments and the descriptors of replies in flight."""

@@ -159,6 +159,9 @@ BAD_FIELDS = [
     ({"op": "report", "load": {"collisions": -3}}, "request 'report': load 'collisions' must be an int >= 0"),
     ({"op": "report", "load": {"shared_bytes": "x"}}, "request 'report': load 'shared_bytes' must be an int >= 0"),
     ({"op": "report", "load": {f"n{i}": i for i in range(100)}}, "request 'report': load holds 100 entries"),
+    # Each report goes into every stats reply: one of 1 MB strings from 17 engines refused stats to all.
+    ({"op": "report", "load": {"note": "a" * 5000}}, "request 'report': load 'note' is over 4096 characters"),
+    ({"op": "report", "load": {"n": 2**64}}, "request 'report': load 'n' does not fit in 64 bits"),
     ({"op": "lock", "names": ["x" * 5000]}, "field 'names'[0] holds 5000 characters"),
     ({"op": "release", "segments": [1.5]}, "field 'segments'[0] must be int, got float"),
     ({"op": "x" * 100_000}, "unknown op 'xxxxxxxx"),

@@ -457,6 +457,41 @@ def test_an_engine_that_starts_the_daemon_waits_for_it_only_when_failures_stop_i
         lease.close()
 
 
+def test_an_engine_connects_to_a_registry_whose_stats_are_too_big_to_send(tmp_path, monkeypatch):
+    """Every engine's locks, hello strings and report go into each `stats` reply, which has a
+    size limit (`wire.MAX_REPLY`): 70 clients holding 64 locks of 4096-character names each
+    pass it.  An engine connecting asks which process serves the registry without a request
+    (``SO_PEERCRED``), so it still connects and loads with sharing."""
+    from vllm_dedup.registry import wire
+
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "no-ray"))
+    sock = tmp_path / "run" / "vllm-dedup.sock"
+    start_daemon(sock)
+    holders = []
+    try:
+        for i in range(70):
+            client = RegistryClient(sock)
+            client.hello(f"holder-{i}", "cpu", "default")
+            client.lock([f"{i}-{j}-".ljust(4096, "x") for j in range(64)], timeout_s=5)
+            holders.append(client)
+        with pytest.raises(RegistryUnavailable, match=f"exceeds the limit of {wire.MAX_REPLY}"):
+            registry_stats(sock)
+        lease = EngineSession().connect(DedupConfig(registry_address="local"), "model-a", "cpu", "sig")
+        assert lease is not None, "the engine fell back to loading privately"
+        try:
+            assert lease.get_recipes("sig") == [] and lease.engine_id is not None
+        finally:
+            lease.close()
+    finally:
+        for client in holders:
+            client.close()
+        assert wait_for(lambda: stats_or_none(sock) is not None)  # small again
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+
+
 @pytest.mark.parametrize("on_error", ["fallback", "fail"])
 def test_a_start_up_lock_on_a_daemon_that_cannot_start_never_stops_a_fallback_engine(tmp_path, monkeypatch,
                                                                                      on_error):

@@ -184,7 +184,7 @@ class EngineSession:
                     return Lease(found, model, device_key, config.share_group, signature, restart,
                                  timeout_s=config.registry_timeout_s)
                 found = found.connect()
-            elif not is_daemon(found.stats().registry_pid):
+            elif not is_daemon(found.registry_pid):  # no request: a stats reply may be refused as too big
                 restart = None
             return Lease(found, model, device_key, config.share_group, signature, restart,
                          timeout_s=config.registry_timeout_s)

@@ -213,7 +213,9 @@ class Release(Message, op="release"):
 @dataclass(frozen=True)
 class Report(Message, op="report"):
     """The engine's load outcome: numbers and strings (others are dropped); ``collisions`` and
-    ``shared_bytes``, which `state.Registry.stats` totals, are ints >= 0."""
+    ``shared_bytes``, which `state.Registry.stats` totals, are ints >= 0.  Every string value
+    holds at most `MAX_STRING` characters and every int fits in 64 bits: each engine's report
+    goes into every `stats` reply, which has a size limit of its own."""
 
     load: dict
 
@@ -224,6 +226,11 @@ class Report(Message, op="report"):
             raise ProtocolError(f"{self._what()}: load holds {len(self.load)} entries; the limit is {self.MAX_ENTRIES}")
         if long := [k for k in self.load if len(k) > 64]:
             raise ProtocolError(f"{self._what()}: load key {brief(long[0])} is over 64 characters")
+        for name, value in self.load.items():
+            if isinstance(value, str) and len(value) > MAX_STRING:
+                raise ProtocolError(f"{self._what()}: load {name!r} is over {MAX_STRING} characters")
+            if isinstance(value, int) and not _INT64.low <= value <= _INT64.high:
+                raise ProtocolError(f"{self._what()}: load {name!r} does not fit in 64 bits")
         for name in ("collisions", "shared_bytes"):
             value = self.load.get(name, 0)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_BYTES:

@@ -795,3 +795,31 @@ def test_an_engine_stores_no_manifest_for_a_file_changed_just_before_it_took_its
     assert write_manifests([path], {path: identity}, keys, cache, racy_ns) == 0
     assert write_manifests([path], {path: identity}, keys, cache, racy_ns + 1) == 1
     assert cache.get(identity) is not None
+
+
+def test_a_mistral_format_folder_takes_no_fast_path_under_auto(tmp_path):
+    """vLLM's ``auto`` format reads ``consolidated*.safetensors`` (Mistral names, q and k
+    permuted) wherever the folder has one, not the HF files beside it, so keys taken from those
+    would describe files vLLM never reads; an explicit ``safetensors`` format reads the HF files."""
+    import types
+
+    from safetensors.torch import save_file
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from vllm_dedup.config import DedupConfig
+    from vllm_dedup.engine.fast_path import fast_path_files
+
+    save_file({"w": torch.ones(4)}, tmp_path / "model-00001-of-00001.safetensors")
+    save_file({"w": torch.ones(4)}, tmp_path / "consolidated.safetensors")
+
+    def files(inner_format: str):
+        ctx = types.SimpleNamespace(
+            config=DedupConfig(inner_load_format=inner_format), model_config=types.SimpleNamespace(model=str(tmp_path)),
+            vllm_config=types.SimpleNamespace(parallel_config=types.SimpleNamespace(enable_expert_parallel=False)))
+        return fast_path_files(ctx, DefaultModelLoader(LoadConfig(load_format=inner_format)))
+
+    found, why = files("auto")
+    assert found is None and "Mistral-format folder" in why
+    found, why = files("safetensors")
+    assert why == "" and [f.name for f in found] == ["consolidated.safetensors", "model-00001-of-00001.safetensors"]

@@ -78,6 +78,10 @@ def fast_path_files(ctx: LoadContext, inner) -> tuple[list[Path] | None, str]:
         return None, f"inner load format {config.inner_load_format!r} has no recipes"
     if ctx.vllm_config.parallel_config.enable_expert_parallel:
         return None, "expert parallelism filters the checkpoint per rank"
+    if config.inner_load_format == "auto" and any(Path(ctx.model_config.model).glob("consolidated*.safetensors")):
+        # vLLM's auto format then reads the Mistral layout (DefaultModelLoader._prepare_weights:
+        # consolidated*.safetensors, other names, q/k permuted), not the HF files beside it.
+        return None, "a Mistral-format folder (consolidated*.safetensors), which vLLM reads in place of its HF files"
     files = checkpoint_files(ctx.model_config.model)
     return (files, "") if files else (None, "not a local folder of safetensors files")
 

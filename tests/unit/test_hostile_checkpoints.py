@@ -39,7 +39,8 @@ CRAFTED = {
     "shape not a list": ({"w": {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}}, "shape"),
     "three offsets": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 9]}}, "data_offsets"),
     "entry not an object": ({"w": [1, 2]}, "malformed"),
-    "unknown dtype": ({"w": _entry(dtype="F13")}, "cannot read into torch"),
+    "unknown dtype": ({"w": _entry(dtype="F13")}, "which vllm-dedup does not read"),
+    "a sub-byte dtype": ({"w": _entry(0, 64, (128,), dtype="F4")}, "which vllm-dedup does not read"),
     "a gap before a tensor": ({"w": _entry(8, 64, (14,))}, "8 bytes before tensor 'w' belong to no tensor"),
     "bytes after the last": ({"w": _entry(0, 60, (15,))}, "the last 4 bytes of the data section belong to no tensor"),
     "metadata not a map": ({"__metadata__": 5, "w": _entry()}, "__metadata__ is not a map"),
@@ -446,3 +447,18 @@ def test_a_header_past_safetensors_own_limit_is_refused_before_it_is_read(tmp_pa
     path.write_bytes(struct.pack("<Q", 100_000_001) + b"{}")  # safetensors: 100,000,000 bytes at most
     with pytest.raises(CheckpointError, match="over the 100000000-byte limit"):
         SafetensorsFile(path)
+
+
+def test_a_dtype_safetensors_reads_but_its_save_table_lacks_is_read(tmp_path):
+    """``F8_E8M0`` (MX block scales): safetensors reads it into torch's float8_e8m0fnu, though
+    the private table of its save path lacks it (this reader keeps a table of its own)."""
+    path = tmp_path / "model.safetensors"
+    _write(path, {"s": _entry(0, 64, (8, 8), dtype="F8_E8M0")}, bytes(range(64)))
+    with SafetensorsFile(path) as f:
+        (entry,) = f.entries()
+        assert (entry.dtype, entry.shape, entry.nbytes) == ("float8_e8m0fnu", (8, 8), 64)
+        assert bytes(f.data("s")) == bytes(range(64))
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:  # what vLLM's iterator reads
+        assert f.get_tensor("s").dtype == torch.float8_e8m0fnu

@@ -177,6 +177,26 @@ def register_reader(*suffixes: str) -> Callable[[type[WeightFile]], type[WeightF
     return wrap
 
 
+# The safetensors format's dtype names and torch's dtypes of one element each (the format's
+# spec, safetensors/src/tensor.rs `Dtype`); torch's name where this torch has the dtype.  The
+# sub-byte types (F4, F6_E2M3, F6_E3M2) are left out: torch holds two F4 in one element, so a
+# safetensors shape would not be a torch shape.
+_SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+    "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+def safetensors_dtype(name):
+    """torch's dtype for a safetensors dtype name (``"BF16"``), or None: a name the format does
+    not have, a sub-byte type, or one this torch lacks."""
+    import torch
+
+    return getattr(torch, _SAFETENSORS_DTYPES.get(name, ""), None) if isinstance(name, str) else None
+
+
 @register_reader(".safetensors")
 class SafetensorsFile(WeightFile):
     """A ``.safetensors`` file, per the format's documented layout: an 8-byte little-endian
@@ -235,8 +255,6 @@ class SafetensorsFile(WeightFile):
         distance is the shape's size; the tensors, in order of their offsets, covering the data
         section with neither gap nor overlap.  The checked values are what is kept (a string or
         a float where an integer belongs is refused, never converted)."""
-        from safetensors.torch import _getdtype
-
         def no_constant(name: str):
             raise ValueError(f"{name} is not a number JSON allows")
 
@@ -267,12 +285,12 @@ class SafetensorsFile(WeightFile):
                 if not isinstance(info, dict):
                     raise TypeError("not an object")
                 dtype = info["dtype"]
-                try:
-                    itemsize = _getdtype(dtype).itemsize
-                except KeyError:  # a dtype newer than this safetensors.torch: the file is fine
-                    raise CheckpointError(self.path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}, which the "
-                                          "installed safetensors cannot read into torch: it is loaded as "
-                                          "usual, not shared (a newer safetensors may know it)") from None
+                torch_dtype = safetensors_dtype(dtype)
+                if torch_dtype is None:  # the format's sub-byte types (F4, F6_*), or one newer than this code
+                    raise CheckpointError(self.path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}, which vllm-dedup "
+                                          "does not read (not a whole number of bytes per element in torch, or "
+                                          "unknown here): an engine loads such a file as usual, unshared")
+                itemsize = torch_dtype.itemsize
                 shape, offsets = info["shape"], info["data_offsets"]
                 if not isinstance(shape, list) or len(shape) > self.MAX_RANK or not _naturals(shape):
                     raise ValueError(f"shape {str(shape)[:80]} is not a list of at most {self.MAX_RANK} "
@@ -307,13 +325,12 @@ class SafetensorsFile(WeightFile):
         return self._header
 
     def entries(self) -> list[TensorEntry]:
-        from safetensors.torch import _getdtype
-
         out = []
         for name in self._names:
             info = self._layout[name]
             start, end = info["data_offsets"]
-            out.append(TensorEntry(name, dtype_name(_getdtype(info["dtype"])), tuple(info["shape"]), end - start))
+            out.append(TensorEntry(name, dtype_name(safetensors_dtype(info["dtype"])), tuple(info["shape"]),
+                                   end - start))
         return out
 
     def byte_range(self, name: str) -> tuple[int, int]:

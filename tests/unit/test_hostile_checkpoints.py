@@ -462,3 +462,45 @@ def test_a_dtype_safetensors_reads_but_its_save_table_lacks_is_read(tmp_path):
 
     with safe_open(path, "pt") as f:  # what vLLM's iterator reads
         assert f.get_tensor("s").dtype == torch.float8_e8m0fnu
+
+
+def _gguf_header(tensor_count: int, kv: bytes, kv_count: int = 1) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count) + kv
+
+
+@pytest.mark.parametrize("case", ["2**40 strings", "a million strings", "2**40 keys", "2**40 tensors",
+                                  "an array past the file"])
+def test_a_gguf_whose_metadata_claims_more_than_it_holds_is_refused_before_it_is_parsed(tmp_path, case):
+    """The gguf reader builds several numpy objects per string of a metadata array (about 1.6
+    KB each): a sparse file of 32 MiB (4 KB on disk) claiming 2**40 strings took 6.4 GB and a
+    minute before it failed.  Counts are checked against the file and limits first."""
+    import resource
+    import time
+
+    from vllm_dedup.checkpoint.readers import GGUFFile
+
+    key = struct.pack("<Q", 1) + b"k"
+    array = {"2**40 strings": (8, 1 << 40), "a million strings": (8, (1 << 20) + 1), "an array past the file": (4, 1 << 30)}
+    if case in array:
+        item, count = array[case]
+        header, words = _gguf_header(0, key + struct.pack("<IIQ", 9, item, count)), (
+            "runs past the end of the file" if case == "an array past the file" else "strings in arrays")
+    else:
+        tensors, keys = (1 << 40, 1) if case == "2**40 tensors" else (0, 1 << 40)
+        header, words = _gguf_header(tensors, b"", keys), "the file is corrupt or crafted"
+    path = tmp_path / "model.gguf"
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(32 << 20)  # zeros: each a string of length 0, sparse on disk
+    before, begin = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    with pytest.raises(CheckpointError, match=words):
+        GGUFFile(path)
+    assert time.monotonic() - begin < 20
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB: under 200 MiB more
+
+
+def test_a_real_gguf_passes_the_metadata_check(gguf_path):
+    from vllm_dedup.checkpoint.readers import GGUFFile
+
+    with GGUFFile(gguf_path) as f:
+        assert len(f.entries()) > 100

@@ -401,10 +401,18 @@ class GGUFFile(WeightFile):
 
     format = "gguf"
 
+    # Strings in the metadata's arrays, in all: the gguf reader makes several numpy objects for
+    # each (about 1.6 KB of memory), so a sparse file claiming 2**40 of them took gigabytes
+    # before it failed.  A tokenizer's tokens and merges are well under a million together.
+    MAX_METADATA_STRINGS = 1 << 20
+    MAX_METADATA_KEYS = 1 << 16  # a model's file has about fifty
+    MAX_TENSORS = 1 << 20  # a mixture of experts with a tensor per expert has tens of thousands
+
     def __init__(self, path: Path):
         super().__init__(path)
         import gguf
 
+        self._check_metadata()
         try:
             self._reader = gguf.GGUFReader(str(path))
         except ValueError as e:
@@ -418,6 +426,73 @@ class GGUFFile(WeightFile):
         except Exception as e:  # the reader raises bare errors on garbage input
             raise CheckpointError(path, f"not a readable GGUF file ({type(e).__name__}: {e})")
         self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def _check_metadata(self) -> None:
+        """Walk the key-value section as the GGUF spec lays it out (ggml/docs/gguf.md), each
+        count checked against the bytes left in the file, the strings of its arrays against
+        `MAX_METADATA_STRINGS` and the counts of keys and tensors against theirs, before the
+        ``gguf`` reader builds objects for each (a crafted file of a few KB on disk, sparse,
+        made it use gigabytes).  Fields of
+        another byte order or an unknown layout are left to the reader to refuse.
+
+        Raises:
+            CheckpointError: a count the file cannot hold, or too many strings.
+        """
+        fixed = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType sizes
+        STRING, ARRAY = 8, 9
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                return  # the reader says what is missing
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with data:
+            magic, version = struct.unpack_from("<4sI", data, 0)
+            if magic != b"GGUF" or version not in (2, 3):  # big-endian, or not GGUF: the reader's to refuse
+                return
+            offset, strings = 24, 0
+            tensor_count, kv_count = struct.unpack_from("<QQ", data, 8)
+            if kv_count > self.MAX_METADATA_KEYS or tensor_count > self.MAX_TENSORS:
+                raise CheckpointError(self.path, f"it claims {kv_count} metadata keys and {tensor_count} tensors (at "
+                                                 f"most {self.MAX_METADATA_KEYS} and {self.MAX_TENSORS} are read); "
+                                                 "the file is corrupt or crafted")
+
+            def take(nbytes: int, what: str) -> int:
+                nonlocal offset
+                if nbytes > size - offset:
+                    raise CheckpointError(self.path, f"its metadata's {what} runs past the end of the file "
+                                                     f"({nbytes} bytes at byte {offset}); the file is corrupt")
+                offset += nbytes
+                return offset - nbytes
+
+            def string(what: str) -> None:
+                (length,) = struct.unpack_from("<Q", data, take(8, what))
+                take(length, what)
+
+            for _ in range(kv_count):
+                string("key")
+                (kind,) = struct.unpack_from("<I", data, take(4, "value type"))
+                if kind == STRING:
+                    string("string value")
+                elif kind == ARRAY:
+                    item, count = struct.unpack_from("<IQ", data, take(12, "array header"))
+                    if item in fixed:
+                        take(count * fixed[item], "array")
+                    elif item == STRING:
+                        strings += count
+                        if strings > self.MAX_METADATA_STRINGS:
+                            raise CheckpointError(self.path, f"its metadata holds over {self.MAX_METADATA_STRINGS} "
+                                                             "strings in arrays (a tokenizer has under a million); "
+                                                             "the file is corrupt or crafted")
+                        take(count * 8, "string array")  # each at least its length
+                        offset -= count * 8
+                        for _ in range(count):
+                            string("string array")
+                    else:
+                        return  # nested arrays: the reader's own limits
+                elif kind in fixed:
+                    take(fixed[kind], "value")
+                else:
+                    return  # an unknown type: the reader refuses it, saying which
 
     def header(self) -> bytes:
         with open(self.path, "rb") as f:

@@ -323,3 +323,44 @@ def test_a_daemon_started_under_a_low_descriptor_limit_raises_it_to_the_hard_one
     finally:
         shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 30)
+
+
+def test_re_publishing_a_segment_adds_keys_up_to_a_limit_and_a_lookup_by_uid_is_direct(reg):
+    """A publish naming a known uid costs the registry no descriptor, and each may name up to
+    `messages.MAX_ITEMS` keys: a peer repeating it grew one segment without bound (and each
+    acquire by uid scanned its keys).  Keys stop at `MAX_SEGMENT_KEYS`; a key past it is not
+    indexed (a freed segment must take every key the index names for it along)."""
+    from vllm_dedup.registry.state import MAX_SEGMENT_KEYS
+
+    owner, peer = engine(reg, 1), engine(reg, 2)
+    seg = reg.publish(owner, 101, 4096, [("a", 0, 8)], uid="u")
+    for round_ in range(3):
+        reg.publish(peer, 200 + round_, 4096, [(f"{round_}-{i}", 0, 8) for i in range(MAX_SEGMENT_KEYS // 2)], uid="u")
+    assert len(reg.segments[seg].keys) == MAX_SEGMENT_KEYS == len(reg.segments[seg].where)
+    assert (GPU0, "default", "2-0") not in reg.index and (GPU0, "default", "1-0") in reg.index
+    reader = engine(reg, 3)
+    assert [(h.segment, h.offset) for h in reg.acquire(reader, ["a", "1-5", "2-0"], uids=["u"] * 3)] == [(seg, 0)] * 2
+    for each in (owner, peer, reader):
+        reg.drop_engine(each)
+    assert seg not in reg.segments and not reg.index  # every key it had went with it
+
+
+def test_an_engine_dropping_many_segments_reindexes_once(reg, monkeypatch):
+    """A CPU engine publishes one segment per tensor; freeing each with a pass over every
+    segment of its pair took time quadratic in them (0.8 s on the serving thread for 700 of
+    6000).  The keys they leave are pointed at other copies in one pass per pair."""
+    keeper, dropped = engine(reg, 1), engine(reg, 2)
+    for i in range(50):
+        reg.publish(keeper, 1000 + i, 4096, [(f"k{i}", 0, 4096)])
+        reg.publish(dropped, 2000 + i, 4096, [(f"k{i}", 0, 4096), (f"own{i}", 0, 8)])
+    reg.drop_engine(keeper)  # the index's copies go: it names the dropped engine's now
+    passes = []
+    original = reg._reindex
+    monkeypatch.setattr(reg, "_reindex", lambda *args: passes.append(args) or original(*args))
+    again = engine(reg, 3)
+    for i in range(50):
+        reg.publish(again, 3000 + i, 4096, [(f"k{i}", 0, 4096)])
+    reg.drop_engine(dropped)
+    assert len(passes) == 1 and passes[0][2] == {f"own{i}" for i in range(50)}  # one pass; no copy of those
+    assert all(reg.index[(GPU0, "default", f"k{i}")][0] in reg.engines[again].segments for i in range(50))
+    assert not any(key.startswith("own") for _, _, key in reg.index)

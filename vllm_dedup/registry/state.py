@@ -51,6 +51,9 @@ MAX_KEPT_RECIPES = 512
 # Locks one engine may hold: a start-up lock per device and the publish lock are what engines
 # take; each is kept while its connection lives and listed by every `stats` reply.
 MAX_LOCKS_PER_ENGINE = 64
+# Keys of one segment: one publish names at most `messages.MAX_ITEMS`; re-registrations of it
+# (uid) name subsets of the same keys, so only a peer naming new ones could pass this.
+MAX_SEGMENT_KEYS = 1 << 16
 # Seconds a registry that replaced a dead one refuses new locks (reclaims are granted): live
 # engines notice the death at once and re-register within about a second (their lease starts a
 # daemon again if needed); ten leaves room for a machine under load.
@@ -76,6 +79,17 @@ class SegmentEntry:
     idle_since: float | None = None
     deferred: bool = False  # unheld, kept because its device's start-up lock is held
     uid: str = ""  # drawn by its publisher; names it across registry restarts
+    where: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)  # key -> its first (offset, bytes)
+
+    def __post_init__(self):
+        self.add_keys(self.keys, listed=True)
+
+    def add_keys(self, keys: list[tuple[str, int, int]], listed: bool = False) -> None:
+        """Record ``keys`` (in ``keys`` already when ``listed``); a key's first place wins."""
+        if not listed:
+            self.keys += keys
+        for key, offset, nbytes in keys:
+            self.where.setdefault(key, (offset, nbytes))
 
 
 @dataclass
@@ -243,8 +257,7 @@ class Registry:
         engine = self.engines.pop(engine_id, None)
         if engine is None:
             return
-        for seg_id in list(engine.segments):
-            self._unhold(seg_id, engine_id)
+        self._free([seg for seg_id in list(engine.segments) if (seg := self._unhold(seg_id, engine_id))])
         self.unlock(engine_id, [n for n, lock in self.locks.items() if engine_id in lock.holders])
 
     # lookups and publishing ------------------------------------------------------------
@@ -270,9 +283,8 @@ class Registry:
         """(segment, offset, bytes) of ``key`` in the segment named ``uid``, if it is resident in
         the engine's (device, group) and holds that key."""
         seg = self.segments.get(self._uids.get((engine.device, engine.group, uid), -1))
-        if seg is None:
-            return None
-        return next(((seg.id, offset, size) for k, offset, size in seg.keys if k == key), None)
+        place = seg.where.get(key) if seg is not None else None
+        return None if place is None else (seg.id, *place)
 
     def publish(self, engine_id: int, fd: int, nbytes: int, keys: list[tuple[str, int, int]], uid: str = "") -> int:
         """Record a segment (the registry now owns ``fd``) holding ``keys``; the publishing
@@ -282,15 +294,17 @@ class Registry:
         A segment whose ``uid`` is already known (engines holding one segment re-register it
         after a registry restart, each with the keys it knows) is not stored twice: ``fd`` is
         closed, the keys that lie within it are added to it (one past its end, from a peer
-        that says another size, could only fail every acquire of that key), and the engine
-        holds it."""
+        that says another size, could only fail every acquire of that key), up to
+        `MAX_SEGMENT_KEYS` in all, and the engine holds it."""
         engine = self.engines[engine_id]
         seg = self.segments.get(self._uids.get((engine.device, engine.group, uid), -1)) if uid else None
         if seg is not None:
             self._close(fd)
-            keys = [k for k in keys if k[1] + k[2] <= seg.nbytes]
             known = set(seg.keys)  # a set: a list scanned per key made a big re-publish quadratic
-            seg.keys += [k for k in keys if k not in known]
+            fresh = list(dict.fromkeys(k for k in keys if k[1] + k[2] <= seg.nbytes and k not in known))
+            fresh = fresh[:max(0, MAX_SEGMENT_KEYS - len(seg.keys))]  # a peer may name any keys, again and again
+            seg.add_keys(fresh)
+            keys = [k for k in keys if k in known] + fresh
         else:
             seg = SegmentEntry(next(self._ids), fd, nbytes, engine.device, engine.group, list(keys), uid=uid)
             self.segments[seg.id] = seg
@@ -303,8 +317,7 @@ class Registry:
 
     def release(self, engine_id: int, seg_ids: list[int]) -> None:
         """The engine no longer maps these segments (e.g. its exact compare failed)."""
-        for seg_id in seg_ids:
-            self._unhold(seg_id, engine_id)
+        self._free([seg for seg_id in dict.fromkeys(seg_ids) if (seg := self._unhold(seg_id, engine_id))])
 
     def report(self, engine_id: int, load: dict) -> None:
         """Record an engine's load outcome (its `engine.context.LoadReport` numbers and load
@@ -401,12 +414,14 @@ class Registry:
         seg.deferred = False
         self.engines[engine_id].segments.add(seg_id)
 
-    def _unhold(self, seg_id: int, engine_id: int) -> None:
+    def _unhold(self, seg_id: int, engine_id: int) -> SegmentEntry | None:
+        """The engine no longer holds the segment; returns it where it is to be freed now (the
+        caller frees it, with the others it let go of, in one `_free`)."""
         seg = self.segments.get(seg_id)
         if engine_id in self.engines:
             self.engines[engine_id].segments.discard(seg_id)
         if seg is None:
-            return
+            return None
         seg.holders.discard(engine_id)
         if not seg.holders:
             if self.keep_warm_s > 0:
@@ -414,31 +429,37 @@ class Registry:
             elif startup_lock_name(seg.device) in self.locks:
                 seg.deferred = True
             else:
-                self._free(seg)
+                return seg
+        return None
 
     def _free_deferred(self, device: str) -> None:
-        for seg in [s for s in self.segments.values() if s.device == device and s.deferred and not s.holders]:
-            self._free(seg)
+        self._free([s for s in self.segments.values() if s.device == device and s.deferred and not s.holders])
 
     def expire(self, now: float | None = None) -> int:
         """Free unheld segments whose keep-warm time is over; returns how many."""
         now = time.monotonic() if now is None else now
         due = [s for s in self.segments.values() if not s.holders and s.idle_since is not None
                and now - s.idle_since >= self.keep_warm_s and startup_lock_name(s.device) not in self.locks]
-        for seg in due:
-            self._free(seg)
+        self._free(due)
         return len(due)
 
-    def _free(self, seg: SegmentEntry, reindex: bool = True) -> None:
-        del self.segments[seg.id]
-        self._uids.pop((seg.device, seg.group, seg.uid), None)
-        orphans = {key for key, _, _ in seg.keys
-                   if self.index.get((seg.device, seg.group, key), (None,))[0] == seg.id}
-        for key in orphans:
-            del self.index[(seg.device, seg.group, key)]
-        if orphans and reindex:
-            self._reindex(seg.device, seg.group, orphans)
-        self._close(seg.fd)
+    def _free(self, segments: list[SegmentEntry], reindex: bool = True) -> None:
+        """Forget these segments and close their descriptors; then point each key the index
+        named them for at another segment that holds it (`_reindex`), once per (device, group)
+        for the whole batch: an engine dropping hundreds of segments (one per tensor on the
+        CPU) reindexed once per segment took time quadratic in the segments."""
+        orphans: dict[tuple[str, str], set[str]] = {}
+        for seg in segments:
+            del self.segments[seg.id]
+            self._uids.pop((seg.device, seg.group, seg.uid), None)
+            for key in seg.where:
+                if self.index.get((seg.device, seg.group, key), (None,))[0] == seg.id:
+                    del self.index[(seg.device, seg.group, key)]
+                    orphans.setdefault((seg.device, seg.group), set()).add(key)
+            self._close(seg.fd)
+        if reindex:
+            for (device, group), keys in orphans.items():
+                self._reindex(device, group, keys)
 
     def _reindex(self, device: str, group: str, keys: set[str]) -> None:
         """Point ``keys`` at another resident segment of (``device``, ``group``) that holds them.
@@ -448,17 +469,15 @@ class Registry:
         over the pair's segments, oldest first, so the index keeps naming the oldest copy."""
         for other in sorted((s for s in self.segments.values() if (s.device, s.group) == (device, group)),
                             key=lambda s: s.id):
-            for key, offset, size in other.keys:
-                if key in keys:
-                    self.index[(device, group, key)] = (other.id, offset, size)
-                    keys.discard(key)
+            for key in [key for key in keys if key in other.where]:
+                self.index[(device, group, key)] = (other.id, *other.where[key])
+                keys.discard(key)
             if not keys:
                 return
 
     def close(self) -> None:
         """Free everything (the registry is shutting down)."""
-        for seg in list(self.segments.values()):
-            self._free(seg, reindex=False)
+        self._free(list(self.segments.values()), reindex=False)
         for kept in self.recipes.values():
             for recipe in kept:
                 self._close(recipe.fd)

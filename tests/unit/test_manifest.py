@@ -157,10 +157,11 @@ def test_a_file_changed_a_moment_ago_is_cached_only_once_its_tick_has_passed(min
     assert hashed == 0 and len(waits) == 2
 
 
-@pytest.mark.parametrize("whose", ["writable by all", "another user's"])
+@pytest.mark.parametrize("whose", ["writable by all", "writable by its group", "another user's"])
 def test_a_cache_folder_others_can_write_is_not_used(minilm, tmp_path, whose):
     """A manifest's keys are trusted without reading the file they name: a cache folder another
-    user owns or may write is neither read nor written, and the file is hashed instead."""
+    user owns or may write (its group too: a team's folder) is neither read nor written, and
+    the file is hashed instead."""
     from vllm_dedup.checkpoint.manifest import ManifestCache, file_manifest
 
     cache_root = tmp_path / "cache"
@@ -169,6 +170,8 @@ def test_a_cache_folder_others_can_write_is_not_used(minilm, tmp_path, whose):
     assert hashed > 0 and len(list((cache_root / "manifests").iterdir())) == 1
     if whose == "writable by all":
         os.chmod(cache_root / "manifests", 0o777)
+    elif whose == "writable by its group":
+        os.chmod(cache_root, 0o2775)
     else:
         os.chown(cache_root, 12345, 12345)  # the tests run as root, who may give it away
     again = ManifestCache(cache_root)

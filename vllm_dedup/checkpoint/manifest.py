@@ -148,9 +148,9 @@ class ManifestCache:
     """Manifests stored as one JSON file per weight-file identity under ``root/manifests``.
 
     ``root=None`` disables the cache (every lookup misses, nothing is written), and so does a
-    ``root`` or ``manifests`` folder that is not this user's or that every user may write: a
-    manifest's keys are trusted without reading the file they name, so one written by somebody
-    else could make an engine map bytes its checkpoint does not hold.
+    ``root`` or ``manifests`` folder that is not this user's or that its group or every user may
+    write: a manifest's keys are trusted without reading the file they name, so one written by
+    somebody else could make an engine map bytes its checkpoint does not hold.
     """
 
     def __init__(self, root: Path | None):
@@ -160,15 +160,18 @@ class ManifestCache:
 
     def _usable(self) -> bool:
         """Whether the cache is on and its folders are this user's (created here, mode 0700, where
-        missing), not writable by all; else the cache is turned off for good, once said."""
+        missing), writable by no one else (neither its group, a team's folder, nor all); else the
+        cache is turned off for good, once said."""
         if self.dir is None or self._checked:
             return self.dir is not None
         try:
             for folder in (self.dir.parent, self.dir):
                 folder.mkdir(mode=0o700, parents=True, exist_ok=True)
                 info = os.lstat(folder)
-                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
-                    raise PermissionError(f"{folder} is not a folder of uid {os.getuid()} that others cannot write")
+                if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+                        or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+                    raise PermissionError(f"{folder} is not a folder of uid {os.getuid()} that no one else can write "
+                                          f"(if it is yours: chmod go-w {folder})")
         except OSError as e:
             logger.warning("manifest cache %s not used (%s); checkpoints are hashed again", self.dir, e)
             self.dir = None

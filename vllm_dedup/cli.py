@@ -214,6 +214,13 @@ def _nonnegative(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = _nonnegative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be >= 1, got 0")
+    return value
+
+
 def _namespace(text: str) -> str:
     if not is_registry_namespace(text):
         raise argparse.ArgumentTypeError(f"{text!r} is no registry namespace: use letters, digits, '-', '_' and '.'")
@@ -245,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument("--min-bytes", type=_nonnegative, default=0, metavar="N", help="ignore tensors under N bytes")
     scan.add_argument("--keep-going", action="store_true", help="report the readable models when others fail")
     scan.add_argument("--no-cache", action="store_true", help="neither read nor write the manifest cache")
-    scan.add_argument("--threads", type=_nonnegative, default=None, metavar="N", help="hashing threads")
+    scan.add_argument("--threads", type=_positive, default=None, metavar="N",
+                      help="hashing threads (default: one per core, at most 8)")
     scan.add_argument("--top", type=_nonnegative, default=10, metavar="N", help="largest shared tensors listed")
     scan.add_argument("--plot", metavar="FILE.png", help="also draw a PNG: a heatmap of the bytes each pair of "
                       "models shares, and each model's shared and unique bytes (needs matplotlib)")

@@ -177,7 +177,7 @@ def test_the_inner_load_format_is_vllms_lower_case_name():
 def test_the_cli_refuses_a_bad_namespace_or_number_in_one_line():
     from vllm_dedup.cli import main
 
-    for argv in (["status", "--namespace", "my ns"], ["scan", "--threads", "x", "."]):
+    for argv in (["status", "--namespace", "my ns"], ["scan", "--threads", "x", "."], ["scan", "--threads", "0", "."]):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2, argv

@@ -109,8 +109,8 @@ def kept_unless_passing(passing: Callable[[object], bool]):
         kept = functools.cache(fn)
 
         @functools.wraps(fn)
-        def ask(*args):
-            answer = kept(*args)
+        def ask(*args, **kwargs):
+            answer = kept(*args, **kwargs)
             if passing(answer):
                 kept.cache_clear()
             return answer

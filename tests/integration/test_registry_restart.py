@@ -308,6 +308,33 @@ def test_a_registry_killed_between_the_round_trips_of_an_acquire_is_recovered_fr
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
 
 
+def test_a_load_report_with_a_long_string_is_cut_and_re_registers(tmp_path, monkeypatch):
+    """An engine's report may hold an exception's text (why packed weights stay private); the
+    registry refuses a string over `messages.MAX_STRING`.  The lease sends it cut, and sends
+    the same again when it re-registers: kept as given, it failed every re-registration."""
+    from vllm_dedup.registry.messages import MAX_STRING
+
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    sock = run / "vllm-dedup.sock"
+    start_daemon(sock)
+    lease = Lease(RegistryClient(sock, timeout_s=10), "m", "cpu", "default", "sig", start_daemon, timeout_s=10)
+    try:
+        lease.report({"private_linears": "x" * (MAX_STRING + 100), "huge": 1 << 70, "load_path": "none"})
+        lease.watch()
+        old = registry_stats(sock)
+        os.kill(old.registry_pid, signal.SIGKILL)
+        assert wait_for(lambda: (s := stats_or_none(sock)) is not None and s.registry_pid != old.registry_pid
+                        and [e.load.get("reregistered") for e in s.engines] == [1], timeout_s=30), stats_or_none(sock)
+        (engine,) = registry_stats(sock).engines
+        assert engine.load["private_linears"] == "x" * MAX_STRING and "huge" not in engine.load
+        assert engine.load["load_path"] == "none"
+    finally:
+        lease.close()
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+
+
 def test_a_daemon_slower_to_start_than_asked_is_a_registry_unavailable_not_a_crash(tmp_path):
     """On a busy machine the daemon's launcher can take longer than the caller waits: that is
     `RegistryUnavailable` (an engine's lease retries on it), never ``subprocess.TimeoutExpired``

@@ -151,3 +151,25 @@ def test_a_seal_try_that_failed_for_want_of_descriptors_is_tried_again():
     assert "Too many open files" in refusal and "kernel" not in refusal, refusal
     assert then is True, "the failed try was kept"
     assert read_only is False  # a writable segment, made now
+
+
+def test_an_answer_kept_unless_it_may_pass_is_asked_again_only_then():
+    """`errors.kept_unless_passing`, the rule of the seal try, the oneDNN probe and vllm_packs:
+    an answer is kept per arguments (given by position or by name) unless the failure behind
+    it may pass."""
+    import errno
+
+    from vllm_dedup.errors import kept_unless_passing, out_of_descriptors_or_memory
+
+    asked = []
+
+    @kept_unless_passing(lambda answer: answer[1])
+    def ask(name: str = "a", fail: bool = False):
+        asked.append(name)
+        error = OSError(errno.EMFILE, "Too many open files") if fail else None
+        return name, out_of_descriptors_or_memory(error)
+
+    assert ask("a") == ("a", False) and ask("a") == ("a", False) and asked == ["a"]
+    assert ask(name="b") == ask(name="b") and asked == ["a", "b"]
+    assert ask("c", fail=True) == ("c", True) and ask("c", fail=True) == ("c", True)
+    assert asked == ["a", "b", "c", "c"]  # a passing answer is asked again (and forgets the others)

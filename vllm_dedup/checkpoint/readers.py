@@ -401,10 +401,12 @@ class GGUFFile(WeightFile):
 
     format = "gguf"
 
-    # Strings in the metadata's arrays, in all: the gguf reader makes several numpy objects for
-    # each (about 1.6 KB of memory), so a sparse file claiming 2**40 of them took gigabytes
-    # before it failed.  A tokenizer's tokens and merges are well under a million together.
-    MAX_METADATA_STRINGS = 1 << 20
+    # Elements of the metadata's arrays, in all: the gguf reader builds numpy objects for each
+    # (about 1.6 KB of memory per string, 0.7 KB per number), so a sparse file claiming 2**40
+    # strings took gigabytes before it failed.  A tokenizer's tokens, scores, types and merges
+    # are at most about 1.1 million together (Llama 3, Gemma 3).
+    MAX_METADATA_ITEMS = 1 << 21
+    MAX_NESTING = 8  # arrays of arrays
     MAX_METADATA_KEYS = 1 << 16  # a model's file has about fifty
     MAX_TENSORS = 1 << 20  # a mixture of experts with a tensor per expert has tens of thousands
 
@@ -428,15 +430,15 @@ class GGUFFile(WeightFile):
         self._tensors = {t.name: t for t in self._reader.tensors}
 
     def _check_metadata(self) -> None:
-        """Walk the key-value section as the GGUF spec lays it out (ggml/docs/gguf.md), each
-        count checked against the bytes left in the file, the strings of its arrays against
-        `MAX_METADATA_STRINGS` and the counts of keys and tensors against theirs, before the
-        ``gguf`` reader builds objects for each (a crafted file of a few KB on disk, sparse,
-        made it use gigabytes).  Fields of
-        another byte order or an unknown layout are left to the reader to refuse.
+        """Walk the key-value section as the GGUF spec lays it out (ggml/docs/gguf.md; in the
+        byte order the version field shows, as the ``gguf`` reader tells it), each count checked
+        against the bytes left in the file, the elements of its arrays (nested ones too) against
+        `MAX_METADATA_ITEMS` and the counts of keys and tensors against theirs, before the
+        reader builds objects for each (a crafted file of a few KB on disk, sparse, made it use
+        gigabytes).  What is not GGUF v2 or v3 is left to the reader to refuse.
 
         Raises:
-            CheckpointError: a count the file cannot hold, or too many strings.
+            CheckpointError: a count the file cannot hold, or past a limit.
         """
         fixed = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType sizes
         STRING, ARRAY = 8, 9
@@ -446,11 +448,14 @@ class GGUFFile(WeightFile):
                 return  # the reader says what is missing
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         with data:
-            magic, version = struct.unpack_from("<4sI", data, 0)
-            if magic != b"GGUF" or version not in (2, 3):  # big-endian, or not GGUF: the reader's to refuse
+            (magic,) = struct.unpack_from("<4s", data, 0)
+            (version,) = struct.unpack_from("<I", data, 4)
+            order = ">" if version & 0xFFFF == 0 else "<"  # the reader's own test of a file of the other order
+            (version,) = struct.unpack_from(order + "I", data, 4)
+            if magic != b"GGUF" or version not in (2, 3):
                 return
-            offset, strings = 24, 0
-            tensor_count, kv_count = struct.unpack_from("<QQ", data, 8)
+            offset, items = 24, 0
+            tensor_count, kv_count = struct.unpack_from(order + "QQ", data, 8)
             if kv_count > self.MAX_METADATA_KEYS or tensor_count > self.MAX_TENSORS:
                 raise CheckpointError(self.path, f"it claims {kv_count} metadata keys and {tensor_count} tensors (at "
                                                  f"most {self.MAX_METADATA_KEYS} and {self.MAX_TENSORS} are read); "
@@ -464,35 +469,36 @@ class GGUFFile(WeightFile):
                 offset += nbytes
                 return offset - nbytes
 
-            def string(what: str) -> None:
-                (length,) = struct.unpack_from("<Q", data, take(8, what))
-                take(length, what)
+            def number(fmt: str, what: str) -> tuple:
+                return struct.unpack_from(order + fmt, data, take(struct.calcsize(order + fmt), what))
 
-            for _ in range(kv_count):
-                string("key")
-                (kind,) = struct.unpack_from("<I", data, take(4, "value type"))
+            def value(kind: int, depth: int) -> bool:  # False: a type the reader will name and refuse
+                nonlocal items
                 if kind == STRING:
-                    string("string value")
-                elif kind == ARRAY:
-                    item, count = struct.unpack_from("<IQ", data, take(12, "array header"))
-                    if item in fixed:
-                        take(count * fixed[item], "array")
-                    elif item == STRING:
-                        strings += count
-                        if strings > self.MAX_METADATA_STRINGS:
-                            raise CheckpointError(self.path, f"its metadata holds over {self.MAX_METADATA_STRINGS} "
-                                                             "strings in arrays (a tokenizer has under a million); "
-                                                             "the file is corrupt or crafted")
-                        take(count * 8, "string array")  # each at least its length
-                        offset -= count * 8
-                        for _ in range(count):
-                            string("string array")
-                    else:
-                        return  # nested arrays: the reader's own limits
+                    take(number("Q", "string length")[0], "string")
                 elif kind in fixed:
                     take(fixed[kind], "value")
+                elif kind == ARRAY and depth < self.MAX_NESTING:
+                    item, count = number("IQ", "array header")
+                    items += count
+                    if items > self.MAX_METADATA_ITEMS:
+                        raise CheckpointError(self.path, f"its metadata's arrays hold over {self.MAX_METADATA_ITEMS} "
+                                                         "elements (a tokenizer's hold about a million); the file "
+                                                         "is corrupt or crafted")
+                    if item in fixed:
+                        take(count * fixed[item], "array")
+                    else:
+                        for _ in range(count):
+                            if not value(item, depth + 1):
+                                return False
                 else:
-                    return  # an unknown type: the reader refuses it, saying which
+                    return False
+                return True
+
+            for _ in range(kv_count):
+                take(number("Q", "key length")[0], "key")
+                if not value(number("I", "value type")[0], 0):
+                    return
 
     def header(self) -> bytes:
         with open(self.path, "rb") as f:
@@ -531,8 +537,8 @@ class TorchFile(WeightFile):
     """PyTorch pickled weights, loaded with ``torch.load(weights_only=True)``.
 
     Zipfile checkpoints are mmapped; legacy (pre-1.6) ones are read into memory.  Nested
-    dicts (``{"state_dict": {...}}``) are flattened with dotted names (`_flatten`: a tree, at
-    most `MAX_NESTING` deep; two entries that flatten to one name are refused); one view of a storage
+    dicts (``{"state_dict": {...}}``) are flattened with dotted names (`_flatten`: walked as a
+    tree, with limits; two tensors that flatten to one name are refused); one view of a storage
     saved under two names (tied weights) is listed once; other views of it are tensors of their
     own.  A view that is not contiguous is copied to be read, and the copies together may not
     exceed the file's size (a crafted file of many views of one storage would need any amount).
@@ -633,23 +639,32 @@ def _torch_load_reason(message: str) -> str:
 
 
 MAX_NESTING = 64  # dicts and lists within each other in a .bin; a state_dict has one or two
+# Containers and values a .bin's walk may visit: a pickle may point at one list from many places
+# (40 levels of [x, x] in 1.9 KB are 2**40 visits); a model's and its optimizer's state are a
+# few per parameter.
+MAX_VISITS = 1 << 21
 
 
 def _flatten(obj, path: Path):
     """``(dotted name, tensor)`` for each tensor in the dicts, lists and tuples of a loaded
-    ``.bin`` (other leaves are left out), walked as a tree without recursion.
+    ``.bin`` (other leaves are left out), walked as a tree without recursion.  A container may
+    be reached more than once (an optimizer's parameter groups share one ``betas`` tuple; every
+    ``()`` is one object): its tensors are listed under each name, which the caller reads once.
 
     Raises:
-        CheckpointError: a container is reached twice (a pickle may point at one list from many
-            places, or from within itself: walking it as a tree would take time exponential in
-            a file of a few KB), or they nest deeper than `MAX_NESTING`.
+        CheckpointError: a container within itself, nesting deeper than `MAX_NESTING`, or
+            more than `MAX_VISITS` values visited (shared containers multiply the visits).
     """
     import torch
 
-    entered: set[int] = set()
-    stack = [("", obj, 0)]
+    stack = [("", obj, ())]  # (name, value, ids of the containers it lies in)
+    visits = 0
     while stack:
-        prefix, node, depth = stack.pop()
+        prefix, node, within = stack.pop()
+        visits += 1
+        if visits > MAX_VISITS:
+            raise CheckpointError(path, f"walking its containers visits over {MAX_VISITS} values (containers "
+                                        "reached from many places); re-save its tensors as a flat state_dict")
         if isinstance(node, torch.Tensor):
             yield prefix, node
             continue
@@ -659,15 +674,15 @@ def _flatten(obj, path: Path):
             items = [(str(i), v) for i, v in enumerate(node)]
         else:
             continue
-        if id(node) in entered:
-            raise CheckpointError(path, f"{prefix or 'its top level'!r} is reached twice (a container shared or "
-                                        "within itself); re-save its tensors as a flat state_dict")
-        if depth >= MAX_NESTING:
+        if id(node) in within:
+            raise CheckpointError(path, f"{prefix or 'its top level'!r} lies within itself; re-save its tensors as "
+                                        "a flat state_dict")
+        if len(within) >= MAX_NESTING:
             raise CheckpointError(path, f"its containers nest deeper than {MAX_NESTING} (at {prefix!r}); re-save "
                                         "its tensors as a flat state_dict")
-        entered.add(id(node))
+        inner = (*within, id(node))
         # Reversed onto the stack, so tensors come out in the file's order.
-        stack.extend((f"{prefix}.{key}" if prefix else key, value, depth + 1) for key, value in reversed(items))
+        stack.extend((f"{prefix}.{key}" if prefix else key, value, inner) for key, value in reversed(items))
 
 
 def _version(dist: str) -> str:

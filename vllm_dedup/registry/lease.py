@@ -69,6 +69,7 @@ from ..errors import RegistryUnavailable, SegmentError
 from ..log import init_logger
 from .client import RegistryClient, SegmentHits
 from .daemon import DaemonLaunch
+from .messages import Report
 from .state import RegistryStats
 
 __all__ = ["STOP_AFTER_PUBLISHES_ENV", "Lease"]
@@ -275,10 +276,11 @@ class Lease:
             self._recipes[data] = None
 
     def report(self, load: dict) -> None:
-        """`RegistryClient.report`; with ``reregistered`` (how many times this lease re-registered)
-        once it has."""
+        """`RegistryClient.report` of ``load`` as the message accepts it (`messages.Report.fitted`:
+        what is kept is sent again on each re-registration, which a refused value would fail
+        every time); with ``reregistered`` (how many times this lease re-registered) once it has."""
         with self._lock:
-            self._load = dict(load)
+            self._load = load = Report.fitted(load)
             self._call(lambda c: c.report({**load, "reregistered": self.reregistrations} if self.reregistrations
                                           else load))
 
@@ -434,7 +436,8 @@ class Lease:
 
     def _recover(self, old: RegistryClient) -> None:
         """Re-register with the registry that replaces the one behind ``old``, trying for up
-        to ``self._timeout_s`` (nothing to do if that happened already).  The caller holds
+        to ``self._timeout_s`` (nothing to do if that happened already; a try begun late in that
+        window may wait one reply's timeout more, on a registry that answers no more).  The caller holds
         ``self._lock``.
 
         Raises:
@@ -458,7 +461,8 @@ class Lease:
     def _reregister(self, timeout_s: float) -> None:
         """Say hello to the registry at ``self.path`` (starting the daemon if that is what served
         this engine) and give it everything held (module docstring).  The caller holds
-        ``self._lock``.  ``timeout_s``: for each reply, and for a daemon to start."""
+        ``self._lock``.  ``timeout_s``: for a daemon to start (the new connection's replies get
+        the lease's own timeout, `_reopen`)."""
         client = self._reopen(timeout_s)
         try:
             client.hello(*self._hello)

@@ -221,6 +221,23 @@ class Report(Message, op="report"):
 
     MAX_ENTRIES: ClassVar[int] = 64  # a `engine.context.LoadReport` has about ten
 
+    @classmethod
+    def fitted(cls, load: dict) -> dict:
+        """``load`` cut to what this message accepts: strings to `MAX_STRING` characters; an int
+        past 64 bits, a key over 64 characters, and any other value left out; at most
+        `MAX_ENTRIES` entries.  An engine's own report may hold an exception's text."""
+        out = {}
+        for name, value in load.items():
+            if len(out) == cls.MAX_ENTRIES:
+                break
+            if not isinstance(name, str) or len(name) > 64:
+                continue
+            if isinstance(value, str):
+                out[name] = value[:MAX_STRING]
+            elif isinstance(value, float) or (isinstance(value, int) and _INT64.low <= value <= _INT64.high):
+                out[name] = value
+        return out
+
     def __post_init__(self):
         if len(self.load) > self.MAX_ENTRIES:
             raise ProtocolError(f"{self._what()}: load holds {len(self.load)} entries; the limit is {self.MAX_ENTRIES}")

@@ -241,12 +241,20 @@ class Engine:
         self.proc.end(120)
 
 
-def _rounds(engines: list[Engine], rounds: int, tokens: int) -> None:
+Rates = dict[int, list[float]]  # batch -> tokens/s of each round
+
+
+def _rounds(engines: list[Engine], rounds: int, tokens: int) -> dict[str, Rates]:
+    """``rounds`` rounds of each batch, the engines taking turns (the order flips each round);
+    returns each engine's rates of these rounds alone (label -> batch -> tokens/s): an engine
+    measured in two phases must be compared with its partner in each on that phase's rounds."""
+    begin = {engine.label: {b: len(engine.rates[b]) for b in BATCHES} for engine in engines}
     for r in range(rounds):
         for batch in BATCHES:
             for engine in engines if r % 2 == 0 else engines[::-1]:
                 print(f"  round {r + 1}: {engine.label}, batch {batch}", file=sys.stderr, flush=True)
                 engine.decode(batch, tokens)
+    return {e.label: {b: e.rates[b][begin[e.label][b]:] for b in BATCHES} for e in engines}
 
 
 def _profiles(engines: list[Engine], tokens: int) -> dict[str, dict]:
@@ -261,26 +269,27 @@ def _profiles(engines: list[Engine], tokens: int) -> dict[str, dict]:
     return out
 
 
-def _ratio(a: Engine, b: Engine, batch: int) -> float:
-    """a's best rate over b's, both from the same rounds: other processes on the machine only
-    ever slow a measurement down, so the best of a few is the least disturbed."""
-    return max(a.rates[batch]) / max(b.rates[batch])
+def _ratio(a: Rates, b: Rates, batch: int) -> float:
+    """a's best rate over b's, both from the same rounds (`_rounds`): other processes on the
+    machine only ever slow a measurement down, so the best of a few is the least disturbed."""
+    return max(a[batch]) / max(b[batch])
 
 
-def _paired(a: Engine, b: Engine, batch: int) -> float:
+def _paired(a: Rates, b: Rates, batch: int) -> float:
     """The median over rounds of a's rate over b's in the same round (back to back)."""
-    return statistics.median(x / y for x, y in zip(a.rates[batch], b.rates[batch]))
+    return statistics.median(x / y for x, y in zip(a[batch], b[batch]))
 
 
 def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str, quick: bool = False) -> dict:
     result: dict = {"model": name, "path": str(model), "rows": []}
     rows = result["rows"]
 
-    def row(label, engine, ratio_to_plain, plain, extra, paired=None):
+    def row(label, engine, rates, ratio_to_plain, plain, extra, paired=None):
+        """A row of ``engine``, its figures from ``rates``: the phase its ratios come from."""
         paired = paired or ratio_to_plain
         rows.append({"case": label,
-                     **{f"tokens_per_s_b{b}": round(max(engine.rates[b]), 2) for b in BATCHES},
-                     "all_rounds": {b: [round(x, 2) for x in engine.rates[b]] for b in BATCHES},
+                     **{f"tokens_per_s_b{b}": round(max(rates[b]), 2) for b in BATCHES},
+                     "all_rounds": {b: [round(x, 2) for x in rates[b]] for b in BATCHES},
                      "paired_median_vs_plain": {b: round(paired[b], 3) for b in BATCHES},
                      "faults_per_round": engine.faults,
                      **{f"vs_plain_b{b}": round(ratio_to_plain[b], 3) for b in BATCHES},
@@ -292,12 +301,13 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str, q
     linear_bytes = sum(p["nbytes"] for p in packed_info.values())
     packed = {"share_group": f"packed-{name}"}  # cpu_linear="packed", the default
     first = Engine("dedup 1st", model, "dedup", packed, core)
-    _rounds([plain, first], rounds, tokens)
+    phase = _rounds([plain, first], rounds, tokens)
+    plain_rates, first_rates = phase["plain"], phase["dedup 1st"]
     pss_plain, anon_plain = plain.memory()
     one = {b: 1.0 for b in BATCHES}
-    first_vs_plain = {b: _ratio(first, plain, b) for b in BATCHES}
-    first_paired = {b: _paired(first, plain, b) for b in BATCHES}
-    row("plain (oneDNN, private)", plain, one, plain, {"pss_mb": round(pss_plain / 1e6),
+    first_vs_plain = {b: _ratio(first_rates, plain_rates, b) for b in BATCHES}
+    first_paired = {b: _paired(first_rates, plain_rates, b) for b in BATCHES}
+    row("plain (oneDNN, private)", plain, plain_rates, one, plain, {"pss_mb": round(pss_plain / 1e6),
                                                          "rss_anon_mb": round(anon_plain / 1e6),
                                                          "start_s": plain.info["load_seconds"]})
     plain.stop()
@@ -305,15 +315,16 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str, q
     print(f"{name}: dedup 1st and 2nd", file=sys.stderr, flush=True)
     second = Engine("dedup 2nd", model, "dedup", packed, core)
     load1, load2 = first.load(), second.load()
-    _rounds([first, second], rounds, tokens)
+    phase = _rounds([first, second], rounds, tokens)
     (pss_1, _), (pss_2, anon_2) = first.memory(), second.memory()
     pss_pair = pss_1 + pss_2
-    second_vs_plain = {b: _ratio(second, first, b) * first_vs_plain[b] for b in BATCHES}
-    second_paired = {b: _paired(second, first, b) * first_paired[b] for b in BATCHES}
-    row("dedup 1st (packed oneDNN)", first, first_vs_plain, plain,
+    # The second against the first in these rounds, times the first against plain in its own.
+    second_vs_plain = {b: _ratio(phase["dedup 2nd"], phase["dedup 1st"], b) * first_vs_plain[b] for b in BATCHES}
+    second_paired = {b: _paired(phase["dedup 2nd"], phase["dedup 1st"], b) * first_paired[b] for b in BATCHES}
+    row("dedup 1st (packed oneDNN)", first, first_rates, first_vs_plain, plain,
         {"start_s": first.info["load_seconds"], "load_path": load1["load_path"],
          "packed_published_mb": round(load1["published_bytes"] / 1e6)}, first_paired)
-    row("dedup 2nd (packed oneDNN)", second, second_vs_plain, plain,
+    row("dedup 2nd (packed oneDNN)", second, phase["dedup 2nd"], second_vs_plain, plain,
         {"start_s": second.info["load_seconds"], "load_path": load2["load_path"],
          "packed_handlers_mapped": load2["packed_tensors"], "mapped_mb": round(load2["shared_bytes"] / 1e6),
          "saved_share_of_linear": round((anon_plain - anon_2) / linear_bytes, 3) if linear_bytes else None,
@@ -333,23 +344,24 @@ def measure_model(name: str, model: Path, rounds: int, tokens: int, core: str, q
     result["placement"] = _placement_summary(packed_info, plain.info["packed"])
     share = {"cpu_linear": "plain", "share_group": f"flinear-{name}"}
     flin1 = Engine("F.linear 1st", model, "dedup", share, core)
-    _rounds([plain, flin1], rounds, tokens)
+    phase = _rounds([plain, flin1], rounds, tokens)
+    flin1_rates = phase["F.linear 1st"]
     pss_plain_again, anon_plain_again = plain.memory()
     profiles = result["profile_b1"] = _profiles([plain, flin1], tokens)
-    f1_vs_plain = {b: _ratio(flin1, plain, b) for b in BATCHES}
-    f1_paired = {b: _paired(flin1, plain, b) for b in BATCHES}
+    f1_vs_plain = {b: _ratio(flin1_rates, phase["plain"], b) for b in BATCHES}
+    f1_paired = {b: _paired(flin1_rates, phase["plain"], b) for b in BATCHES}
     plain.stop()
     print(f"{name}: F.linear 1st and 2nd", file=sys.stderr, flush=True)
     flin2 = Engine("F.linear 2nd", model, "dedup", share, core)
-    _rounds([flin1, flin2], rounds, tokens)
+    phase = _rounds([flin1, flin2], rounds, tokens)
     (pss_f1, _), (pss_f2, anon_f2) = flin1.memory(), flin2.memory()  # before any profile: its buffers stay
     profiles.update(_profiles([flin2], tokens))
     pss_flin = pss_f1 + pss_f2
-    f2_vs_plain = {b: _ratio(flin2, flin1, b) * f1_vs_plain[b] for b in BATCHES}
-    f2_paired = {b: _paired(flin2, flin1, b) * f1_paired[b] for b in BATCHES}
-    row("F.linear 1st (plain)", flin1, f1_vs_plain, plain,
+    f2_vs_plain = {b: _ratio(phase["F.linear 2nd"], phase["F.linear 1st"], b) * f1_vs_plain[b] for b in BATCHES}
+    f2_paired = {b: _paired(phase["F.linear 2nd"], phase["F.linear 1st"], b) * f1_paired[b] for b in BATCHES}
+    row("F.linear 1st (plain)", flin1, flin1_rates, f1_vs_plain, plain,
         {"start_s": flin1.info["load_seconds"], "load_path": flin1.load()["load_path"]}, f1_paired)
-    row("F.linear 2nd (plain)", flin2, f2_vs_plain, plain,
+    row("F.linear 2nd (plain)", flin2, phase["F.linear 2nd"], f2_vs_plain, plain,
         {"start_s": flin2.info["load_seconds"], "load_path": flin2.load()["load_path"],
          "saved_share_of_linear": round((anon_plain_again - anon_f2) / linear_bytes, 3),
          "pair_pss_saved_share_of_linear": round((2 * pss_plain_again - pss_flin) / linear_bytes, 3)}, f2_paired)
@@ -376,11 +388,13 @@ def _fine_tune_phase(name: str, model: Path, rounds: int, tokens: int, core: str
     plain = Engine("plain fine-tune", tuned, "auto", None, core)
     engine = Engine("dedup fine-tune", tuned, "dedup", {"share_group": f"packed-{name}"}, core)
     load = engine.load()
-    _rounds([plain, engine], rounds, tokens)
-    row("dedup fine-tune (vs plain fine-tune)", engine, {b: _ratio(engine, plain, b) for b in BATCHES}, plain,
+    phase = _rounds([plain, engine], rounds, tokens)
+    rates, plain_rates = phase["dedup fine-tune"], phase["plain fine-tune"]
+    row("dedup fine-tune (vs plain fine-tune)", engine, rates, {b: _ratio(rates, plain_rates, b) for b in BATCHES},
+        plain,
         {"start_s": engine.info["load_seconds"], "load_path": load["load_path"],
          "mapped_mb": round(load["shared_bytes"] / 1e6), "read_mb": round(load["checkpoint_bytes_read"] / 1e6)},
-        {b: _paired(engine, plain, b) for b in BATCHES})
+        {b: _paired(rates, plain_rates, b) for b in BATCHES})
     plain.stop()
     engine.stop()
 

@@ -16,8 +16,10 @@ embeddings, norms and untied heads are shared).  Four engines, each alone on the
 Each generates greedily for a batch of prompts; decode throughput is generated tokens per
 second of ``LLM.generate`` wall time, the median of ``--rounds`` rounds, the engines taking turns
 within each round so that machine noise falls on all alike.  Also reported: the bytes each
-dedup engine put into shareable segments.  Table to stdout; JSON to
-``benchmarks/results/cpu_linear.json`` (and the last line with ``--json``).  For decode at batch
+dedup engine put into shareable segments, and whether each engine's tokens equal plain's in
+every round (each round starts from an empty registry).  CPU flags, table to stdout; JSON to
+``benchmarks/results/cpu_linear.json`` (and the last line with ``--json``).  Exit status 1 when
+``packed`` or ``private``, which run vLLM's own kernels, generate other tokens than plain.  For decode at batch
 1 and 8, second engines and memory: benchmarks/cpu_decode.py.
 """
 
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import EngineProcess  # noqa: E402
+from harness.machine import describe, machine  # noqa: E402
 from harness.results import write_results  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 
@@ -64,7 +67,7 @@ def main() -> int:
 
     rates: dict[str, list[float]] = {c: [] for c in CASES}
     published: dict[str, int] = {}
-    outputs: dict[str, list] = {}
+    same: dict[str, bool] = {c: True for c in CASES}  # the tokens of every round equal plain's of that round
     with tempfile.TemporaryDirectory(prefix="vllm-dedup-bench-") as run_dir:
         os.environ["VLLM_DEDUP_RUNTIME_DIR"] = str(Path(run_dir) / "run")
         try:
@@ -76,17 +79,21 @@ def main() -> int:
                         engine.complete(PROMPTS[:2], 4)  # warm-up
                         res = engine.complete(PROMPTS, args.max_tokens)
                         rates[case].append(sum(len(ids) for ids in res["ids"]) / res["seconds"])
-                        outputs[case] = res["ids"]
+                        if case == "plain":
+                            plain_ids = res["ids"]
+                        same[case] &= res["ids"] == plain_ids
                         if fmt == "dedup":
                             load = registry_stats().engine(engine.pid).load
                             published[case] = load["published_bytes"] + load["shared_bytes"]
+                shutdown_registry()  # each round from an empty registry: the same load paths
         finally:
             shutdown_registry()
 
     base = statistics.median(rates["plain"])
     rows = [{"case": c, "tokens_per_s": round(statistics.median(v), 2), "all_rounds": [round(x, 2) for x in v],
              "relative_to_plain": round(statistics.median(v) / base, 3), "shareable_bytes": published.get(c),
-             "outputs_match_plain": outputs[c] == outputs["plain"]} for c, v in rates.items()]
+             "outputs_match_plain": same[c]} for c, v in rates.items()]
+    print(describe())
     print(f"model: {args.model}  ({len(PROMPTS)} prompts x {args.max_tokens} tokens, {os.cpu_count()} CPUs, "
           f"median of {args.rounds})")
     print(f"{'case':<24}{'tokens/s':>10}{'vs plain':>10}{'shareable':>12}{'same tokens':>13}")
@@ -94,9 +101,12 @@ def main() -> int:
         share = "-" if row["shareable_bytes"] is None else f"{row['shareable_bytes'] / 1e6:.0f} MB"
         print(f"{row['case']:<24}{row['tokens_per_s']:>10.1f}{row['relative_to_plain']:>10.2f}{share:>12}"
               f"{str(row['outputs_match_plain']):>13}")
-    result = {"model": str(args.model), "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "rows": rows}
+    result = {"machine": machine(), "model": str(args.model), "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
+              "rows": rows}
     write_results(RESULTS / "cpu_linear.json", result, args.json)
-    return 0
+    # packed and private run vLLM's own kernels: their tokens must be plain's; F.linear's
+    # numerics are its own, so "plain linear" may differ and is only reported.
+    return 0 if same["dedup, packed"] and same["dedup, private linear"] else 1
 
 
 if __name__ == "__main__":

@@ -143,15 +143,20 @@ def profile_summary(path: Path, top: int = 25) -> list[str]:
 
 
 def serve_restart(model: Path, load_format: str, dtype: str, logs: Path, extra: dict | None = None) -> list[float]:
-    """Seconds to ``/health`` of two ``vllm serve`` starts, one after the other."""
+    """Seconds to ``/health`` of two ``vllm serve`` starts, one after the other.  Each server
+    is stopped whatever happens (it runs in a process group of its own, which a Ctrl-C here
+    does not reach)."""
     times = []
     for i in range(2):
         begin = time.monotonic()
         server = ServeProcess(model, load_format, logs / f"{load_format}-{i}.log", extra_config=extra, core=0,
-                              dtype=dtype).wait_ready(600)
-        times.append(time.monotonic() - begin)
-        server.complete(PROMPTS[:1], max_tokens=4)
-        server.stop()
+                              dtype=dtype)
+        try:
+            server.wait_ready(600)
+            times.append(time.monotonic() - begin)
+            server.complete(PROMPTS[:1], max_tokens=4)
+        finally:
+            server.stop()
     return times
 
 
@@ -235,9 +240,11 @@ def run(model: Path, dtype: str, serve: bool = True, profile: Path | None = None
         row.pop("tokens", None)
     serve = {}
     if serve:
-        serve = {"plain": serve_restart(model, "auto", dtype, logs),
-                 "dedup": serve_restart(model, "dedup", dtype, logs, {**(extra or {}), "keep_warm_s": 600})}
-        shutdown_registry()
+        try:
+            serve = {"plain": serve_restart(model, "auto", dtype, logs),
+                     "dedup": serve_restart(model, "dedup", dtype, logs, {**(extra or {}), "keep_warm_s": 600})}
+        finally:
+            shutdown_registry()  # its segments were kept warm for 600 s
     plain_s, plain_peak = rows["plain"]["load_s"], rows["plain"]["peak_bytes"]
     targets = {
         "first engine load_s <= plain + 10%": rows["dedup first"]["load_s"] <= 1.10 * plain_s,

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import EngineProcess  # noqa: E402
+from harness.machine import describe, machine  # noqa: E402
 from harness.results import write_results  # noqa: E402
 from harness.variants import cached_variant  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
@@ -118,6 +119,7 @@ def main() -> int:
         finally:
             shutdown_registry()
 
+    print(describe())
     print(f"model: {args.model}")
     head = ["scenario", "expected", "mapped", "PSS plain", "PSS apart", "PSS dedup", "saved", "by sharing", "match"]
     print("{:<24}{:>10}{:>10}{:>11}{:>11}{:>11}{:>10}{:>12}{:>7}".format(*head))
@@ -125,7 +127,7 @@ def main() -> int:
         print(f"{e['scenario']:<24}{e['expected_shared_bytes'] / MB:>8.0f}MB{e['registry_shared_bytes'] / MB:>8.0f}MB"
               f"{e['pss_plain_bytes'] / MB:>9.0f}MB{e['pss_apart_bytes'] / MB:>9.0f}MB{e['pss_dedup_bytes'] / MB:>9.0f}MB"
               f"{e['saved_bytes'] / MB:>8.0f}MB{e['saved_by_sharing_bytes'] / MB:>10.0f}MB{str(e['outputs_match']):>7}")
-    result = {"model": str(args.model), "scenarios": entries}
+    result = {"machine": machine(), "model": str(args.model), "scenarios": entries}
     write_results(RESULTS / "memory.json", result, args.json)
     return 0 if all(e["outputs_match"] for e in entries) else 1
 

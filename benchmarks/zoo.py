@@ -23,7 +23,8 @@ fast path said no), ``DIFFERENT`` (a final tensor differs: a wrong weight) or ``
 and whether the outputs (greedy token ids; a pooling model's outputs) of the dedup engines of
 one checkpoint are equal.  Prints the CPU's ISA, the table and every difference; writes
 ``benchmarks/results/zoo.json`` and ``benchmarks/results/zoo.md``.  Exit status 1 when any
-engine is DIFFERENT or CRASHED.
+engine is DIFFERENT or CRASHED, or an architecture was not tested (its checkpoint or a reference
+failed: no engine rows).
 """
 
 from __future__ import annotations
@@ -194,7 +195,11 @@ def main() -> int:
     if args.json:
         print(json.dumps(out))
     bad = [r for r in results for row in r["engines"].values() if row["verdict"] in ("DIFFERENT", "CRASHED")]
-    return 1 if bad else 0
+    # An architecture whose checkpoint or reference failed has no engine rows: it was not tested.
+    untested = [r["name"] for r in results if r["errors"] or not r["engines"]]
+    if untested:
+        print(f"not tested (see their errors): {', '.join(untested)}")
+    return 1 if bad or untested else 0
 
 
 if __name__ == "__main__":

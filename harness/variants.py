@@ -178,7 +178,8 @@ def perturbed(t, gen):
 
 def cached_variant(base: Path, kind: str) -> Path:
     """Variant ``kind`` of ``base``, built once under ``<models_dir>/variants/`` and reused after
-    (`sample_models.models_dir`).
+    (`sample_models.models_dir`), in a folder named by the base's identity (`_identity`): two
+    bases of one folder name, or a base rewritten since, never get each other's variant.
 
     Concurrent callers (pytest-xdist workers) build it once: `sample_models.build_lock`.
 
@@ -187,11 +188,23 @@ def cached_variant(base: Path, kind: str) -> Path:
     """
     from .sample_models import build_lock, models_dir
 
-    out = models_dir() / "variants" / f"{Path(base).name}-{kind}"
+    out = models_dir() / "variants" / f"{Path(base).name}-{_identity(Path(base))}-{kind}"
     if (out / "config.json").exists():
         return out
     with build_lock(out.parent):
         return out if (out / "config.json").exists() else build_variant(base, kind, out)
+
+
+def _identity(base: Path) -> str:
+    """16 hex digits naming a model folder as it is now: its resolved path, and the name, size
+    and modification time of each file in it."""
+    import xxhash
+
+    digest = xxhash.xxh3_64(str(base.resolve()).encode())
+    for f in sorted(p for p in base.iterdir() if p.is_file()):
+        info = f.stat()
+        digest.update(f"\0{f.name}\0{info.st_size}\0{info.st_mtime_ns}".encode())
+    return digest.hexdigest()
 
 
 def smollm2_family(n: int = 3) -> dict[str, Path]:

@@ -124,3 +124,22 @@ def test_shared_with_earlier_counts_each_model_against_those_before_it(smollm2, 
     expected = [sum(n for k, n in ids[i].items() if any(k in ids[j] for j in range(i))) for i in range(len(models))]
     assert report.shared_with_earlier_bytes() == expected
     assert expected[0] == 0 and expected[3] == 0 and expected[2] > expected[1] * 0.8
+
+
+def test_variants_of_two_bases_of_one_folder_name_are_kept_apart(tmp_path):
+    """`harness.variants.cached_variant` names a variant's folder by its base's identity:
+    teamA/model and teamB/model, or a base rewritten since, never get each other's variant."""
+    import os
+
+    from harness.variants import _identity
+
+    a, b = tmp_path / "teamA" / "model", tmp_path / "teamB" / "model"
+    for folder, value in ((a, 1.0), (b, 1.0)):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([int(value)]) * 64)
+        (folder / "config.json").write_text("{}")
+    assert _identity(a) != _identity(b)  # same name, same bytes, another place
+    before = _identity(a)
+    (a / "model.safetensors").write_bytes(b"\2" * 64)
+    os.utime(a / "model.safetensors", ns=(1, 1))
+    assert _identity(a) != before

@@ -792,13 +792,33 @@ def run_all(args) -> dict:
             server.stop()
     run.imported.update(f"parent: {m}" for m in forbidden_imports())
     run.check("all", "no process imported vLLM or Ray", not run.imported, json.dumps(sorted(run.imported)))
-    return {"backend": args.backend, "steps": list(args.steps), "seconds": seconds, "checks": run.checks,
+    from harness.machine import machine
+
+    return {"backend": args.backend, "machine": machine(), "gpus": gpu_names() if args.backend == "cuda" else [],
+            "steps": list(args.steps), "seconds": seconds, "checks": run.checks,
             "memory": run.readings, **run.figures, "passed": all(c["ok"] for c in run.checks)}
+
+
+def gpu_names() -> list[str]:
+    """``nvidia-smi``'s name, driver version and memory of each GPU, one line each (asked of
+    another process: this one makes no CUDA context of its own, which would enter the memory
+    figures); empty where it cannot say."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
 def report(result: dict) -> str:
     """The run as a plain-text table."""
-    lines = [f"backend: {result['backend']}; steps: {', '.join(result['steps'])}; "
+    from harness.machine import describe
+
+    lines = [describe(), *(f"GPU: {g}" for g in result.get("gpus", [])),
+             f"backend: {result['backend']}; steps: {', '.join(result['steps'])}; "
              + ", ".join(f"{s} {t:.1f} s" for s, t in result["seconds"].items())]
     if result["memory"]:
         lines += ["", f"{'step':<10}{'reading':<32}{'used (MiB)':>12}{'change':>10}   per process (MiB)"]

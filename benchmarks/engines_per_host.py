@@ -65,7 +65,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
-from harness.engines import ServeProcess  # noqa: E402
+from harness.engines import ServeProcess, dedup_warnings  # noqa: E402
 from harness.machine import describe, machine  # noqa: E402
 from harness.results import write_results  # noqa: E402
 from harness.procs import descendants, pss_bytes, tree_pss_parts  # noqa: E402
@@ -193,15 +193,6 @@ class Ramp:
         return {"pss_bytes": total + registry_pss, "file_pss_bytes": file, "registry_pss_bytes": registry_pss,
                 "mapped_bytes": mapped, "load": {"path": load.get("load_path", "-"), "seconds": load.get("load_seconds")},
                 "warnings": warnings}
-
-
-def dedup_warnings(log: Path) -> list[str]:
-    """The vllm-dedup warnings and errors in an engine's log so far, each line cut to 400
-    characters: why a dedup engine shares less than it could (a registry it could not reach,
-    a fallback)."""
-    with open(log, errors="replace") as f:
-        return [line.strip()[:400] for line in f
-                if "vllm-dedup:" in line and ("WARNING" in line or "ERROR" in line)]
 
 
 def _mem_available() -> int:

@@ -44,6 +44,15 @@ def openai_complete(port: int, model: str, prompt: str, max_tokens: int = 16, lo
         return json.loads(resp.read())
 
 
+def dedup_warnings(log: Path) -> list[str]:
+    """The vllm-dedup warnings and errors in an engine's log so far, each line cut to 400
+    characters: why a dedup engine shares less than it could (a registry it could not reach,
+    a fallback)."""
+    with open(log, errors="replace") as f:
+        return [line.strip()[:400] for line in f
+                if "vllm-dedup:" in line and ("WARNING" in line or "ERROR" in line)]
+
+
 class ServeProcess:
     """One ``vllm serve`` engine on 127.0.0.1, in its own process group.
 

@@ -51,9 +51,7 @@ def fits(rows: list[dict], key: str, budget_bytes: int) -> int:
     return n
 
 
-def test_the_command_measures_plain_and_dedup_engines(smollm2, registry, tmp_path):
-    # `registry`: a runtime dir of its own (inherited by the command), so the daemon its dedup
-    # engines start, and the one it shuts down between phases, are no other test's or user's.
+def test_the_command_measures_plain_and_dedup_engines(smollm2, tmp_path):
     out = tmp_path / "results"
     budget_gib = 3.0
     proc = subprocess.run(

@@ -71,6 +71,7 @@ from harness.results import write_results  # noqa: E402
 from harness.procs import descendants, pss_bytes, tree_pss_parts  # noqa: E402
 from harness.variants import cached_variant  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
+from vllm_dedup.errors import RegistryUnavailable  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
 from vllm_dedup.scan.files import scan_model  # noqa: E402
 from vllm_dedup.checkpoint.manifest import ManifestCache, default_cache_dir  # noqa: E402
@@ -184,12 +185,19 @@ class Ramp:
         load, warnings = {}, []
         if self.load_format == "dedup":
             warnings = dedup_warnings(servers[-1].log_path)
-            stats = registry_stats()
-            self.pids.add(stats.registry_pid)
-            registry_pss = pss_bytes(stats.registry_pid)
-            mapped = sum(g.saved_bytes for g in stats.groups)
-            newest = set(descendants(servers[-1].proc.pid))  # the engine's pid is its worker's
-            load = next((e.load for e in stats.engines if e.pid in newest), {})
+            for line in warnings:  # said at once: the logs go with the run's folder
+                print(f"  dedup engine {len(servers)} warned: {line}", file=sys.stderr, flush=True)
+            try:
+                stats = registry_stats()
+            except RegistryUnavailable as e:  # measured all the same: the row says the registry was gone
+                print(f"  dedup engine {len(servers)}: {e}", file=sys.stderr, flush=True)
+                warnings.append(f"measuring: {e}")
+            else:
+                self.pids.add(stats.registry_pid)
+                registry_pss = pss_bytes(stats.registry_pid)
+                mapped = sum(g.saved_bytes for g in stats.groups)
+                newest = set(descendants(servers[-1].proc.pid))  # the engine's pid is its worker's
+                load = next((e.load for e in stats.engines if e.pid in newest), {})
         return {"pss_bytes": total + registry_pss, "file_pss_bytes": file, "registry_pss_bytes": registry_pss,
                 "mapped_bytes": mapped, "load": {"path": load.get("load_path", "-"), "seconds": load.get("load_seconds")},
                 "warnings": warnings}

@@ -39,8 +39,8 @@ Note [a lease on a registry still starting]
     only in its sharing pass, seconds later: a new daemon holds nothing and no recipe, so the
     fast paths have nothing to find in it.  So the lease may be given the daemon's launch
     (`daemon.DaemonLaunch`) instead of a connection: ``launching`` says so (the loader then
-    skips asking for recipes), and the first call waits for the daemon, connects and says
-    hello (`_connection`).  A daemon that does not start fails that call, as a registry that
+    skips asking for recipes), and the first call waits for the daemon (up to `LAUNCH_WAIT_S`),
+    connects and says hello (`_connection`).  A daemon that does not start fails that call, as a registry that
     died would; the calls after it try the socket once each (a lease that never connected
     holds nothing, and `watch` starts no watcher for it).  Under ``on_registry_error="fail"``
     the engine waits at once instead (`engine.session.EngineSession.connect`), so that it fails
@@ -72,7 +72,9 @@ from .daemon import DaemonLaunch
 from .messages import Report
 from .state import RegistryStats
 
-__all__ = ["STOP_AFTER_PUBLISHES_ENV", "Lease"]
+__all__ = ["LAUNCH_WAIT_S", "STOP_AFTER_PUBLISHES_ENV", "Lease"]
+
+LAUNCH_WAIT_S = 60.0  # seconds a lease waits for a daemon its engine launched to answer (`_connection`)
 
 logger = init_logger(__name__)
 
@@ -521,7 +523,10 @@ class Lease:
         if self._client is None:
             launch = self._launch
             try:
-                self._client = self._said_hello(self._reopen(self._timeout_s, start=False))
+                # A launch gets `LAUNCH_WAIT_S` to answer, not one reply's timeout: on a loaded
+                # 2-core CI machine a daemon once answered after more than 10 s, and the engine
+                # loaded privately.  A launcher that fails says so at once.
+                self._client = self._said_hello(self._reopen(max(self._timeout_s, LAUNCH_WAIT_S), start=False))
             except RegistryUnavailable:
                 if launch is None or not launch.answered:
                     raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,15 @@ def openai_complete(port: int, model: str, prompt: str, max_tokens: int = 16, lo
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read())
+
+
+_DEDUP_LINE = re.compile(r"vllm-dedup: .*")
+
+
+def dedup_log_lines(log: str) -> list[str]:
+    """What an engine's log says of vllm-dedup (the path, why a fast path was declined), each
+    line from its ``vllm-dedup:`` on."""
+    return [m.group(0) for m in _DEDUP_LINE.finditer(log)]
 
 
 def dedup_warnings(log: Path) -> list[str]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import xxhash
 
+from .engines import dedup_log_lines
 from .references import reference_options
 from .sample_models import build_lock, models_dir, random_model
 from .variants import load_state_dict, perturbed, save_state_dict, staging_copy
@@ -283,14 +284,6 @@ def describe(name: str) -> dict:
 
 # measuring one architecture ---------------------------------------------------------------------
 EXPECTED_PATH = {"first": "none", "second": "full", "last-layers": "modules", "embeddings": "modules"}
-_DEDUP_LINE = re.compile(r"vllm-dedup: .*")
-
-
-def dedup_log_lines(log: str) -> list[str]:
-    """What an engine's log says of vllm-dedup (the path, why a fast path was declined)."""
-    return [m.group(0) for m in _DEDUP_LINE.finditer(log)]
-
-
 def _outputs(engine, arch: Arch):
     return engine.generate() if arch.kind == "generate" else engine.embed()
 

@@ -220,17 +220,18 @@ class Report(Message, op="report"):
     load: dict
 
     MAX_ENTRIES: ClassVar[int] = 64  # a `engine.context.LoadReport` has about ten
+    MAX_KEY: ClassVar[int] = 64  # characters of an entry's name
 
     @classmethod
     def fitted(cls, load: dict) -> dict:
         """``load`` cut to what this message accepts: strings to `MAX_STRING` characters; an int
-        past 64 bits, a key over 64 characters, and any other value left out; at most
+        past 64 bits, a key over `MAX_KEY` characters, and any other value left out; at most
         `MAX_ENTRIES` entries.  An engine's own report may hold an exception's text."""
         out = {}
         for name, value in load.items():
             if len(out) == cls.MAX_ENTRIES:
                 break
-            if not isinstance(name, str) or len(name) > 64:
+            if not isinstance(name, str) or len(name) > cls.MAX_KEY:
                 continue
             if isinstance(value, str):
                 out[name] = value[:MAX_STRING]
@@ -241,8 +242,8 @@ class Report(Message, op="report"):
     def __post_init__(self):
         if len(self.load) > self.MAX_ENTRIES:
             raise ProtocolError(f"{self._what()}: load holds {len(self.load)} entries; the limit is {self.MAX_ENTRIES}")
-        if long := [k for k in self.load if len(k) > 64]:
-            raise ProtocolError(f"{self._what()}: load key {brief(long[0])} is over 64 characters")
+        if long := [k for k in self.load if len(k) > self.MAX_KEY]:
+            raise ProtocolError(f"{self._what()}: load key {brief(long[0])} is over {self.MAX_KEY} characters")
         for name, value in self.load.items():
             if isinstance(value, str) and len(value) > MAX_STRING:
                 raise ProtocolError(f"{self._what()}: load {name!r} is over {MAX_STRING} characters")

@@ -364,3 +364,33 @@ def test_an_engine_dropping_many_segments_reindexes_once(reg, monkeypatch):
     assert len(passes) == 1 and passes[0][2] == {f"own{i}" for i in range(50)}  # one pass; no copy of those
     assert all(reg.index[(GPU0, "default", f"k{i}")][0] in reg.engines[again].segments for i in range(50))
     assert not any(key.startswith("own") for _, _, key in reg.index)
+
+
+def test_metrics_zero_a_group_that_went_away_once_then_forget_it(reg):
+    """A (device, share group) gone from the stats reads 0 on the next update and is set no more
+    after it: a long-lived registry does not keep every group it ever saw."""
+    from vllm_dedup.registry.metrics import RegistryMetrics
+    from vllm_dedup.registry.state import GroupStats, RegistryStats
+
+    class Recorder:  # what the exporter tells Ray's gauges: Ray's export itself is test_serve's
+        def __init__(self):
+            self.sets = []
+
+        def set(self, value, tags):
+            self.sets.append((tags.get("share_group"), value))
+
+    groups = [GroupStats("cpu", "a", engines=1, resident_bytes=10), GroupStats("cpu", "b", engines=2)]
+    metrics = RegistryMetrics(lambda: RegistryStats(list(groups), [], {}, 0, 0.0, 1), node="n")
+    recorders = {field: Recorder() for field in metrics._gauges}
+    metrics._gauges, metrics._collisions = recorders, Recorder()
+    metrics.update()
+    assert recorders["engines"].sets == [("a", 1), ("b", 2)]
+    groups.pop()  # group b goes away
+    for recorder in recorders.values():
+        recorder.sets.clear()
+    metrics.update()
+    assert recorders["engines"].sets == [("a", 1), ("b", 0)]
+    assert recorders["resident_bytes"].sets == [("a", 10), ("b", 0)]
+    recorders["engines"].sets.clear()
+    metrics.update()
+    assert recorders["engines"].sets == [("a", 1)]

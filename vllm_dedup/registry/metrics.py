@@ -71,7 +71,9 @@ class RegistryMetrics:
         self._stop.set()
 
     def update(self) -> None:
-        """Set every gauge from the current stats; a (device, group) that went away reads 0."""
+        """Set every gauge from the current stats.  A (device, group) that went away is set to 0
+        once and then forgotten: Ray keeps exporting a gauge's last value, and a long-lived
+        registry that saw many groups come and go would otherwise set them all on every update."""
         stats = self._stats()
         now = set()
         for group in stats.groups:
@@ -82,7 +84,7 @@ class RegistryMetrics:
         for device, share_group in self._seen - now:
             for gauge in self._gauges.values():
                 gauge.set(0, tags={"node": self._node, "device": device, "share_group": share_group})
-        self._seen |= now
+        self._seen = now
         self._collisions.set(stats.collisions, tags={"node": self._node})
 
     def _loop(self) -> None:

@@ -154,7 +154,7 @@ BAD_FIELDS = [
     ({"op": "publish", "nbytes": NBYTES, "keys": [[KEY, NBYTES - 4, 8]]},
      f"request 'publish': key 0 ({NBYTES - 4} + 8 bytes) ends past nbytes {NBYTES}"),
     ({"op": "publish", "nbytes": NBYTES, "keys": []}, "request 'publish': no keys"),
-    ({"op": "put_recipe", "nbytes": (256 << 20) + 1}, "field 'nbytes' must be between 0 and 268435456"),
+    ({"op": "put_recipe", "nbytes": (64 << 20) + 1}, "field 'nbytes' must be between 0 and 67108864"),
     ({"op": "report", "load": {"collisions": "many"}}, "request 'report': load 'collisions' must be an int >= 0"),
     ({"op": "report", "load": {"collisions": -3}}, "request 'report': load 'collisions' must be an int >= 0"),
     ({"op": "report", "load": {"shared_bytes": "x"}}, "request 'report': load 'shared_bytes' must be an int >= 0"),

@@ -90,7 +90,7 @@ def decide(ctx: LoadContext, files: list[Path], cache: ManifestCache | None = No
     """The recipe that maps the most of this checkpoint, and its match (module docstring).
     Never raises: every failure is a `Decision` without a match, saying why.
 
-    The registry keeps up to 8 recipes of a signature, each up to 256 MiB of JSON, and a parsed
+    The registry keeps up to 8 recipes of a signature, each up to 64 MiB of JSON, and a parsed
     recipe is several times its JSON: they are parsed and matched one at a time, keeping only
     the best so far (`recipe.choose`'s order: the most bytes mapped, the newest of equals)."""
     cache = cache or ManifestCache(default_cache_dir())

@@ -114,9 +114,11 @@ MAX_BYTES = (1 << 63) - 1  # sizes and offsets: what fits in an off_t
 Bytes = typing.Annotated[int, Range(0, MAX_BYTES)]
 _INT64 = Range(-(1 << 63), (1 << 63) - 1)  # any int: what other languages' JSON readers hold
 # A recipe's JSON: the registry maps and parses it on the thread that serves every engine, so
-# a peer may not make it read gigabytes.  A recipe holds one entry per tensor of the model:
-# this is far above any model's.
-MAX_RECIPE_BYTES = 256 << 20
+# a peer may not make it read much: 64 MiB parses in about 2 s here (256 MiB took 8 s, long
+# enough for other engines' calls to time out).  A recipe holds one entry per tensor of the
+# model (about 250 bytes with its key), plus tensors under 64 KiB inline (``min_tensor_bytes``
+# up to 1 MiB): a 405B Llama's 253 norms are 11 MB of it, and 64 MiB is about 280,000 entries.
+MAX_RECIPE_BYTES = 64 << 20
 
 
 def _convert(value, hint, where: str, bounds: Range = _INT64):

@@ -20,7 +20,8 @@ Columns: ``expected_shared_bytes`` comes from the checkpoints' content keys (ten
 ``min_tensor_bytes``, the second engine's found in the first); ``registry_shared_bytes`` is what
 the second engine mapped, as the registry counts it (post-processing tensors, which also
 include buffers computed at start-up, such as rotary caches); ``saved_bytes`` is plain minus
-dedup PSS; ``saved_by_sharing_bytes`` is apart minus dedup; ``outputs_match``: both dedup
+dedup PSS (a dedup phase's PSS counts the registry daemon's too: it serves those engines
+only); ``saved_by_sharing_bytes`` is apart minus dedup; ``outputs_match``: both dedup
 engines' greedy tokens equal the plain engines'.  The table goes to stdout; the JSON to
 ``benchmarks/results/memory.json`` and, with ``--json``, as the last line of stdout.
 """
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffo
 
 from harness.engines import EngineProcess  # noqa: E402
 from harness.machine import describe, machine  # noqa: E402
+from harness.procs import pss_bytes  # noqa: E402
 from harness.results import write_results  # noqa: E402
 from harness.variants import cached_variant  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
@@ -68,10 +70,12 @@ def phase(models: list[Path], load_format: str, groups: list[str] | None = None)
             engines.append(EngineProcess(m, load_format, extra, core=i % (os.cpu_count() or 1)).wait_ready())
         outputs = [e.generate(PROMPTS) for e in engines]
         pss = [e.pss() for e in engines]
-        loads = {}
+        loads, registry_pss = {}, 0
         if load_format == "dedup":
-            loads = {e.pid: e.load for e in registry_stats().engines}
-        return {"pss": pss, "outputs": outputs, "loads": [loads.get(e.pid, {}) for e in engines]}
+            stats = registry_stats()
+            loads, registry_pss = {e.pid: e.load for e in stats.engines}, pss_bytes(stats.registry_pid)
+        return {"pss": sum(pss) + registry_pss, "registry_pss": registry_pss, "outputs": outputs,
+                "loads": [loads.get(e.pid, {}) for e in engines]}
     finally:
         for e in engines:
             e.stop()
@@ -92,11 +96,12 @@ def run(model: Path) -> list[dict]:
             "second_model": str(second),
             "expected_shared_bytes": expected_shared(model, second, min_bytes),
             "registry_shared_bytes": dedup["loads"][1].get("shared_bytes", 0),
-            "pss_plain_bytes": sum(plain["pss"]),
-            "pss_apart_bytes": sum(apart["pss"]),
-            "pss_dedup_bytes": sum(dedup["pss"]),
-            "saved_bytes": sum(plain["pss"]) - sum(dedup["pss"]),
-            "saved_by_sharing_bytes": sum(apart["pss"]) - sum(dedup["pss"]),
+            "pss_plain_bytes": plain["pss"],
+            "pss_apart_bytes": apart["pss"],
+            "pss_dedup_bytes": dedup["pss"],
+            "pss_registry_bytes": dedup["registry_pss"],
+            "saved_bytes": plain["pss"] - dedup["pss"],
+            "saved_by_sharing_bytes": apart["pss"] - dedup["pss"],
             "outputs_match": dedup["outputs"] == plain["outputs"] == apart["outputs"],
         })
     return entries

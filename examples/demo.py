@@ -14,7 +14,8 @@ Engines: SmolLM2-135M-Instruct, its last-layers variant and its vocab-extended v
 4. a table, then everything is shut down and checked: no engine process, registry, memfd
    segment or temporary file is left.
 
-PSS is summed over each server's processes (API server, engine core, worker).  The plain
+PSS is summed over each server's processes (API server, engine core, worker); the dedup total
+also counts the registry daemon's (one per machine, no engine's descendant).  The plain
 engines' PSS differs from the dedup ones' by more than the shared bytes: on the CPU backend a
 plain engine repacks linear weights into oneDNN memory, and the dedup loader returns freed heap
 memory to the system; `benchmarks/memory.py` separates these effects.
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/: the repository's test and demo scaffolding (not shipped)
 
 from harness.engines import ServeProcess, dedup_warnings  # noqa: E402
-from harness.procs import mark_session, memfd_holders, processes_matching  # noqa: E402
+from harness.procs import mark_session, memfd_holders, processes_matching, pss_bytes  # noqa: E402
 from harness.variants import smollm2_family  # noqa: E402
 from vllm_dedup.config import DedupConfig  # noqa: E402
 from vllm_dedup.registry.client import registry_stats, shutdown_registry  # noqa: E402
@@ -52,6 +53,12 @@ def expected_shared(models: list[Path], min_bytes: int) -> list[int]:
     """Per engine: bytes of its checkpoint tensors whose content an earlier engine holds."""
     cache = ManifestCache(default_cache_dir())
     return Report([scan_model(m, cache=cache, progress=False) for m in models], min_bytes).shared_with_earlier_bytes()
+
+
+def registry_view():
+    """The registry's stats and its daemon's PSS in bytes, with the dedup engines up."""
+    stats = registry_stats()
+    return stats, pss_bytes(stats.registry_pid)
 
 
 def run_phase(models: list[Path], load_format: str, logs: Path, while_up=lambda: None):
@@ -101,7 +108,7 @@ def main() -> int:
         print("plain engines (--load-format auto):", file=sys.stderr)
         plain_pss, plain_texts, _ = run_phase(models, "auto", logs)
         print("dedup engines (--load-format dedup):", file=sys.stderr)
-        dedup_pss, dedup_texts, stats = run_phase(models, "dedup", logs, while_up=registry_stats)
+        dedup_pss, dedup_texts, (stats, registry_pss) = run_phase(models, "dedup", logs, while_up=registry_view)
         # The registry records each engine's model path and what it mapped from the others.
         by_model = {e.model: e.load for e in stats.engines}
         # A failure inside vllm-dedup never stops an engine: it loads privately, and the demo says so.
@@ -119,8 +126,9 @@ def main() -> int:
             })
         result = {
             "engines": rows,
-            "pss_plain_bytes": sum(plain_pss), "pss_dedup_bytes": sum(dedup_pss),
-            "saved_bytes": sum(plain_pss) - sum(dedup_pss),
+            # the registry daemon serves the dedup engines only: their total counts it
+            "pss_plain_bytes": sum(plain_pss), "pss_dedup_bytes": sum(dedup_pss) + registry_pss,
+            "pss_registry_bytes": registry_pss, "saved_bytes": sum(plain_pss) - sum(dedup_pss) - registry_pss,
             "shared_bytes": sum(shared), "expected_shared_bytes": sum(expected), "packed_tensors": packed,
         }
     except BaseException:  # what the failure left behind is said too
@@ -136,6 +144,7 @@ def main() -> int:
         print(f"{'[%d] %s' % (r['engine'], r['model']):<{w}} {r['pss_plain_bytes'] / MB:>8.0f}MB "
               f"{r['pss_dedup_bytes'] / MB:>8.0f}MB {r['shared_bytes'] / MB:>7.0f}MB "
               f"{r['expected_shared_bytes'] / MB:>7.0f}MB  {r['outputs_match']}")
+    print(f"{'registry daemon':<{w}} {'':>10} {registry_pss / MB:>8.0f}MB")
     print(f"{'total':<{w}} {result['pss_plain_bytes'] / MB:>8.0f}MB {result['pss_dedup_bytes'] / MB:>8.0f}MB "
           f"{result['shared_bytes'] / MB:>7.0f}MB {result['expected_shared_bytes'] / MB:>7.0f}MB")
     # Where vLLM packs weights for oneDNN (bf16 on AVX-512, float32 everywhere) the engines also

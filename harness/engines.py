@@ -294,6 +294,12 @@ class EngineProcess(PeerProcess):
         self.send({"final_tensors": True})
         return json.loads(self.read("TENSORS ", 300))
 
+    def delete(self) -> None:
+        """Delete the ``LLM`` and collect garbage, as a user lets an engine of their own process
+        go; the process lives on, and `stop` is all that may follow."""
+        self.send({"delete": True})
+        self.read("DELETED", 120)
+
     def rpc(self, method: str) -> str:
         """``LLM.collective_rpc(method)``: ``"ok"`` or ``"error <message>"``."""
         self.send({"rpc": method})
@@ -386,6 +392,13 @@ def _engine_main(argv: list[str]) -> None:
                 sys.stderr.flush()
                 os._exit(0)
             break
+        if req.get("delete"):  # as a user deletes an engine of their own process; only exit follows
+            import gc
+
+            del llm
+            gc.collect()
+            print("DELETED", flush=True)
+            continue
         if req.get("trim"):
             import ctypes
             import gc

@@ -60,6 +60,18 @@ def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2
             reply = b.rpc(op)
             assert reply.startswith("error") and f"{op} is refused" in reply, reply
         assert b.generate() == reference and a.generate() == reference
+
+        # An engine deleted in its own process (a user's `del llm`) lets its lease go with its
+        # model while the process lives: the registry drops it; what b maps stays resident.
+        a.delete()
+        stats = registry.stats()
+        assert [e.pid for e in stats.engines] == [b.pid]
+        assert sum(g.resident_bytes for g in stats.groups) >= la["published_bytes"]
+        assert b.generate() == reference
+        b.delete()  # the last holder gone: nothing is resident (keep_warm_s is 0)
+        stats = registry.stats()
+        assert stats.engines == [] and sum(g.resident_bytes for g in stats.groups) == 0
+        assert a.proc.poll() is None and b.proc.poll() is None  # both processes live on
     finally:
         a.stop()
         b.stop()

@@ -258,9 +258,9 @@ class DedupModelLoader(BaseModelLoader):
         except RegistryUnavailable:
             pass
         session = EngineSession.current()
-        # Held for the process's life: tying it to the model (`hold`'s ``model``) saw an engine's
-        # lease released while it served, once in a CI run under load (cause not found yet).
-        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes)
+        # Held while the model lives: an engine of the user's own process deleted lets its
+        # segments go with it (a separate engine process closes its lease as it exits anyway).
+        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes, model)
         ctx.lease.watch()  # re-registers what it holds with a registry that comes back
         session.describe(model)
         logger.info("%s: %s", ctx.model_name, report.summary())

@@ -134,7 +134,7 @@ class EngineSession:
     _current: ClassVar[EngineSession | None] = None
 
     def __init__(self):
-        self.leases: list[Lease] = []  # open for the process's life, or while the model given to `hold` lives
+        self.leases: list[Lease] = []  # open while the model each was held for lives (`hold`)
         self.startup_client: Lease | None = None  # the connection `begin_startup` opened, until `end_startup`
         self.startup_for: tuple | None = None  # whom it said hello for (`_connection_for`)
         self.locks: list[str] = []  # start-up locks held now

@@ -21,7 +21,8 @@ Hostile and broken clients (tests/integration/test_hostile_clients.py, test_prot
   closed.  Out of descriptors, the listener pauses instead of failing; connections wait in the
   listen backlog meanwhile.
 
-Lease: an engine keeps one connection open for its lifetime.  When it closes, for whatever
+Lease: an engine keeps one connection open for its lifetime (an engine of the user's own process:
+while its model lives, `engine.session.EngineSession.hold`).  When it closes, for whatever
 reason (exit, crash, SIGKILL), the kernel closes the socket and the server drops that engine's
 references (`Registry.drop_engine`).  A server that finds a dead registry's socket where it
 starts (a clean stop removes it) replaces that registry: for ``reclaim_grace_s`` it grants locks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import pytest
@@ -565,3 +566,30 @@ def test_a_real_gguf_passes_the_metadata_check(gguf_path):
 
     with GGUFFile(gguf_path) as f:
         assert len(f.entries()) > 100
+
+
+@pytest.mark.parametrize("ggml_type, said", [(4, "tensor type 4 (Q4_2) is one ggml removed"),
+                                             (31, "tensor type 31 (Q4_0_4_4) is one ggml removed"),
+                                             (77, "unknown GGML tensor type")])
+def test_a_gguf_tensor_type_no_reader_knows_says_what_helps(tmp_path, ggml_type, said):
+    """A type ggml removed cannot be helped by a newer gguf package: the error says to convert
+    the model again; a type the installed package does not know yet says to upgrade it."""
+    import gguf
+
+    from vllm_dedup.checkpoint.readers import GGUFFile
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", torch.arange(64, dtype=torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    info = struct.pack("<Q", 1) + b"w" + struct.pack("<IQ", 1, 64)  # name, dimensions, then the type
+    at = data.index(info) + len(info)
+    struct.pack_into("<I", data, at, ggml_type)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(said)) as e:
+        GGUFFile(path)
+    assert ("upgrade gguf" in str(e.value)) == (ggml_type == 77)

@@ -409,6 +409,10 @@ class GGUFFile(WeightFile):
     MAX_NESTING = 8  # arrays of arrays
     MAX_METADATA_KEYS = 1 << 16  # a model's file has about fifty
     MAX_TENSORS = 1 << 20  # a mixture of experts with a tensor per expert has tens of thousands
+    # Tensor types ggml no longer reads (commented out in ``enum ggml_type``, ggml/include/ggml.h):
+    # no gguf package reads them either, so upgrading it cannot help.
+    REMOVED_TYPES = {4: "Q4_2", 5: "Q4_3", 31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8",
+                     36: "IQ4_NL_4_4", 37: "IQ4_NL_4_8", 38: "IQ4_NL_8_8"}
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -419,15 +423,23 @@ class GGUFFile(WeightFile):
             self._reader = gguf.GGUFReader(str(path))
         except ValueError as e:
             if "GGMLQuantizationType" in str(e):
-                raise CheckpointError(
-                    path,
-                    f"unknown GGML tensor type ({e}); the installed gguf package "
-                    f"{_version('gguf')} does not know it: upgrade gguf, or re-export the file",
-                ) from None
+                raise CheckpointError(path, self._unknown_type(e)) from None
             raise CheckpointError(path, f"corrupt or truncated GGUF file ({e})") from None
         except Exception as e:  # the reader raises bare errors on garbage input
             raise CheckpointError(path, f"not a readable GGUF file ({type(e).__name__}: {e})")
         self._tensors = {t.name: t for t in self._reader.tensors}
+
+    @classmethod
+    def _unknown_type(cls, e: ValueError) -> str:
+        """What to do about a tensor type the ``gguf`` package refused (``e``: "4 is not a valid
+        GGMLQuantizationType", the number as numpy prints it)."""
+        number = re.search(r"(\d+)\)? is not a valid", str(e))
+        removed = cls.REMOVED_TYPES.get(int(number.group(1))) if number else None
+        if removed:
+            return (f"tensor type {number.group(1)} ({removed}) is one ggml removed: no reader loads it; "
+                    "convert the model again with a current llama.cpp")
+        return (f"unknown GGML tensor type ({e}); the installed gguf package {_version('gguf')} does not know "
+                "it: upgrade gguf, or re-export the file")
 
     def _check_metadata(self) -> None:
         """Walk the key-value section as the GGUF spec lays it out (ggml/docs/gguf.md; in the

@@ -593,3 +593,29 @@ def test_a_gguf_tensor_type_no_reader_knows_says_what_helps(tmp_path, ggml_type,
     with pytest.raises(CheckpointError, match=re.escape(said)) as e:
         GGUFFile(path)
     assert ("upgrade gguf" in str(e.value)) == (ggml_type == 77)
+
+
+def test_gguf_tensors_whose_bytes_overlap_are_refused(tmp_path):
+    """The gguf reader takes any offsets: two tensors over the same bytes would each be read
+    and hashed, so a small file could claim any number of bytes."""
+    import gguf
+
+    from vllm_dedup.checkpoint.readers import GGUFFile
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name in ("a", "b"):
+        writer.add_tensor(name, torch.arange(64, dtype=torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with GGUFFile(path) as f:  # as written: one after the other
+        assert [f.byte_range(n) for n in ("a", "b")] == [(f.byte_range("a")[0], f.byte_range("b")[0]),
+                                                         (f.byte_range("b")[0], f.byte_range("b")[0] + 256)]
+    data = bytearray(path.read_bytes())
+    info = struct.pack("<Q", 1) + b"b" + struct.pack("<IQI", 1, 64, 0)  # name, dimensions, type F32, then the offset
+    struct.pack_into("<Q", data, data.index(info) + len(info), 128)  # b starts in the middle of a
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="tensors 'a' and 'b' overlap"):
+        GGUFFile(path)

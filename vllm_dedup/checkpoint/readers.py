@@ -428,6 +428,21 @@ class GGUFFile(WeightFile):
         except Exception as e:  # the reader raises bare errors on garbage input
             raise CheckpointError(path, f"not a readable GGUF file ({type(e).__name__}: {e})")
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self._check_no_overlap()
+
+    def _check_no_overlap(self) -> None:
+        """Every tensor's bytes are its own: a writer lays them out one after another (ggml's
+        ``gguf_write``), and the reader does not check.  Tensors made to overlap would be read and
+        hashed once each, so a small file could claim any number of bytes.
+
+        Raises:
+            CheckpointError: two tensors' bytes overlap.
+        """
+        end, last = 0, None
+        for begin, stop, name in sorted((*self.byte_range(n), n) for n in self._tensors):
+            if begin < end:
+                raise CheckpointError(self.path, f"tensors {last!r} and {name!r} overlap; the file is corrupt or crafted")
+            end, last = max(end, stop), name
 
     @classmethod
     def _unknown_type(cls, e: ValueError) -> str:

@@ -153,6 +153,7 @@ class DaemonLaunch:
 
     def _answered(self, timeout_s: float) -> RegistryUnavailable | None:
         deadline = time.monotonic() + timeout_s
+        gave_way = 0  # launches that found another daemon holding the socket's lock
         while True:
             try:  # it returns once the daemon serves, or has exited
                 status = self._launcher.wait(timeout=max(deadline - time.monotonic(), 0.0))
@@ -161,11 +162,14 @@ class DaemonLaunch:
             if status not in (0, None):  # Note [a launcher that returns when ready]
                 return self._did_not_start("")
             # Exit status 0 and no answer: the daemon gave way to one that is gone by now.
+            gave_way += status == 0
             relaunch_at = time.monotonic() + RELAUNCH_AFTER_S if status == 0 else deadline
             while not _answers(self.path):
                 now = time.monotonic()
-                if now > deadline:
-                    return self._did_not_start("no answer")
+                if now > deadline:  # which of the two, for whoever reads why an engine loaded privately
+                    why = (f"launched {gave_way} times, it gave way each time to a daemon holding {self.path}.lock "
+                           "that did not answer" if status == 0 else "it had not begun to serve")
+                    return self._did_not_start(f"no answer within {timeout_s:g} s ({why})")
                 if now >= relaunch_at:
                     break
                 time.sleep(0.05)

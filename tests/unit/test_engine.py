@@ -513,10 +513,14 @@ def vllm_config(tmp_path, **changes):
                                      decode_context_parallel_size=changes.pop("dcp", 1),
                                      data_parallel_size=changes.pop("dp", 1), data_parallel_rank=changes.pop("dp_rank", 0),
                                      prefill_context_parallel_size=changes.pop("pcp", 1))
+    from vllm.config import KernelConfig, LoRAConfig
+
+    lora = changes.pop("lora", None)
     return types.SimpleNamespace(
         model_config=model, parallel_config=parallel,
         device_config=types.SimpleNamespace(device_type="cpu"),
-        cache_config=types.SimpleNamespace(cache_dtype=changes.pop("kv", "auto")))
+        cache_config=types.SimpleNamespace(cache_dtype=changes.pop("kv", "auto")),
+        kernel_config=KernelConfig(**changes.pop("kernels", {})), lora_config=LoRAConfig(**lora) if lora else None)
 
 
 def test_a_model_folder_file_that_cannot_be_read_is_an_error_of_the_signature_not_a_guess(tmp_path):
@@ -549,6 +553,14 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     dp = {load_signature(vllm_config(tmp_path, dp=2, dp_rank=rank)) for rank in (0, 1)}
     assert len(dp) == 2 and base not in dp
     assert load_signature(vllm_config(tmp_path, pcp=2)) != base
+    # vLLM's MoE and linear kernels may lay weights out otherwise (flashinfer_cutlass swaps the
+    # halves of w13), and it picks MoE kernels by LoRA's configuration.
+    kernels = {load_signature(vllm_config(tmp_path, kernels={"moe_backend": backend}))
+               for backend in ("triton", "flashinfer_cutlass")}
+    assert len(kernels) == 2 and base not in kernels
+    assert load_signature(vllm_config(tmp_path, kernels={"linear_backend_per_quant": {"fp8": "cutlass"}})) != base
+    loras = {load_signature(vllm_config(tmp_path, lora={"max_lora_rank": rank})) for rank in (8, 16)}
+    assert len(loras) == 2 and base not in loras
     modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
     assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
     for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG"),

@@ -21,7 +21,8 @@ resident").  So the signature covers:
   maximum length (PLaMo 3 and MiniMax-M2 size their rotary caches by it, which no checkpoint
   tensor covers),
   the inner load format, this loader's options that change post-processing
-  (``cpu_linear`` on the CPU backend), the device type, and vLLM's environment variables
+  (``cpu_linear`` on the CPU backend), vLLM's kernel choices (`_kernels`: its MoE and linear
+  backends and LoRA's configuration, by which it picks them), the device type, and vLLM's environment variables
   that may choose another post-processing (`env_digest`: weights laid out for DeepGEMM or Marlin,
   zentorch's prepacking), but not the cores an engine is bound to.
 
@@ -92,6 +93,20 @@ def _parallel_ranks(pc) -> str:
     pcp_rank = _rank("pcp") if pcp > 1 else 0
     return (f"tp{pc.tensor_parallel_size}.{_rank('tp')}|pp{pc.pipeline_parallel_size}.{_rank('pp')}"
             f"|dp{dp}.{dp_rank}|pcp{pcp}.{pcp_rank}|dcp{getattr(pc, 'decode_context_parallel_size', 1)}")
+
+
+def _kernels(vllm_config) -> str:
+    """vLLM's kernel choices that may lay weights out differently: ``kernel_config`` (its
+    ``moe_backend``, ``linear_backend`` and their per-quantization overrides: with
+    ``flashinfer_cutlass`` a mixture of experts' post-processing swaps the halves of each
+    ``w13`` expert weight, with ``triton`` it does not, the shapes equal either way) and
+    ``lora_config`` (``--enable-lora``: vLLM picks MoE kernels by it, ``FusedMoEConfig``), each
+    by vLLM's own ``compute_hash``, which keys its compile cache by them."""
+    parts = []
+    for name in ("kernel_config", "lora_config"):
+        config = getattr(vllm_config, name, None)
+        parts.append(f"{name.split('_')[0]}:{config.compute_hash()[:16] if config is not None else 'none'}")
+    return "|".join(parts)
 
 
 def _digest(data: bytes) -> str:
@@ -242,6 +257,6 @@ def load_signature(vllm_config, model_config=None, inner_load_format: str = "aut
     zen = "|zentorch" if "cpu" in device and _zentorch() else ""
     return (f"{arch}|{mc.dtype}|{quant}|kv:{kv}|impl:{getattr(mc, 'model_impl', 'auto')}|len{mc.max_model_len}"
             f"|{_parallel_ranks(pc)}"
-            f"|{inner_load_format}|{device}{linear}{zen}|vllm{vllm.__version__}|transformers{transformers}"
+            f"|{inner_load_format}|{device}{linear}{zen}|{_kernels(vllm_config)}|vllm{vllm.__version__}|transformers{transformers}"
             f"|torch{torch.__version__}|dedup{dedup_version}.r{RECIPE_VERSION}"
             f"|cfg:{_config_digest(mc.hf_config)}|code:{_code_digest(mc)}|env:{env_digest()}")

@@ -397,6 +397,35 @@ def test_a_mapped_tensor_that_loading_replaced_gives_its_segment_back():
     assert replay.mapped_bytes == 64  # the norm's
 
 
+def test_buffers_of_one_key_are_tensors_of_their_own_over_the_same_bytes():
+    """Two modules' buffers of one content key (equal rotary caches) are bound as two tensors
+    over the segment's bytes, as a plain load makes two: post-processing that rebinds one's
+    data leaves the other as it was, and forgetting that one keeps the other's placement."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from vllm_dedup.engine.replay import Replay
+
+    ctx = SimpleNamespace(config=SimpleNamespace(verify=True), device=torch.device("cpu"))
+    model = nn.Module()
+    model.a, model.b = nn.Module(), nn.Module()
+    for module in (model.a, model.b):
+        module.register_buffer("cache", torch.empty(4, device="meta"))
+    entry = ModuleRecipe([], [TensorRecipe("cache", False, "float32", (4,), (1,), key="K", uid="u")])
+    recipe = SimpleNamespace(modules={"a": entry, "b": entry})
+    replay = Replay(ctx, match=SimpleNamespace(recipe=recipe, matched={"a", "b"}), where={})
+    segment = torch.arange(4.0)
+    for name in ("a", "b"):
+        replay._bind(getattr(model, name), name, {("K", "u"): (segment, "u")}, {})
+    assert model.a.cache is not model.b.cache and model.a.cache.data_ptr() == model.b.cache.data_ptr()
+    model.a.cache.data = torch.ones(4)  # a's post-processing makes its own
+    assert torch.equal(model.b.cache, torch.arange(4.0))
+    replay._forget_replaced()
+    assert list(replay.placement) == [id(model.b.cache)]
+
+
 @pytest.mark.parametrize("recorded", [("float32", (16,), (1,)), ("float32", (4, 4), (4, 1)), ("float16", (16,), (1,)),
                                       ("float32", (8,), (2,))])
 def test_a_tied_weight_is_replayed_only_as_the_recipe_recorded_it(recorded):

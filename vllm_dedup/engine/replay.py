@@ -246,7 +246,9 @@ class Replay:
             else:
                 tensor = _restore_inline(t, self.ctx.device)
             old = module._parameters.get(t.name) if t.param else module._buffers.get(t.name)
-            new = like_meta(old, tensor) if t.param else tensor
+            # A tensor object of its own per place, as a plain load makes: two buffers of one
+            # key bound to one object would both change where post-processing rebinds one's data.
+            new = like_meta(old, tensor) if t.param else tensor.detach()
             if t.param:
                 module._parameters[t.name] = new
             elif t.name in module._buffers:
@@ -318,7 +320,7 @@ class Replay:
         for ref, ident, ptr, nbytes in self._mapped:
             tensor = ref()
             if tensor is None or tensor.data_ptr() != ptr:
-                del self.placement[ident]
+                self.placement.pop(ident, None)
                 self.mapped_bytes -= nbytes
         self._mapped = []
 

@@ -106,7 +106,16 @@ def test_engines_re_register_with_a_ray_registry_actor_brought_back_by_the_next_
         except RegistryUnavailable:  # the old actor not yet marked dead by Ray
             return None
 
-    sock = bring_back()
+    def engines_own(signum, frame):  # vLLM's shutdown handler, in an engine's main thread
+        pass
+
+    before = signal.signal(signal.SIGTERM, engines_own)
+    try:
+        sock = bring_back()
+        # ray.init set SIGTERM to sys.exit, and ray.shutdown left it so: the handler is put back
+        assert signal.getsignal(signal.SIGTERM) is engines_own
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert sock == registry.socket
     a = lease_peer(sock, "publish", "k", str(8 * MB), restart=False)
     b = None

@@ -46,3 +46,24 @@ def test_a_cluster_counts_only_where_its_address_answers(tmp_path, listening):
     assert not _hint(tmp_path)
     current.write_text("garbage")
     assert not _hint(tmp_path)
+
+
+@pytest.mark.parametrize("family, host, written", [(socket.AF_INET, "127.0.0.1", "{host}:{port}"),
+                                                   (socket.AF_INET6, "::1", "[{host}]:{port}")])
+def test_a_ray_address_is_probed_as_ray_writes_it_ipv6_in_brackets(family, host, written):
+    """Ray writes an IPv6 GCS address as ``[::1]:6379``: the probe connects to the host inside
+    the brackets, and says so at once where nothing listens."""
+    from vllm_dedup.errors import RegistryUnavailable
+    from vllm_dedup.registry.ray_actor import probe_ray_address
+
+    try:
+        listener = socket.socket(family)
+        listener.bind((host, 0))
+    except OSError as e:  # a machine without IPv6 loopback: there is no such cluster to reach
+        pytest.skip(f"no {host} here ({e})")
+    with listener:
+        listener.listen()
+        address = written.format(host=host, port=listener.getsockname()[1])
+        probe_ray_address(address)
+    with pytest.raises(RegistryUnavailable, match="no Ray cluster answers"):
+        probe_ray_address(address)  # closed now

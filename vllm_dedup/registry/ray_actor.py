@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 from dataclasses import dataclass
@@ -98,23 +99,43 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
     """
     try:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     except ImportError as e:
         raise RegistryUnavailable(f"Ray is not installed ({e})") from None
     # Before connecting: an engine process knows its node from the environment, and ray.init
     # may attach it to another node of the same machine (Ray picks one by IP address).
     known = this_node()
     connected_here = False
-    if not ray.is_initialized():
-        probe_ray_address(address)
-        try:
-            ray.init(address=address or "auto", namespace=namespace, logging_level=logging.WARNING,
-                     log_to_driver=False, include_dashboard=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RegistryUnavailable(f"no Ray cluster at {address or 'auto'}: {e}") from None
-        connected_here = True
+    # ray.init sets SIGTERM to sys.exit (in the main thread: an engine's worker, or vLLM's
+    # engine core) and ray.shutdown leaves it so: vLLM's own handler, which shuts the engine
+    # down in order, would be gone for good.  Ours is a short connection: the handler goes back.
+    sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
-        node = ray_node(node_id or (known.node_id if known else None))
+        if not ray.is_initialized():
+            probe_ray_address(address)
+            try:
+                ray.init(address=address or "auto", namespace=namespace, logging_level=logging.WARNING,
+                         log_to_driver=False, include_dashboard=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise RegistryUnavailable(f"no Ray cluster at {address or 'auto'}: {e}") from None
+            connected_here = True
+        return _actor_socket(ray, namespace, keep_warm_s, node_id or (known.node_id if known else None))
+    finally:
+        if connected_here:
+            ray.shutdown()
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+
+
+def _actor_socket(ray, namespace: str, keep_warm_s: float, node_id: str | None) -> str:
+    """`ensure_actor`'s work once connected to Ray: the actor's socket path.
+
+    Raises:
+        RegistryUnavailable: the actor could not be found or started.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        node = ray_node(node_id)
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
         actor = actor_cls.options(
             name=actor_name(node.node_id),
@@ -126,9 +147,6 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
         return ray.get(actor.socket_path.remote(), timeout=60)
     except Exception as e:
         raise RegistryUnavailable(f"cannot start the registry actor in namespace {namespace!r}: {e}") from None
-    finally:
-        if connected_here:
-            ray.shutdown()
 
 
 @dataclass
@@ -210,6 +228,7 @@ def probe_ray_address(address: str | None, timeout_s: float = 3.0) -> None:
     if not address or address == "auto" or "://" in address or ":" not in address:
         return
     host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address, as Ray writes it: [::1]:6379
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as e:

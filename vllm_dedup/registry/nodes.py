@@ -22,7 +22,6 @@ find them.  Nothing has to be configured.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -77,9 +76,8 @@ def ray_node(node_id: str | None = None) -> RayNode:
     return RayNode(node_id, _socket_dir(node_id, _is_head(node_id)))
 
 
-@functools.lru_cache(maxsize=64)
 def _is_head(node_id: str) -> bool:
-    # Cached: a node's role never changes, and every engine load would otherwise ask the GCS.
+    # Asked each time (one GCS call per engine load): a node that died since must be refused.
     import ray
 
     alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}

@@ -119,7 +119,7 @@ class DedupConfig:
                 "(options for the inner loader go inside 'inner_extra_config')"
             )
         config = cls(**extra)
-        if not isinstance(config.inner_load_format, str) or not config.inner_load_format:
+        if not isinstance(config.inner_load_format, str) or not config.inner_load_format.strip():
             raise ValueError(f"inner_load_format must be a load format name, got {config.inner_load_format!r}")
         # vLLM's names are lower case; the fast path and the load signature compare them as given.
         config = replace(config, inner_load_format=config.inner_load_format.strip().lower())

@@ -172,6 +172,8 @@ def test_the_inner_load_format_is_vllms_lower_case_name():
     assert DedupConfig.from_extra_config({"inner_load_format": " Safetensors"}).inner_load_format == "safetensors"
     with pytest.raises(ValueError, match="cannot be 'dedup' itself"):
         DedupConfig.from_extra_config({"inner_load_format": "DEDUP"})
+    with pytest.raises(ValueError, match="must be a load format name"):  # not '' in every worker
+        DedupConfig.from_extra_config({"inner_load_format": "   "})
 
 
 def test_the_cli_refuses_a_bad_namespace_or_number_in_one_line():

@@ -110,14 +110,20 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
         engine_kwargs: other vLLM engine arguments.
         loader_config: `config.DedupConfig` keys.
         replicas_per_device: how many engines share one GPU (each bundle takes that fraction
-            of a GPU; ``gpu_memory_utilization`` defaults to 0.9 divided among them).
+            of a GPU; ``gpu_memory_utilization`` defaults to 0.9 divided among them).  An
+            engine gets one bundle per worker (tensor times pipeline parallel size); Ray may
+            place fractional bundles of one engine on one GPU, so for tensor parallelism
+            across shared GPUs pass a ``placement_group_config`` of your own (not tried on a
+            GPU here).
         device: ``"cpu"`` (vLLM's CPU backend) or ``"gpu"``.
         node: where the replicas run: `DRIVER_NODE` (the default: this process's node; not
             pinned when this process is not connected to Ray), a Ray node id (hex), or None
             (wherever Ray finds room: replicas on several nodes hold one copy per node).
             Pinning uses the deployment's ``placement_group_bundle_label_selector``, unless
             ``deployment_config`` sets one.
-        llm_config: further ``LLMConfig`` fields (``deployment_config``, ``runtime_env``, ...).
+        llm_config: further ``LLMConfig`` fields (``deployment_config``, ``runtime_env``, ...);
+            a ``placement_group_config`` or ``accelerator_config`` given here replaces the one
+            made from ``device`` and ``replicas_per_device``.
 
     Raises:
         ValueError: bad ``device`` or ``replicas_per_device``, an unknown loader config key, a
@@ -146,11 +152,12 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
     # The node's own socket directory is not the replicas': each finds its node (registry.nodes).
     env_vars = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DEDUP_") and k not in NODE_ENV}
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
+    # One bundle per worker: Ray Serve repeats it tensor_parallel_size * pipeline_parallel_size times.
+    llm_config.setdefault("placement_group_config", {"bundle_per_worker": bundle})
+    llm_config.setdefault("accelerator_config", {"kind": device})
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": str(model_source)},
         engine_kwargs=kwargs,
-        accelerator_config={"kind": device},
-        placement_group_config={"bundles": [bundle]},
         runtime_env=runtime_env,
         **llm_config,
     )

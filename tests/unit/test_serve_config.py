@@ -1,0 +1,33 @@
+"""`vllm_dedup.serve.dedup_llm_config`: the ``LLMConfig`` Ray Serve builds a deployment from.
+
+Read back through Ray Serve's own engine config (``LLMConfig.get_engine_config``), which makes
+the placement group's bundles the replica's engine starts in; no cluster is needed for that.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (2, 2)])
+def test_every_worker_of_an_engine_gets_a_bundle(smollm2, tp, pp):
+    """One bundle per worker (``tensor_parallel_size * pipeline_parallel_size``), each the share
+    of a device ``replicas_per_device`` gives: a single bundle made vLLM's Ray executor refuse
+    an engine of more than one worker."""
+    from vllm_dedup.serve import dedup_llm_config
+
+    kwargs = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    cpu = dedup_llm_config("m", smollm2, engine_kwargs=kwargs, node=None)
+    assert cpu.get_engine_config().placement_bundles == [{"CPU": 1.0}] * (tp * pp)
+    gpu = dedup_llm_config("m", smollm2, engine_kwargs=kwargs, node=None, device="gpu", replicas_per_device=4)
+    assert gpu.get_engine_config().placement_bundles == [{"CPU": 1.0, "GPU": 0.25}] * (tp * pp)
+
+
+def test_a_placement_or_accelerator_given_replaces_the_one_made(smollm2):
+    """The user's ``placement_group_config`` and ``accelerator_config`` win (they were passed
+    twice to ``LLMConfig``: a TypeError)."""
+    from vllm_dedup.serve import dedup_llm_config
+
+    config = dedup_llm_config("m", smollm2, node=None, placement_group_config={"bundles": [{"CPU": 2}]},
+                              accelerator_config={"kind": "cpu"})
+    assert config.get_engine_config().placement_bundles == [{"CPU": 2.0}]

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from vllm_dedup.content.keys import ContentKey
+from vllm_dedup.content.views import dtype_name
 from vllm_dedup.engine.context import Placement
 from vllm_dedup.engine.recipe import Recipe, RecipeDeclined, choose, match
 from vllm_dedup.engine.recipe_builder import build_recipe
@@ -343,7 +345,10 @@ def test_mla_on_amx_is_not_replayed():
 
 def recipe_of(model: Tiny, recorder: SourceRecorder) -> Recipe:
     """A recipe as an engine leaves it: every tensor of 64 bytes or more in a segment."""
-    placement = {id(p): Placement(f"key-{name}", f"uid-{name}") for name, p in model.named_parameters()
+    def key(name: str, p: torch.Tensor) -> str:  # of the tensor's layout (`match` checks it), a digest of its name
+        return str(ContentKey(name.encode().ljust(16, b".")[:16], dtype_name(p.dtype), tuple(p.shape), p.stride()))
+
+    placement = {id(p): Placement(key(name, p), f"uid-{name}") for name, p in model.named_parameters()
                  if p.numel() * p.element_size() >= 64}
     return build_recipe(model, "sig", dict(recorder.keys), recorder, placement, 32, {})
 
@@ -357,7 +362,7 @@ def test_a_recipe_records_keys_with_their_segments_aliases_and_what_is_traced():
     model = Tiny()
     recipe = recipe_of(model, recorded_load(model, checkpoint()))
     embed = recipe.modules["embed"].tensors[0]
-    assert (embed.key, embed.uid) == ("key-embed.weight", "uid-embed.weight")
+    assert embed.key.endswith(":" + b"embed.weight....".hex()) and embed.uid == "uid-embed.weight"
     assert recipe.modules["head"].tensors[0].alias == "embed.weight"
     assert recipe.modules["norm"].tensors[0].inline is not None  # 16 bytes: kept inline
     assert recipe.modules["decoder"].traced and recipe.modules["decoder"].eager and not recipe.modules["qkv"].eager

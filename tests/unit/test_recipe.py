@@ -8,14 +8,21 @@ import math
 import pytest
 import torch
 
+from vllm_dedup.content.keys import ContentKey
 from vllm_dedup.content.views import contiguous_stride
 from vllm_dedup.engine.recipe import ModuleRecipe, Recipe, RecipeDeclined, TensorRecipe, choose
 
 MB = 1 << 20
 
 
+def key_of(tag: str, dtype: str, shape: tuple[int, ...]) -> str:
+    """A content key of that layout, its digest made from ``tag`` (recipes are matched by
+    their keys' strings; `match` checks each layout against its key's)."""
+    return str(ContentKey(tag.encode().ljust(16, b"."), dtype, shape, contiguous_stride(shape)))
+
+
 def weight(name: str, key: str, rows: int = 512) -> TensorRecipe:
-    return TensorRecipe(name, True, "bfloat16", (rows, 1024), (1024, 1), key=key)
+    return TensorRecipe(name, True, "bfloat16", (rows, 1024), (1024, 1), key=key_of(key, "bfloat16", (rows, 1024)))
 
 
 def base_recipe() -> Recipe:
@@ -33,7 +40,7 @@ def base_recipe() -> Recipe:
             "head": ModuleRecipe([], [TensorRecipe("weight", True, "bfloat16", (4096, 1024), (1024, 1),
                                                    alias="embed.weight")]),
             "rotary": ModuleRecipe([], [TensorRecipe("cos_sin_cache", False, "float32", (8192, 64), (64, 1),
-                                                     key="ROT")]),
+                                                     key=key_of("ROT", "float32", (8192, 64)))]),
         },
     )
 
@@ -93,8 +100,10 @@ def test_a_recipe_survives_its_bytes_and_names_its_final_keys():
     back = Recipe.from_bytes(recipe.to_bytes())
     assert back == recipe and back.id == recipe.id
     assert back.modules["norm"].tensors[0].inline == b"\x01" * 8
-    assert recipe.final() == {"E": 4096 * 1024 * 2, "QKV0": 512 * 1024 * 2, "QKV1": 512 * 1024 * 2,
-                              "ROT": 8192 * 64 * 4}
+    assert recipe.final() == {key_of("E", "bfloat16", (4096, 1024)): 4096 * 1024 * 2,
+                              key_of("QKV0", "bfloat16", (512, 1024)): 512 * 1024 * 2,
+                              key_of("QKV1", "bfloat16", (512, 1024)): 512 * 1024 * 2,
+                              key_of("ROT", "float32", (8192, 64)): 8192 * 64 * 4}
     other = base_recipe()
     other.sources["norm"] = "n1"
     assert other.id != recipe.id  # another checkpoint content, another recipe
@@ -395,6 +404,31 @@ def test_a_mapped_tensor_that_loading_replaced_gives_its_segment_back():
     assert list(replay.placement.values()) == [replay.placement[id(model.norm.weight)]]
     assert released == [7] and replay.held == [8]
     assert replay.mapped_bytes == 64  # the norm's
+
+
+def test_a_recipe_naming_layouts_its_keys_do_not_allow_never_outranks_a_sound_one():
+    """Recipes are ranked by the bytes they map, which their own layouts claim: a layout its
+    content key does not allow (here 10**12 elements over a 4096 x 4096 key) would count bytes
+    no segment holds.  Such a module is loaded, not mapped, so the sound recipe wins; a
+    squeezed conv layout (dimensions of size 1) and a oneDNN packed weight's bytes fit."""
+    key = "bfloat16[4096,4096]/[4096,1]:" + "ab" * 16
+
+    def one(t: TensorRecipe) -> Recipe:
+        return Recipe("s", {"a.w": "k1"}, {"a": ModuleRecipe(["a.w"], [t])})
+
+    sound = one(TensorRecipe("weight", True, "bfloat16", (4096, 4096), (4096, 1), key=key, uid="u1"))
+    bogus = one(TensorRecipe("weight", True, "bfloat16", (10**12,), (1,), key=key, uid="u2"))
+    best, _ = choose([bogus, sound], {"a.w": "k1"})
+    assert best.recipe is sound and best.mapped_bytes == 4096 * 4096 * 2
+    best, why = choose([bogus], {"a.w": "k1"})
+    assert best is None and "maps no module" in why
+    for fits in (TensorRecipe("weight", True, "bfloat16", (4096, 1, 4096), (4096, 4096, 1), key=key),
+                 TensorRecipe("weight", True, "uint8", (512,), (1,), key="onednn:ab12[512]/[1]:" + "cd" * 16)):
+        assert fits.fits(fits.key)
+    for misfit in (TensorRecipe("weight", True, "float16", (4096, 4096), (4096, 1), key=key),  # another type
+                   TensorRecipe("weight", True, "bfloat16", (4096, 4096), (1, 4096), key=key),  # transposed
+                   TensorRecipe("weight", True, "bfloat16", (4096, 4096), (4096, 1), key="not a key")):
+        assert not misfit.fits(misfit.key)
 
 
 def test_buffers_of_one_key_are_tensors_of_their_own_over_the_same_bytes():

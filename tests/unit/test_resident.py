@@ -1,5 +1,5 @@
 """Mapping what is resident (`engine.resident.map_resident`) and the layouts a replay accepts
-for it (`replay._fits`): a caller that stops early holds nothing and leaks no descriptor, and
+for it (`TensorRecipe.fits`): a caller that stops early holds nothing and leaks no descriptor, and
 a recipe's layout is only trusted within its key's type and bytes.  A real registry in this
 process, real sealed memfds."""
 
@@ -12,7 +12,6 @@ import torch
 from vllm_dedup.content.keys import content_key
 from vllm_dedup.content.views import tensor_bytes
 from vllm_dedup.engine.recipe import TensorRecipe
-from vllm_dedup.engine.replay import _fits
 from vllm_dedup.engine.resident import map_resident
 from vllm_dedup.registry.client import RegistryClient, registry_stats
 from vllm_dedup.registry.lease import Lease
@@ -73,17 +72,17 @@ def test_a_recipe_layout_is_trusted_only_within_its_keys_type_and_bytes():
     def entry(dtype="bfloat16", shape=(4, 8), stride=(8, 1)):
         return TensorRecipe("weight", True, dtype, shape, stride, key=key)
 
-    assert _fits(entry(), key, 64)
-    assert _fits(entry(shape=(4, 1, 8), stride=(8, 8, 1)), key, 64)  # a causal-conv weight over its buffer
-    assert not _fits(entry(shape=(8, 4), stride=(4, 1)), key, 64)  # another shape than the one published
-    assert not _fits(entry(shape=(8, 4), stride=(1, 8)), key, 64)  # the bytes read transposed
-    assert not _fits(entry(dtype="float16"), key, 64)  # the bytes read as another type
-    assert not _fits(entry(dtype="load"), key, 64)  # not a dtype at all
-    assert not _fits(entry(shape=(4, 8), stride=(9, 1)), key, 64)  # reaches past the tensor's bytes
-    assert not _fits(entry(shape=(4, 8), stride=(-8, 1)), key, 64)
-    assert not _fits(entry(shape=(4, 8, 1), stride=(8, 1)), key, 64)  # a stride missing
-    assert not _fits(entry(), "not a key", 64)
+    assert entry().fits(key, 64)
+    assert entry(shape=(4, 1, 8), stride=(8, 8, 1)).fits(key, 64)  # a causal-conv weight over its buffer
+    assert not entry(shape=(8, 4), stride=(4, 1)).fits(key, 64)  # another shape than the one published
+    assert not entry(shape=(8, 4), stride=(1, 8)).fits(key, 64)  # the bytes read transposed
+    assert not entry(dtype="float16").fits(key, 64)  # the bytes read as another type
+    assert not entry(dtype="load").fits(key, 64)  # not a dtype at all
+    assert not entry(shape=(4, 8), stride=(9, 1)).fits(key, 64)  # reaches past the tensor's bytes
+    assert not entry(shape=(4, 8), stride=(-8, 1)).fits(key, 64)
+    assert not entry(shape=(4, 8, 1), stride=(8, 1)).fits(key, 64)  # a stride missing
+    assert not entry().fits("not a key", 64)
     # A oneDNN packed weight's key names its layout; the recipe reads it as bytes.
     packed = str(content_key(bytes(64), "onednn:0123456789abcdef", (64,)))
-    assert _fits(TensorRecipe("weight", True, "uint8", (64,), (1,), key=packed), packed, 64)
-    assert not _fits(TensorRecipe("weight", True, "bfloat16", (32,), (1,), key=packed), packed, 64)
+    assert TensorRecipe("weight", True, "uint8", (64,), (1,), key=packed).fits(packed, 64)
+    assert not TensorRecipe("weight", True, "bfloat16", (32,), (1,), key=packed).fits(packed, 64)

@@ -101,6 +101,35 @@ class TensorRecipe:
 
         return element_span(self.shape, self.stride) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
+    def fits(self, key: str, nbytes: int | None = None) -> bool:
+        """Whether this tensor may be read from the ``nbytes`` bytes of content key ``key`` (by
+        default the bytes the key's own layout spans): the key's element type (a oneDNN packed
+        weight's key names its layout, and it is read as bytes: Note [a packed weight's content
+        key] in `packed.py`), the key's own layout but for dimensions of size 1 (a causal-conv
+        weight's (dim, 1, width) over the (dim, width) buffer that holds its bytes:
+        `recipe_builder.conv_weight_recipe`), and every element it addresses (shape and
+        non-negative strides, as ``as_strided`` would) inside those bytes.  A recipe is another
+        engine's data: a layout that reads past its tensor's bytes, or reinterprets them as
+        another type or shape, is refused."""
+        import torch
+
+        from ..content.keys import ContentKey
+
+        try:
+            parsed = ContentKey.parse(key)
+            if squeezed_layout(self.shape, self.stride) != squeezed_layout(parsed.shape, parsed.stride):
+                return False
+            keyed = "uint8" if parsed.dtype.startswith("onednn:") else parsed.dtype
+            if not isinstance(getattr(torch, self.dtype), torch.dtype) or keyed != self.dtype:
+                return False
+            if len(self.shape) != len(self.stride) or min((*self.shape, *self.stride), default=0) < 0:
+                return False
+            if nbytes is None:  # what the key's layout spans, in its element type
+                nbytes = element_span(parsed.shape, parsed.stride) * torch.empty((), dtype=getattr(torch, keyed)).element_size()
+            return self.nbytes == nbytes  # the span of elements it reaches (`nbytes`), in bytes
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            return False
+
     def to_json(self) -> dict:
         out = {"name": self.name, "param": self.param, "dtype": self.dtype, "shape": list(self.shape),
                "stride": list(self.stride)}
@@ -372,8 +401,14 @@ def match(recipe: Recipe, checkpoint: dict[str, str]) -> Match:
         raise RecipeDeclined("a changed checkpoint tensor went into no recorded module")
     found = Match(recipe, set(), {})
     for name, module in recipe.modules.items():
+        # Checked before the recipes are ranked by the bytes they map (`choose`): a layout its
+        # own key does not allow would count bytes no segment holds, and outrank a sound
+        # recipe.  The replay would load the module (`TensorRecipe.fits` against the segment).
+        misfit = next((t for t in module.keyed() if not t.fits(t.key)), None)
         if not module.replayable:
             found.unmatched[name] = module.why
+        elif misfit is not None:
+            found.unmatched[name] = f"its tensor {misfit.name}'s layout does not fit its content key"
         elif changed & set(module.sources):
             found.unmatched[name] = "its checkpoint tensors changed"
         elif changed and not module.traced:

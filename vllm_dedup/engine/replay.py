@@ -37,7 +37,7 @@ yet mapped too: `resident.map_resident`) and unregistering the layers the build 
 loader then loads the whole model as usual.  No byte is compared here: the trust is the BLAKE3
 source keys, the load signature and the segments the recipe names (docs/architecture.md,
 "Trust"); but a recipe is another engine's data, so each layout it gives a key must fit that
-key's type and bytes (`_fits`), and the model attributes it sets must be plain ones.
+key's type and bytes (`TensorRecipe.fits`), and the model attributes it sets must be plain ones.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.loading import read_tensors
-from ..content.keys import ContentKey
-from ..content.views import dtype_name, element_span, squeezed_layout
+from ..content.views import dtype_name, element_span
 from ..errors import SegmentError
 from ..log import init_logger
 from ..segments import segment_class
@@ -202,7 +201,7 @@ class Replay:
             for hit in got.found.hits:
                 asked = (hit.key, got.found.uid if strict else "")
                 entries = wanted.get(asked, [])
-                if not entries or not all(_fits(t, hit.key, hit.nbytes) for t in entries):
+                if not entries or not all(t.fits(hit.key, hit.nbytes) for t in entries):
                     continue  # a layout its key and bytes do not allow: never trusted, the module loads
                 t = entries[0]
                 try:
@@ -504,28 +503,3 @@ def _restore_inline(t: TensorRecipe, device: torch.device) -> torch.Tensor:
     dtype = getattr(torch, t.dtype)
     flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
     return flat.as_strided(t.shape, t.stride).to(device)
-
-
-def _fits(t: TensorRecipe, key: str, nbytes: int) -> bool:
-    """Whether tensor recipe ``t`` may be read from the ``nbytes`` bytes of content key ``key``:
-    the key's element type (a oneDNN packed weight's key names its layout, and it is read as
-    bytes: Note [a packed weight's content key] in `packed.py`), the key's own layout but for
-    dimensions of size 1 (a causal-conv weight's (dim, 1, width) over the (dim, width) buffer
-    that holds its bytes: `recipe_builder.conv_weight_recipe`), and every element it addresses
-    (shape and non-negative strides, as ``as_strided`` would) inside those bytes.  A recipe is
-    another engine's data: a layout that reads past its tensor's bytes, or reinterprets them
-    as another type or shape, is refused."""
-    try:
-        parsed = ContentKey.parse(key)
-        if squeezed_layout(t.shape, t.stride) != squeezed_layout(parsed.shape, parsed.stride):
-            return False
-        keyed = parsed.dtype
-        if keyed.startswith("onednn:"):
-            keyed = "uint8"
-        if not isinstance(getattr(torch, t.dtype), torch.dtype) or keyed != t.dtype:
-            return False
-        if len(t.shape) != len(t.stride) or min((*t.shape, *t.stride), default=0) < 0:
-            return False
-        return t.nbytes == nbytes  # the span of elements it reaches (`TensorRecipe.nbytes`), in bytes
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        return False

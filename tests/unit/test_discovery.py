@@ -67,3 +67,18 @@ def test_a_ray_address_is_probed_as_ray_writes_it_ipv6_in_brackets(family, host,
         probe_ray_address(address)
     with pytest.raises(RegistryUnavailable, match="no Ray cluster answers"):
         probe_ray_address(address)  # closed now
+
+
+def test_a_stale_ray_address_in_the_environment_is_found_out_at_once(monkeypatch):
+    """``ray.init("auto")`` goes to ``$RAY_ADDRESS``; where nothing listens there it retried for
+    about a minute.  The registry actor's helper probes that address first and says so."""
+    from vllm_dedup.errors import RegistryUnavailable
+    from vllm_dedup.registry.ray_actor import ensure_actor
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    for address in (None, "auto"):  # the probe's words: ray.init's own failure says "no Ray cluster at auto"
+        with pytest.raises(RegistryUnavailable, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+            ensure_actor("vllm-dedup", address=address)

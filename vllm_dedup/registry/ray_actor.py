@@ -111,7 +111,8 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
     sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         if not ray.is_initialized():
-            probe_ray_address(address)
+            # ray.init("auto") goes to $RAY_ADDRESS: a stale one is found out here, not in a minute
+            probe_ray_address(address if address not in (None, "auto") else os.environ.get("RAY_ADDRESS"))
             try:
                 ray.init(address=address or "auto", namespace=namespace, logging_level=logging.WARNING,
                          log_to_driver=False, include_dashboard=False)

@@ -15,7 +15,7 @@ import pytest
 from harness.procs import PeerProcess, memfd_holders, processes_matching
 from helpers import PEERS, run_cli, wait_for
 from vllm_dedup.errors import RegistryUnavailable
-from vllm_dedup.registry.client import RegistryClient, registry_stats, shutdown_registry
+from vllm_dedup.registry.client import RegistryClient, registry_answers, registry_stats, shutdown_registry
 from vllm_dedup.config import DedupConfig
 from vllm_dedup.engine.session import EngineSession
 from vllm_dedup.registry.daemon import RECLAIM_GRACE_ENV, launch_daemon, start_daemon
@@ -352,7 +352,7 @@ def test_a_daemon_slower_to_start_than_asked_is_a_registry_unavailable_not_a_cra
     with pytest.raises(RegistryUnavailable, match="did not start"):
         start_daemon(sock, idle_exit_s=2.0, timeout_s=0.001)
     # The launcher goes on, and its daemon answers, then goes: nothing is left behind.
-    assert wait_for(lambda: _answers(sock), 30)
+    assert wait_for(lambda: registry_answers(sock), 30)
     shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 30)
 
@@ -363,7 +363,7 @@ def test_a_lease_given_a_daemon_launch_says_hello_on_its_first_call(tmp_path):
     lease = Lease(launch_daemon(sock, idle_exit_s=5.0), "model-a", "cpu", "default", "sig", timeout_s=10)
     try:
         assert lease.launching and lease.engine_id is None
-        assert wait_for(lambda: _answers(sock), 30)
+        assert wait_for(lambda: registry_answers(sock), 30)
         assert registry_stats(sock).engines == []  # the daemon serves; the lease has not said hello
         assert lease.get_recipes("sig") == []
         assert not lease.launching and lease.engine_id is not None
@@ -411,9 +411,9 @@ def test_a_daemon_waits_for_the_engine_that_started_it_however_long_its_load(tmp
     launch = launch_daemon(sock, idle_exit_s=0.5, awaited_pid=os.getpid())
     lease = Lease(launch, "model-a", "cpu", "default", "sig", timeout_s=10)
     try:
-        assert wait_for(lambda: _answers(sock), 30)
+        assert wait_for(lambda: registry_answers(sock), 30)
         time.sleep(3)  # six idle periods, with nothing connected: this engine is still "loading"
-        assert _answers(sock)
+        assert registry_answers(sock)
         assert lease.get_recipes("sig") == []
     finally:
         lease.close()
@@ -425,9 +425,9 @@ def test_a_daemon_waits_for_the_engine_that_started_it_however_long_its_load(tmp
         launch = launch_daemon(other, idle_exit_s=0.5, awaited_pid=loading.pid)
         Lease(launch, "model-b", "cpu", "default", "sig", timeout_s=10).close()  # before its first call
         assert launch._err.closed
-        assert wait_for(lambda: _answers(other), 30)
+        assert wait_for(lambda: registry_answers(other), 30)
         time.sleep(3)
-        assert _answers(other)
+        assert registry_answers(other)
     finally:
         loading.kill()  # not reaped yet: a zombie has exited too
         gone = wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(other).encode()), 15)
@@ -448,12 +448,12 @@ def test_a_daemon_that_gave_way_to_one_since_gone_is_launched_again(tmp_path):
     try:
         launch = launch_daemon(sock, idle_exit_s=60)  # this test stops the daemons itself
         assert launch._launcher.wait(30) == 0  # its daemon gave way
-        assert not _answers(sock)
+        assert not registry_answers(sock)
     finally:
         Path(f"{sock}.lock").unlink()  # as a daemon exiting does, before its lock goes
         exiting.close()
     launch.wait(30)
-    assert _answers(sock)
+    assert registry_answers(sock)
     shutdown_registry(sock)
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
 
@@ -562,14 +562,6 @@ def _all_threads_stopped(pid: int) -> bool:
     return bool(states) and all(s == "T" for s in states)
 
 
-def _answers(sock: Path) -> bool:
-    try:
-        RegistryClient(sock, timeout_s=1).close()
-        return True
-    except RegistryUnavailable:
-        return False
-
-
 def test_the_serve_helper_starts_a_registry_actor_with_the_keep_warm_s_it_is_given(ray_address):
     """`build_dedup_app` passes its loader's ``keep_warm_s`` here: an actor this call creates
     keeps unmapped segments that long (a restarted Serve replica maps them); a registry running
@@ -587,6 +579,18 @@ def test_the_serve_helper_starts_a_registry_actor_with_the_keep_warm_s_it_is_giv
             assert registry_stats(sock).keep_warm_s == 7.0
         finally:
             shutdown_registry(sock)
+        # A standalone daemon that engines started before Ray serves the node's socket: it is
+        # the node's registry (engines connect to what answers there), not an actor's failure.
+        from vllm_dedup.registry.daemon import is_daemon
+        from vllm_dedup.registry.wire import socket_path
+
+        daemon_sock = socket_path("t-daemon-first")
+        start_daemon(daemon_sock, idle_exit_s=60.0)
+        try:
+            assert ensure_registry("t-daemon-first") == daemon_sock
+            assert is_daemon(registry_stats(daemon_sock).registry_pid)
+        finally:
+            shutdown_registry(daemon_sock)
         # A loader option put in the engine's own arguments would be overwritten: said, not lost.
         with pytest.raises(ValueError, match="engine_kwargs sets model_loader_extra_config.*loader_config"):
             dedup_engine_kwargs({"model_loader_extra_config": {"share_group": "x"}})

@@ -32,7 +32,7 @@ from . import messages as m
 from . import wire
 from .state import Hit, RegistryStats
 
-__all__ = ["RegistryClient", "SegmentHits", "registry_stats", "shutdown_registry"]
+__all__ = ["RegistryClient", "SegmentHits", "registry_answers", "registry_stats", "shutdown_registry"]
 
 
 @dataclass
@@ -373,6 +373,15 @@ def registry_stats(path: Path | None = None) -> RegistryStats:
     """
     with RegistryClient(path or wire.socket_path(), timeout_s=10) as client:
         return client.stats()
+
+
+def registry_answers(path: Path) -> bool:
+    """Whether a registry answers on ``path`` now (a connection made and closed, 5 s at most)."""
+    try:
+        RegistryClient(path, timeout_s=5).close()
+        return True
+    except RegistryUnavailable:
+        return False
 
 
 def shutdown_registry(path: Path | None = None) -> bool:

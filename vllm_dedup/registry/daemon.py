@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import is_finite_number
 from ..errors import RegistryUnavailable
-from .client import RegistryClient
+from .client import RegistryClient, registry_answers
 from .server import RegistryServer, raise_descriptor_limit
 from .state import RECLAIM_GRACE_S, Registry
 from .wire import ensure_private_dir, socket_path
@@ -164,7 +164,7 @@ class DaemonLaunch:
             # Exit status 0 and no answer: the daemon gave way to one that is gone by now.
             gave_way += status == 0
             relaunch_at = time.monotonic() + RELAUNCH_AFTER_S if status == 0 else deadline
-            while not _answers(self.path):
+            while not registry_answers(self.path):
                 now = time.monotonic()
                 if now > deadline:  # which of the two, for whoever reads why an engine loaded privately
                     why = (f"launched {gave_way} times, it gave way each time to a daemon holding {self.path}.lock "
@@ -184,15 +184,6 @@ class DaemonLaunch:
         self._err.seek(0)
         tail = self._err.read()[-2000:].decode(errors="replace").strip()
         return RegistryUnavailable(f"the registry daemon for {self.path} did not start: {tail or why or 'no answer'}")
-
-
-def _answers(path: Path) -> bool:
-    """Whether a registry answers on ``path`` now."""
-    try:
-        RegistryClient(path, timeout_s=5).close()
-        return True
-    except RegistryUnavailable:
-        return False
 
 
 def _launch_cpus() -> set[int] | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import RegistryUnavailable
 from ..log import init_logger
+from .client import registry_answers
 from .metrics import RegistryMetrics
 from .nodes import HEAD_RESOURCE, node_socket_path, ray_node, this_node
 from .server import RegistryServer, raise_descriptor_limit
@@ -135,8 +136,10 @@ def _actor_socket(ray, namespace: str, keep_warm_s: float, node_id: str | None) 
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    path = None
     try:
         node = ray_node(node_id)
+        path = node_socket_path(namespace, node)
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
         actor = actor_cls.options(
             name=actor_name(node.node_id),
@@ -144,10 +147,17 @@ def _actor_socket(ray, namespace: str, keep_warm_s: float, node_id: str | None) 
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-        ).remote(str(node_socket_path(namespace, node)), keep_warm_s)
+        ).remote(str(path), keep_warm_s)
         return ray.get(actor.socket_path.remote(), timeout=60)
     except Exception as e:
+        # A registry that serves the node's socket already (a standalone daemon engines started
+        # before Ray was there: the actor cannot take its socket) is the node's registry:
+        # engines connect to whatever answers there first.
+        if path is not None and registry_answers(path):
+            logger.info("a registry already serves %s; the Ray actor is not needed", path)
+            return str(path)
         raise RegistryUnavailable(f"cannot start the registry actor in namespace {namespace!r}: {e}") from None
+
 
 
 @dataclass

@@ -168,8 +168,9 @@ def build_dedup_app(models: Mapping[str, str | os.PathLike], *, dedup: bool = Tr
                     namespace: str | None = None, node: str | None = DRIVER_NODE, **llm_config):
     """One Ray Serve application: a deployment per model, one OpenAI-compatible route.
 
-    Connects to Ray (``ray.init()``) if this process is not connected yet and, with ``dedup``,
-    creates the registry actors before returning: on the node the replicas are pinned to, or
+    Connects to Ray (``ray.init()``) if this process is not connected yet and, with ``dedup``
+    (and no ``registry_address`` in ``loader_config`` other than this cluster's), creates the
+    registry actors before returning: on the node the replicas are pinned to, or
     with ``node=None`` on every alive node (a node that joins later gets its registry from its
     first engine).
 
@@ -201,7 +202,9 @@ def build_dedup_app(models: Mapping[str, str | os.PathLike], *, dedup: bool = Tr
                          replicas_per_device=len(models), device=device, node=node, **llm_config)
         for model_id, source in models.items()
     ]  # first: they check ``node``
-    if dedup:
+    # Engines told to use the standalone daemon ("local") or another cluster's registry do not
+    # look for this cluster's actors: none is made for them.
+    if dedup and loader.get("registry_address") in (None, "auto", _ray_address()):
         nodes = [_pinned_node(node)] if node is not None else [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         keep_warm_s = DedupConfig.from_extra_config(loader).keep_warm_s
         for node_id in nodes:

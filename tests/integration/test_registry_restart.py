@@ -562,7 +562,7 @@ def _all_threads_stopped(pid: int) -> bool:
     return bool(states) and all(s == "T" for s in states)
 
 
-def test_the_serve_helper_starts_a_registry_actor_with_the_keep_warm_s_it_is_given(ray_address):
+def test_the_serve_helper_starts_a_registry_actor_with_the_keep_warm_s_it_is_given(ray_address, smollm2):
     """`build_dedup_app` passes its loader's ``keep_warm_s`` here: an actor this call creates
     keeps unmapped segments that long (a restarted Serve replica maps them); a registry running
     already keeps its own setting."""
@@ -591,6 +591,17 @@ def test_the_serve_helper_starts_a_registry_actor_with_the_keep_warm_s_it_is_giv
             assert is_daemon(registry_stats(daemon_sock).registry_pid)
         finally:
             shutdown_registry(daemon_sock)
+        # Engines sent to the standalone daemon get no actor made for them.
+        from vllm_dedup.serve import build_dedup_app
+
+        def actors(namespace: str) -> list[str]:
+            return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+
+        build_dedup_app({"m": smollm2}, loader_config={"registry_address": "local"}, namespace="t-local")
+        assert actors("t-local") == []
+        build_dedup_app({"m": smollm2}, namespace="t-local")  # ... and those of this cluster do
+        assert len(actors("t-local")) == 1
+        shutdown_registry(socket_path("t-local"))
         # A loader option put in the engine's own arguments would be overwritten: said, not lost.
         with pytest.raises(ValueError, match="engine_kwargs sets model_loader_extra_config.*loader_config"):
             dedup_engine_kwargs({"model_loader_extra_config": {"share_group": "x"}})

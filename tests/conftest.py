@@ -158,6 +158,13 @@ def registry_server(tmp_path):
 # `ray.kill`", "never ran"), as CI saw.  The holder's environment is every Ray process's.
 RAY_TEST_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
                 "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+# The tests' own process too, before anything imports Ray: Ray reads this switch once, at
+# import (``ray_constants.ENABLE_RAY_CLUSTER``), and with it on, ray.init turns a 127.0.0.1
+# address into the address this machine reaches the internet from
+# (``services.resolve_ip_for_localhost``), where the test clusters, on loopback, do not listen.
+# Without a default route that was 127.0.0.1 again; on a machine with one, every ray.init of
+# the tests' process went to 192.0.2.2:<port> and failed after minutes.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = RAY_TEST_ENV["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
 
 RAY_HOLDER = """
 import os, signal, sys, time, ray

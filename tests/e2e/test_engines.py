@@ -63,14 +63,13 @@ def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2
 
         # An engine deleted in its own process (a user's `del llm`) lets its lease go with its
         # model while the process lives: the registry drops it; what b maps stays resident.
-        a.delete()
-        stats = registry.stats()
-        assert [e.pid for e in stats.engines] == [b.pid]
-        assert sum(g.resident_bytes for g in stats.groups) >= la["published_bytes"]
+        a.delete()  # the registry drops it once it has read the hang-up (its own thread, soon)
+        assert wait_for(lambda: [e.pid for e in registry.stats().engines] == [b.pid], 30), registry.stats()
+        assert sum(g.resident_bytes for g in registry.stats().groups) >= la["published_bytes"]
         assert b.generate() == reference
         b.delete()  # the last holder gone: nothing is resident (keep_warm_s is 0)
-        stats = registry.stats()
-        assert stats.engines == [] and sum(g.resident_bytes for g in stats.groups) == 0
+        assert wait_for(lambda: (s := registry.stats()).engines == [] and sum(g.resident_bytes for g in s.groups) == 0,
+                        30), registry.stats()
         assert a.proc.poll() is None and b.proc.poll() is None  # both processes live on
     finally:
         a.stop()

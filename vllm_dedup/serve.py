@@ -54,7 +54,8 @@ def ensure_registry(namespace: str = DEFAULT_NAMESPACE, node_id: str | None = No
     """Create the registry actor of node ``node_id`` (default: this driver's node) in the current
     Ray cluster, or find it; returns its socket path.  Call after ``ray.init``.  ``keep_warm_s``
     (seconds; `config.DedupConfig.keep_warm_s`) is the setting of an actor this call creates:
-    one running already keeps its own.
+    one running already keeps its own, as does a standalone daemon already serving the node's
+    socket, whose socket is returned then (`registry.ray_actor.ensure_actor`).
 
     Raises:
         RuntimeError: Ray is not initialized in this process.

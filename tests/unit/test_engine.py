@@ -566,6 +566,10 @@ def test_the_signature_follows_what_changes_final_tensors_and_nothing_else(tmp_p
     assert load_signature(vllm_config(tmp_path, kernels={"linear_backend_per_quant": {"fp8": "cutlass"}})) != base
     loras = {load_signature(vllm_config(tmp_path, lora={"max_lora_rank": rank})) for rank in (8, 16)}
     assert len(loras) == 2 and base not in loras
+    # Which norm and activation kernels run changes no weight (and differs, on CUDA, between
+    # eager and compiled engines that share them).
+    assert load_signature(vllm_config(tmp_path, kernels={"ir_op_priority": {"rms_norm": ["native"]}})) == base
+    assert load_signature(vllm_config(tmp_path, kernels={"ir_op_priority": {"rms_norm": ["vllm_c", "native"]}})) == base
     modes = {load_signature(vllm_config(tmp_path), cpu_linear=mode) for mode in ("packed", "plain", "private", "vllm")}
     assert len(modes) == 4  # on the CPU backend, each mode leaves other final tensors
     for name, value in [("VLLM_CPU_OMP_THREADS_BIND", "1"), ("VLLM_LOGGING_LEVEL", "DEBUG"),

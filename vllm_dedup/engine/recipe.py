@@ -102,8 +102,9 @@ class TensorRecipe:
         return element_span(self.shape, self.stride) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     def fits(self, key: str, nbytes: int | None = None) -> bool:
-        """Whether this tensor may be read from the ``nbytes`` bytes of content key ``key`` (by
-        default the bytes the key's own layout spans): the key's element type (a oneDNN packed
+        """Whether this tensor may be read from the ``nbytes`` bytes of content key ``key``
+        (without ``nbytes``: the layout checks alone, as recipes are ranked, where the key is
+        the recipe's own word and no segment's size is known yet): the key's element type (a oneDNN packed
         weight's key names its layout, and it is read as bytes: Note [a packed weight's content
         key] in `packed.py`), the key's own layout but for dimensions of size 1 (a causal-conv
         weight's (dim, 1, width) over the (dim, width) buffer that holds its bytes:
@@ -124,9 +125,7 @@ class TensorRecipe:
                 return False
             if len(self.shape) != len(self.stride) or min((*self.shape, *self.stride), default=0) < 0:
                 return False
-            if nbytes is None:  # what the key's layout spans, in its element type
-                nbytes = element_span(parsed.shape, parsed.stride) * torch.empty((), dtype=getattr(torch, keyed)).element_size()
-            return self.nbytes == nbytes  # the span of elements it reaches (`nbytes`), in bytes
+            return nbytes is None or self.nbytes == nbytes  # the span of elements it reaches (`nbytes`), in bytes
         except (AttributeError, TypeError, ValueError, RuntimeError):
             return False
 
@@ -404,6 +403,7 @@ def match(recipe: Recipe, checkpoint: dict[str, str]) -> Match:
         # Checked before the recipes are ranked by the bytes they map (`choose`): a layout its
         # own key does not allow would count bytes no segment holds, and outrank a sound
         # recipe.  The replay would load the module (`TensorRecipe.fits` against the segment).
+        # A key that lies with its layout is found out only there (nothing resident matches).
         misfit = next((t for t in module.keyed() if not t.fits(t.key)), None)
         if not module.replayable:
             found.unmatched[name] = module.why

@@ -121,7 +121,7 @@ def conv_weight_recipe(unpacked, placed: dict[tuple, list], inline_max: int) -> 
     flat = unpacked.reshape(-1)
     layout = squeezed_layout(entry.shape, entry.stride)
     for t, where in placed.get((unpacked.dtype, unpacked.numel()), ()):
-        # Of that layout but for size-1 dimensions: a replay binds a key only so (`replay._fits`).
+        # Of that layout but for size-1 dimensions: a replay binds a key only so (`TensorRecipe.fits`).
         if squeezed_layout(t.shape, t.stride()) == layout and torch.equal(t.reshape(-1), flat):
             entry.key, entry.uid = where.key, where.uid
             return entry, ""

@@ -95,18 +95,22 @@ def _parallel_ranks(pc) -> str:
             f"|dp{dp}.{dp_rank}|pcp{pcp}.{pcp_rank}|dcp{getattr(pc, 'decode_context_parallel_size', 1)}")
 
 
+KERNEL_CHOICES = ("moe_backend", "linear_backend", "linear_backend_per_quant")
+
+
 def _kernels(vllm_config) -> str:
-    """vLLM's kernel choices that may lay weights out differently: ``kernel_config`` (its
-    ``moe_backend``, ``linear_backend`` and their per-quantization overrides: with
-    ``flashinfer_cutlass`` a mixture of experts' post-processing swaps the halves of each
-    ``w13`` expert weight, with ``triton`` it does not, the shapes equal either way) and
-    ``lora_config`` (``--enable-lora``: vLLM picks MoE kernels by it, ``FusedMoEConfig``), each
-    by vLLM's own ``compute_hash``, which keys its compile cache by them."""
-    parts = []
-    for name in ("kernel_config", "lora_config"):
-        config = getattr(vllm_config, name, None)
-        parts.append(f"{name.split('_')[0]}:{config.compute_hash()[:16] if config is not None else 'none'}")
-    return "|".join(parts)
+    """vLLM's kernel choices that may lay weights out differently: `KERNEL_CHOICES` of its
+    ``kernel_config`` (with ``flashinfer_cutlass`` a mixture of experts' post-processing swaps
+    the halves of each ``w13`` expert weight, with ``triton`` it does not, the shapes equal
+    either way), and ``lora_config`` by vLLM's own ``compute_hash`` (``--enable-lora``: vLLM
+    picks MoE kernels by it, ``FusedMoEConfig``).  Not the rest of ``kernel_config``: its
+    ``ir_op_priority`` picks norm and activation kernels, no weight, and on CUDA its default
+    differs between eager and compiled engines, which share weights."""
+    kernels = getattr(vllm_config, "kernel_config", None)
+    chosen = {name: getattr(kernels, name, None) for name in KERNEL_CHOICES}
+    lora = getattr(vllm_config, "lora_config", None)
+    return (f"kernels:{_digest(json.dumps(chosen, sort_keys=True, default=str).encode())}"
+            f"|lora:{lora.compute_hash()[:16] if lora is not None else 'none'}")
 
 
 def _digest(data: bytes) -> str:

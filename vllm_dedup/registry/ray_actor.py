@@ -89,7 +89,9 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
     ``node_id`` defaults to this process's node (`nodes.this_node`: the node of this process's
     Ray connection, or the one its parent exported), and else to the node that ``ray.init``
     connects this process to.  A new actor serves `nodes.node_socket_path` of that node; an
-    actor that exists already serves the path its creator chose.
+    actor that exists already serves the path its creator chose.  Where no actor can be made
+    because a registry already serves that socket (a standalone daemon engines started before
+    Ray), that socket is returned: it is the node's registry, and ``keep_warm_s`` stays its own.
 
     Connects this process to Ray if it is not connected yet (and disconnects afterwards: the
     actor is detached and outlives us).

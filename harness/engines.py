@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -393,15 +394,12 @@ def _engine_main(argv: list[str]) -> None:
                 os._exit(0)
             break
         if req.get("delete"):  # as a user deletes an engine of their own process; only exit follows
-            import gc
-
             del llm
             gc.collect()
             print("DELETED", flush=True)
             continue
         if req.get("trim"):
             import ctypes
-            import gc
 
             gc.collect()
             ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -469,8 +467,6 @@ def _meter_get_model() -> dict:
     profile_path = os.environ.get(PROFILE_ENV)
 
     def measured(*args, **kwargs):
-        import gc
-
         profiler = None
         if profile_path:
             import cProfile

@@ -290,3 +290,26 @@ def test_a_registry_that_stops_leaves_the_socket_of_one_started_since_on_its_pat
     finally:
         new.stop()
     assert not path.exists()
+
+
+def test_a_registry_whose_loop_dies_stops_and_its_waiter_returns(tmp_path):
+    """An error outside one connection's handling ends the serving thread; the registry must then
+    stop as a stop would, so that a daemon or Ray actor blocked in `wait` exits and frees the
+    node's name, rather than living on with nobody serving its socket."""
+    path = tmp_path / "run" / "r.sock"
+    server = RegistryServer(Registry(), path)
+
+    def expire():
+        raise RuntimeError("a bug in the registry's expiry")
+
+    server.registry.expire = expire
+    waiter = threading.Thread(target=server.wait, daemon=True)
+    with pytest.MonkeyPatch.context() as patch:  # the thread's traceback is expected, not a test failure
+        patch.setattr(threading, "excepthook", lambda args: None)
+        server.start()
+        waiter.start()
+        waiter.join(timeout=10)
+    assert not waiter.is_alive(), "wait() did not return after the serving thread died"
+    assert not path.exists()
+    with pytest.raises(RegistryUnavailable):
+        RegistryClient(path, timeout_s=1).close()

@@ -231,6 +231,11 @@ class RegistryServer:
                         self.registry.expire()
                         self._next_expire = now + EXPIRE_EVERY_S
         finally:
+            # A loop that died (an error outside one connection's handling) stops the registry
+            # as a stop would: `wait` returns, and the daemon or Ray actor waiting in it exits
+            # (an actor that lived on would keep the node's name, and every engine would be
+            # sent to a socket nobody serves).
+            self._stop.set()
             with self._mutex:
                 for conn in [*self._connections, *self._refused]:
                     self._disconnect(conn)

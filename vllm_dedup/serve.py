@@ -40,7 +40,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from .registry.nodes import NODE_ENV, ray_node
+from .registry.nodes import ray_node, registry_env
 from .registry.wire import DEFAULT_NAMESPACE
 
 __all__ = ["DRIVER_NODE", "build_dedup_app", "dedup_engine_kwargs", "dedup_llm_config", "ensure_registry"]
@@ -151,8 +151,7 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
         kwargs = dedup_engine_kwargs(kwargs, loader_config)
     runtime_env = dict(llm_config.pop("runtime_env", None) or {})
     # The node's own socket directory is not the replicas': each finds its node (registry.nodes).
-    env_vars = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DEDUP_") and k not in NODE_ENV}
-    runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
+    runtime_env["env_vars"] = {**registry_env(), **runtime_env.get("env_vars", {})}
     # One bundle per worker: Ray Serve repeats it tensor_parallel_size * pipeline_parallel_size times.
     llm_config.setdefault("placement_group_config", {"bundle_per_worker": bundle})
     llm_config.setdefault("accelerator_config", {"kind": device})

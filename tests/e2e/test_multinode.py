@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -177,6 +178,31 @@ def test_engine_processes_use_their_own_nodes_registry_and_status_lists_every_no
         passed = dedup_llm_config("m", "/m").runtime_env["env_vars"]
     assert passed["VLLM_DEDUP_RUNTIME_DIR"] == str(registry.run_dir)
     assert not {"VLLM_DEDUP_RAY_NODE_ID", "VLLM_DEDUP_RAY_NODE_DIR"} & set(passed)
+
+
+def test_another_nodes_registry_actor_puts_its_socket_where_that_node_keeps_it(nodes, monkeypatch):
+    """A driver makes every node's actor (`build_dedup_app`), but the socket directory of
+    another node is that node's: the driver's ``XDG_RUNTIME_DIR`` (its login session) may not
+    exist there.  The actor works it out from its own node's environment and the driver's
+    ``VLLM_DEDUP_*`` variables, as the replicas there do."""
+    from vllm_dedup.serve import ensure_registry
+
+    worker = nodes["worker"]
+    monkeypatch.delenv("VLLM_DEDUP_RUNTIME_DIR")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/proc/no-such-session")  # no directory can be made there
+    path = ensure_registry(node_id=worker)
+    try:
+        pid = registry_stats(path).registry_pid
+        actor = environ(pid)
+        base = Path(actor["XDG_RUNTIME_DIR"]) / "vllm-dedup" if actor.get("XDG_RUNTIME_DIR") else \
+            Path(f"/tmp/vllm-dedup-{os.getuid()}")
+        assert path == base.with_name(f"{base.name}-node-{worker[:16]}") / f"{NAMESPACE}.sock"
+        assert not str(path).startswith("/proc/")
+    finally:
+        shutdown_registry(path)
+        assert wait_for(lambda: registry_actors() == [], 30), registry_actors()
+        if path.parent.name.endswith(f"-node-{worker[:16]}"):
+            shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def test_replicas_of_one_model_on_two_nodes_hold_one_copy_per_node(smollm2, nodes, registry):

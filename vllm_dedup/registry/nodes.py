@@ -31,7 +31,7 @@ from ..log import init_logger
 from .wire import runtime_dir, socket_path
 
 __all__ = ["NODE_DIR_ENV", "NODE_ENV", "NODE_ID_ENV", "RayNode", "export_node", "node_socket_path", "ray_node",
-           "this_node"]
+           "registry_env", "this_node"]
 
 logger = init_logger(__name__)
 
@@ -126,6 +126,14 @@ def export_node() -> None:
         return
     os.environ[NODE_ID_ENV] = node.node_id
     os.environ[NODE_DIR_ENV] = str(node.socket_dir)
+
+
+def registry_env() -> dict[str, str]:
+    """This process's ``VLLM_DEDUP_*`` variables less the node-local ones (`NODE_ENV`): what a
+    Ray process this one starts on any node (a Serve replica, a registry actor) is given in its
+    ``runtime_env``, so that it computes its node's socket directory as this process would,
+    from its own node's environment for the rest (``XDG_RUNTIME_DIR``, the uid)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_DEDUP_") and k not in NODE_ENV}
 
 
 def node_socket_path(namespace: str, node: RayNode | None = None) -> Path:

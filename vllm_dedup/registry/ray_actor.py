@@ -4,7 +4,8 @@ Its process serves the registry socket (`server.RegistryServer`) for the engines
 because Ray cannot carry file descriptors.  Engines talk to the socket only: they need Ray just
 to create the actor the first time (`ensure_actor`, called by `discovery.connect_registry`).
 The socket's directory is the node's own (`nodes.py`), so several nodes on one machine never
-share a registry.  The actor also exports the registry's figures as Ray metrics, tagged with
+share a registry; the actor of another node than its creator's works it out on that node
+(Note [whose environment names a socket]).  The actor also exports the registry's figures as Ray metrics, tagged with
 its node (`metrics.RegistryMetrics`), and `node_registries` reads every node's registry
 through Ray (``vllm-dedup status --all-nodes``).
 """
@@ -23,7 +24,7 @@ from ..errors import RegistryUnavailable
 from ..log import init_logger
 from .client import registry_answers
 from .metrics import RegistryMetrics
-from .nodes import HEAD_RESOURCE, node_socket_path, ray_node, this_node
+from .nodes import HEAD_RESOURCE, node_socket_path, ray_node, registry_env, this_node
 from .server import RegistryServer, raise_descriptor_limit
 from .state import Registry, RegistryStats
 
@@ -34,21 +35,34 @@ logger = init_logger(__name__)
 
 ACTOR_PREFIX = "vllm-dedup-registry-"
 
+# Note [whose environment names a socket]
+#     A node's socket directory comes from an environment (`wire.runtime_dir`: the
+#     ``VLLM_DEDUP_RUNTIME_DIR``, else ``XDG_RUNTIME_DIR``, else the uid).  For its own node the
+#     creator of an actor names the path: its engines look there.  For another node it cannot:
+#     a driver's ``XDG_RUNTIME_DIR`` (``/run/user/<uid>``, its login session) need not exist
+#     there, and the replicas there compute theirs from their raylet's environment.  So that
+#     actor computes the path itself, on its node, given the creator's ``VLLM_DEDUP_*``
+#     variables (`nodes.registry_env`) as the replicas are (`serve.dedup_llm_config`): the
+#     same inputs, the same path.
+
 
 class RegistryActor:
     """The registry and its socket server in a Ray actor's process.  Plain class; Ray wraps it.
 
     Args:
-        path: the registry's socket path on this node.
+        namespace: the registry namespace.
         keep_warm_s: see `Registry`.
+        path: the registry's socket path on this node; None: `nodes.node_socket_path` of this
+            node, computed here (Note [whose environment names a socket]).
     """
 
-    def __init__(self, path: str, keep_warm_s: float = 0.0):
+    def __init__(self, namespace: str, keep_warm_s: float = 0.0, path: str | None = None):
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
         raise_descriptor_limit()  # a process of its own (a detached actor)
-        self.server = RegistryServer(Registry(keep_warm_s=keep_warm_s), Path(path)).start()
+        path = Path(path) if path is not None else node_socket_path(namespace, ray_node(self.node_id))
+        self.server = RegistryServer(Registry(keep_warm_s=keep_warm_s), path).start()
         self.metrics = RegistryMetrics(self.server.stats, node=self.node_id).start()
         # A registry stopped through its socket (`client.shutdown_registry`) takes its actor
         # with it, so that the name is free and the next engine creates a working one.
@@ -88,8 +102,9 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
 
     ``node_id`` defaults to this process's node (`nodes.this_node`: the node of this process's
     Ray connection, or the one its parent exported), and else to the node that ``ray.init``
-    connects this process to.  A new actor serves `nodes.node_socket_path` of that node; an
-    actor that exists already serves the path its creator chose.  Where no actor can be made
+    connects this process to.  A new actor serves `nodes.node_socket_path` of that node, from
+    this process's environment on its own node and from the actor's on another (Note [whose
+    environment names a socket]); an actor that exists already serves the path its creator chose.  Where no actor can be made
     because a registry already serves that socket (a standalone daemon engines started before
     Ray), that socket is returned: it is the node's registry, and ``keep_warm_s`` stays its own.
 
@@ -122,7 +137,8 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise RegistryUnavailable(f"no Ray cluster at {address or 'auto'}: {e}") from None
             connected_here = True
-        return _actor_socket(ray, namespace, keep_warm_s, node_id or (known.node_id if known else None))
+        here = known.node_id if known else ray.get_runtime_context().get_node_id()
+        return _actor_socket(ray, namespace, keep_warm_s, node_id or here, here)
     finally:
         if connected_here:
             ray.shutdown()
@@ -130,18 +146,20 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
             signal.signal(signal.SIGTERM, sigterm)
 
 
-def _actor_socket(ray, namespace: str, keep_warm_s: float, node_id: str | None) -> str:
-    """`ensure_actor`'s work once connected to Ray: the actor's socket path.
+def _actor_socket(ray, namespace: str, keep_warm_s: float, node_id: str, here: str) -> str:
+    """`ensure_actor`'s work once connected to Ray: the socket path of node ``node_id``'s actor,
+    asked for by a process on node ``here``.
 
     Raises:
         RegistryUnavailable: the actor could not be found or started.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    path = None
+    path = None  # known here only for this process's own node
     try:
         node = ray_node(node_id)
-        path = node_socket_path(namespace, node)
+        if node.node_id == here:
+            path = node_socket_path(namespace, node)
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(RegistryActor)
         actor = actor_cls.options(
             name=actor_name(node.node_id),
@@ -149,12 +167,14 @@ def _actor_socket(ray, namespace: str, keep_warm_s: float, node_id: str | None) 
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-        ).remote(str(path), keep_warm_s)
+            runtime_env={"env_vars": registry_env()},
+        ).remote(namespace, keep_warm_s, None if path is None else str(path))
         return ray.get(actor.socket_path.remote(), timeout=60)
     except Exception as e:
         # A registry that serves the node's socket already (a standalone daemon engines started
         # before Ray was there: the actor cannot take its socket) is the node's registry:
-        # engines connect to whatever answers there first.
+        # engines connect to whatever answers there first.  (Another node's socket cannot be
+        # tried from here.)
         if path is not None and registry_answers(path):
             logger.info("a registry already serves %s; the Ray actor is not needed", path)
             return str(path)

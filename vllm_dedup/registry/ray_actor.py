@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,8 +223,8 @@ def node_registries(namespace: str, timeout_s: float = 10.0) -> list[NodeRegistr
     """Every node's registry actor in ``namespace`` (Ray's named actors), head node first, then
     by node id; each asked for its node, socket and stats, all at once.  Needs a Ray connection.
 
-    An actor that does not answer within ``timeout_s`` seconds (or fails) is listed with its
-    ``error``; an empty list means no registry runs in that namespace.
+    An actor that has not answered ``timeout_s`` seconds after all were asked (or fails) is
+    listed with its ``error``; an empty list means no registry runs in that namespace.
     """
     import ray
 
@@ -238,13 +239,14 @@ def node_registries(namespace: str, timeout_s: float = 10.0) -> list[NodeRegistr
         except ValueError as e:  # gone between the listing and now
             pending[name] = e
     out = []
+    deadline = time.monotonic() + timeout_s  # one wait for all: hung actors' timeouts do not add up
     for name in names:
         node_id, socket_text, stats, error = name[len(ACTOR_PREFIX):], "", None, None
         try:
             if isinstance(pending[name], Exception):
                 raise pending[name]
             where_ref, stats_ref = pending[name]
-            where, data = ray.get([where_ref, stats_ref], timeout=timeout_s)
+            where, data = ray.get([where_ref, stats_ref], timeout=max(deadline - time.monotonic(), 0.0))
             node_id, socket_text, stats = where["node_id"], where["socket"], RegistryStats.from_dict(data)
         except Exception as e:  # one registry's failure must not hide the others
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"

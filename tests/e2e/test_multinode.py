@@ -205,6 +205,35 @@ def test_another_nodes_registry_actor_puts_its_socket_where_that_node_keeps_it(n
             shutil.rmtree(path.parent, ignore_errors=True)
 
 
+def test_status_of_every_node_waits_once_for_registries_that_do_not_answer(nodes):
+    """Two registry actors that never answer cost one ``timeout_s``, not one each, and are
+    listed with their error."""
+    import ray
+
+    from vllm_dedup.registry.ray_actor import node_registries
+
+    class Hung:
+        def where(self):
+            time.sleep(3600)
+
+        def stats(self):
+            time.sleep(3600)
+
+    names = [f"vllm-dedup-registry-{'ab' * 7}{i:02d}" for i in range(2)]
+    hung = [ray.remote(num_cpus=0)(Hung).options(name=n, namespace=NAMESPACE).remote() for n in names]
+    try:
+        start = time.monotonic()
+        found = node_registries(NAMESPACE, timeout_s=6)
+        took = time.monotonic() - start
+        assert sorted(r.name for r in found) == names
+        assert all(r.stats is None and "Timeout" in r.error for r in found), [r.error for r in found]
+        assert took < 10, f"{took:.1f} s: each hung actor was waited for on its own (12 s)"
+    finally:
+        for actor in hung:
+            ray.kill(actor)
+        assert wait_for(lambda: registry_actors() == [], 30), registry_actors()
+
+
 def test_replicas_of_one_model_on_two_nodes_hold_one_copy_per_node(smollm2, nodes, registry):
     """One deployment, two replicas, one per node (each node has room for one): two resident
     copies, one per node; not one (shared across nodes) and not four."""

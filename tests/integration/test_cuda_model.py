@@ -329,6 +329,32 @@ def test_a_close_that_fails_leaves_its_range_to_the_next_release_not_forgotten(m
     assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
 
 
+def test_a_close_whose_free_fails_leaves_only_the_free_to_the_next_release(model):
+    """After ``cuMemUnmap`` the range is a reservation only (NVIDIA's reference): the retry
+    frees it, rather than unmapping it again (which fails) and forgetting the reservation."""
+    p = model.peer("-", "C")
+    got = ask(p, "close_fails", ordinal=0, code=OUT_OF_MEMORY, call="cuMemAddressFree")
+    assert got["error"].startswith("cuMemAddressFree failed"), got["error"]
+    assert (got["failed"]["mappings"], got["failed"]["reservations"]) == (0, 1)
+    assert got["released"] == 1
+    s = got["stats"]
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
+    assert "could not unmap" not in p.log()
+
+
+def test_a_map_that_fails_says_so_when_freeing_its_reservation_fails_too(model):
+    """``cuMemMap``'s error is the one raised; the reservation it leaves is freed by the next
+    release, not leaked."""
+    p = model.peer("-", "F")
+    ask(p, "fail", name="cuMemMap", code=OUT_OF_MEMORY, count=1)
+    ask(p, "fail", name="cuMemAddressFree", code=OUT_OF_MEMORY, count=1)
+    got = ask(p, "allocate", ordinal=0, nbytes=MB)
+    assert "cuMemMap failed" in got["error"], got["error"]
+    assert (got["stats"]["mappings"], got["stats"]["reservations"]) == (0, 1)
+    s = ask(p, "allocate", ordinal=0, nbytes=MB)["stats"]  # the next allocation releases what was left first
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 0, 0, 0)
+
+
 def test_an_earlier_launchs_error_at_set_access_fails_the_import_instead_of_mapping_it_writable(registry_server,
                                                                                               model):
     """Only a refusal (invalid value, not supported) means the driver has no read-only

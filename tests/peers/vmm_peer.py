@@ -275,13 +275,14 @@ class Peer:
         return {"during": during, "released": released, "after": after, "deadlocked": worker.is_alive(),
                 "under_lock": stats()}
 
-    def op_close_fails(self, ordinal, code):
-        """A mapping whose close fails at ``cuCtxSynchronize`` (``code``: a capture begun
-        outside torch, an earlier kernel's fault): the error is raised, and the range is unmapped
-        by the next `vmm.release_deferred`, not forgotten."""
+    def op_close_fails(self, ordinal, code, call="cuCtxSynchronize"):
+        """A mapping whose close fails at ``call`` (``cuCtxSynchronize`` with ``code``: a capture
+        begun outside torch, an earlier kernel's fault; or ``cuMemAddressFree``, the range
+        unmapped already): the error is raised, and what is left is done by the next
+        `vmm.release_deferred`, not forgotten."""
         mapping, fd = vmm.allocate(ordinal, 1)
         os.close(fd)
-        model().cudamodel_fail(b"cuCtxSynchronize", code, 1)
+        model().cudamodel_fail(call.encode(), code, 1)
         try:
             mapping.close()
             error = None

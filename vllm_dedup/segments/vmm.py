@@ -29,7 +29,8 @@ __all__ = ["Mapping", "allocate", "import_mapping", "release_deferred"]
 
 logger = init_logger(__name__)
 
-_deferred: list[tuple[int, int, int]] = []  # (va, size, ordinal) left by finalizers during a capture
+# (va, size, ordinal, mapped) left by finalizers during a capture, or by a failed release
+_deferred: list[tuple[int, int, int, bool]] = []
 _warned_read_only = False
 
 
@@ -47,11 +48,27 @@ def _access_desc(ordinal: int, read_only: bool):
     return desc
 
 
-def _unmap(va: int, size: int, ordinal: int) -> None:
-    with on_device(ordinal):
-        call("cuCtxSynchronize")  # kernels still reading the range must finish first
-        call("cuMemUnmap", va, size)
-        call("cuMemAddressFree", va, size)
+def _release_range(va: int, size: int, ordinal: int, mapped: bool = True, defer: bool = True) -> None:
+    """Unmap ``[va, va + size)`` (when ``mapped``) and free its reservation.  A failed step
+    leaves what is still to do to `release_deferred` (with ``defer``), and raises: after ``cuMemUnmap`` the
+    range is a reservation only (NVIDIA's reference: "the address range is converted to an
+    address reservation"), and unmapping it again would fail and leak it.
+
+    Raises:
+        CudaError: a driver call failed.
+    """
+    try:
+        with on_device(ordinal):
+            if mapped:
+                call("cuCtxSynchronize")  # kernels still reading the range must finish first
+                call("cuMemUnmap", va, size)
+                mapped = False
+            call("cuMemAddressFree", va, size)
+    except CudaError:
+        if defer:
+            with cudadrv.lock:
+                _deferred.append((va, size, ordinal, mapped))
+        raise
 
 
 class Mapping:
@@ -78,7 +95,8 @@ class Mapping:
             try:
                 call("cuMemMap", va, size, 0, handle, 0)
             except CudaError:
-                call("cuMemAddressFree", va, size)
+                with contextlib.suppress(CudaError):  # the map's error is the one to say
+                    _release_range(va, size, ordinal, mapped=False)
                 raise
             self.va = va
             try:
@@ -125,19 +143,15 @@ class Mapping:
         """Synchronize the device, unmap the range and free its addresses (idempotent).
 
         Raises:
-            CudaError: a driver call failed; the range is then unmapped by the next
-                `release_deferred`, once (a range forgotten would keep its allocation alive,
-                its handle released already, until the process exits).
+            CudaError: a driver call failed; what is left (the unmap and the free, or the free
+                alone) is then done by the next `release_deferred`, once (a range forgotten
+                would keep its allocation alive, its handle released already, until the
+                process exits).
         """
         with cudadrv.lock:
             va, self.va = self.va, 0
         if va:
-            try:
-                _unmap(va, self.size, self.ordinal)
-            except CudaError:
-                with cudadrv.lock:
-                    _deferred.append((va, self.size, self.ordinal))
-                raise
+            _release_range(va, self.size, self.ordinal)
 
     def __del__(self):
         try:
@@ -145,7 +159,7 @@ class Mapping:
                 return
             if self._capturing():
                 with cudadrv.lock:
-                    _deferred.append((self.va, self.size, self.ordinal))
+                    _deferred.append((self.va, self.size, self.ordinal, True))
                     self.va = 0
                 return
             self.close()
@@ -155,14 +169,15 @@ class Mapping:
 
 
 def release_deferred() -> int:
-    """Unmap the ranges whose finalizers ran during a CUDA-graph capture; returns how many.
+    """Unmap the ranges whose finalizers ran during a CUDA-graph capture, and finish those whose
+    release failed once (`Mapping.close`); returns how many.
     Call it outside any capture (`allocate` and `import_mapping` do)."""
     with cudadrv.lock:
         pending = list(_deferred)
         del _deferred[:]
-    for va, size, ordinal in pending:
-        try:
-            _unmap(va, size, ordinal)
+    for va, size, ordinal, mapped in pending:
+        try:  # tried once again, not for ever: what is left then is given up
+            _release_range(va, size, ordinal, mapped, defer=False)
         except CudaError as e:
             logger.warning("could not unmap a released CUDA segment range (%s)", e)
     return len(pending)

@@ -292,3 +292,31 @@ def test_each_pack_that_is_copied_goes_once_its_misses_are_copied_not_at_the_end
         assert placed.held_bytes == 0
     finally:
         ctx.lease.close()
+
+
+
+def test_a_pack_that_cannot_be_frozen_stays_counted_while_its_members_map_it(monkeypatch):
+    """A pack whose freeze fails is not sealed (the sharing pass copies its members instead);
+    until then its members still map it, so the load meter (`held_bytes`) keeps counting it."""
+    from types import SimpleNamespace
+
+    from vllm_dedup.errors import SegmentError
+
+    def refuse(self):
+        raise SegmentError("freeze refused (a test)")
+
+    model = _Model()
+    placed = _placer()
+    placed.place(model)
+    model.load(0)
+    (pack,) = plan_packs(_sizes(), GRANULARITY).packs  # one pack: offsets from its first byte
+    tensors = [*model.weights().values(), model.cache]
+    base = min(t.data_ptr() for t in tensors)
+    slots = [SimpleNamespace(tensor=t) for t in tensors]
+    monkeypatch.setattr(HostSegment, "freeze", refuse)
+    assert placed.seal(slots, [t.data_ptr() - base for t in tensors]) is None
+    assert "freeze refused" in placed.failures[0] and placed.sealed_bytes == 0
+    assert placed.held_bytes == pack.nbytes  # its members still map it
+    placed.release()
+    del slots, tensors, model
+    assert placed.held_bytes == 0

@@ -282,12 +282,12 @@ class PackedInPlace:
             return None  # a member not published is still in use: it would become read-only
         if sum(m.nbytes for m in others) > self.granularity:
             return None  # what `packs` copies: a copy laid out as the pack is must not seal it
-        self._packs.remove(pack)
         try:
             pack.seg.freeze()
-        except SegmentError as e:
+        except SegmentError as e:  # the pack stays this load's (and counted) until `release`
             self.failures.append(str(e))
             return None
+        self._packs.remove(pack)
         self.sealed_bytes += pack.seg.size
         return pack.seg
 

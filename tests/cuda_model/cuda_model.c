@@ -488,16 +488,18 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
   (void)addr;   /* only a hint */
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   if (!ptr || flags || !size || size % page || (alignment & (alignment - 1))) RETURN(INVALID_VALUE);
-  /* Alignment 0 asks for the driver's default, which the reference does not specify: the model
-   * gives the weakest (one page past a granule boundary), so a caller that needs granularity
-   * alignment must ask for it (stricter than documented). */
-  size_t align = alignment > page ? alignment : GRAN, skew = alignment ? 0 : page;
+  /* The model gives exactly the alignment asked for and no more: an alignment below the
+   * granularity (0 asks for the driver's default, which the reference does not specify: a page
+   * here) gets an address that is that far past a granule boundary, so a caller that needs
+   * granularity alignment (cuMemMap does) must ask for it (stricter than documented). */
+  size_t align = alignment > page ? alignment : page;
+  size_t base = align < GRAN ? GRAN : align, skew = align < GRAN ? align : 0;
   int i = free_slot(MAXOBJ, sizeof reservations[0], reservations);
   if (i < 0) RETURN(OUT_OF_MEMORY);
-  size_t span = size + align + skew;
+  size_t span = size + base + skew;
   char *raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) RETURN(OUT_OF_MEMORY);
-  uintptr_t va = (((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1)) + skew;
+  uintptr_t va = (((uintptr_t)raw + base - 1) & ~(uintptr_t)(base - 1)) + skew;
   if (va > (uintptr_t)raw) munmap(raw, va - (uintptr_t)raw);
   munmap((char *)va + size, (uintptr_t)raw + span - va - size);
   reservations[i].live = 1, reservations[i].va = va, reservations[i].size = size;

@@ -86,6 +86,7 @@ def test_the_model_enforces_the_documented_preconditions(model_lib):
         "no such device: cuMemCreate": device,
         "more than the device's memory: cuMemCreate": "CUDA_ERROR_OUT_OF_MEMORY",
         "alignment 0 (the driver's default): cuMemMap": invalid,
+        "alignment 4096, below the granularity: cuMemMap": invalid,
         "no handle type requested: cuMemExportToShareableHandle": invalid,
         "reservation not granularity-aligned: cuMemMap": invalid, "offset not 0: cuMemMap": invalid,
         "larger than the allocation: cuMemMap": invalid, "outside any reservation: cuMemMap": invalid,

@@ -69,6 +69,9 @@ def main() -> None:
     some = value(d.cuMemCreate(MB2, prop(), 0))
     cases["alignment 0 (the driver's default): cuMemMap"] = status(d.cuMemMap(default, MB2, 0, some, 0))
     value(d.cuMemAddressFree(default, MB2))
+    page_aligned = int(value(d.cuMemAddressReserve(MB2, 4096, 0, 0)))  # what was asked, no more
+    cases["alignment 4096, below the granularity: cuMemMap"] = status(d.cuMemMap(page_aligned, MB2, 0, some, 0))
+    value(d.cuMemAddressFree(page_aligned, MB2))
     value(d.cuMemRelease(some))
     cases["no handle type requested: cuMemExportToShareableHandle"] = status(d.cuMemExportToShareableHandle(
         value(d.cuMemCreate(MB2, prop(handle_types=d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE), 0)),

@@ -277,6 +277,43 @@ def test_linear_layers_copy_one_at_a_time_beside_the_next_in_order(monkeypatch):
     staging.release()
 
 
+def test_without_a_worker_thread_linear_layers_are_copied_in_the_loads_own(monkeypatch):
+    """Where the worker's thread cannot start (a pids limit), no copy is left queued for it (it
+    would run later, unseen, and install a segment nothing records): each linear layer's copy
+    runs in the load's thread, adopted in order, with the same results."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from test_no_thread import no_thread_named
+
+    class Linear(LinearBase):  # only the class matters here; LinearBase's own state is not used
+        def __init__(self, seed: int):
+            nn.Module.__init__(self)
+            self.handler = ops.create_onednn_mm(_weight(seed).t(), 32)
+
+    model = nn.Module()
+    for i, seed in enumerate((1, 2, 1)):
+        model.add_module(f"layer{i}", Linear(seed))
+    before = _outputs(model)
+    refused = no_thread_named(monkeypatch, "vllm-dedup-staging")
+    install, threads = onednn.install, []
+
+    def recorded(packed, data, compare=True):
+        threads.append(threading.current_thread().name)
+        return install(packed, data, compare)
+
+    monkeypatch.setattr(onednn, "install", recorded)
+    staging = Staging(min_bytes=1)
+    _stage(model, staging)
+    staging.finish()
+    assert len(refused) == 1 and staging.failures == []
+    assert [(e.module, e.owner) for e in staging.staged] == [("layer0", True), ("layer1", True), ("layer2", False)]
+    assert threads == [threading.current_thread().name] * 3
+    for i, layer in enumerate(model.children()):
+        assert _address(layer) == staging.staged[i].tensor.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model), before))
+    staging.release()
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("fail", ["install", "install-bug", "seal"])
 def test_a_move_that_fails_leaves_the_handler_its_bytes(monkeypatch, fail):

@@ -60,12 +60,16 @@ class LoadMeter:
             self._cuda_device = torch.cuda.current_device()
         self._base = private_bytes(self.device_type) + self.live()
         self._start = time.perf_counter()
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:  # no thread to be had (a pids limit): the peak is sampled at the end only
+            self._thread = None
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self._note()
         self.seconds = time.perf_counter() - self._start
 

@@ -170,6 +170,7 @@ class Staging:
         self._by_key: dict[str, Staged] = {}  # key -> the entry owning a segment of those bytes
         self._freed_since_trim = 0  # bytes of oneDNN buffers freed into the heap since the last trim
         self._copier: ThreadPoolExecutor | None = None  # Note [one copy in flight]
+        self._no_thread = False  # no worker could be started: copies run in the load's thread
         self._in_flight = None  # (future, module name, handler, key, bytes) of the copy running
 
     def before_post_processing(self, name: str, module) -> None:
@@ -235,17 +236,15 @@ class Staging:
                 self.staged.append(Staged(name, handler, key, twin.segment, twin.tensor, owner=False))
                 return
         self.created_bytes += packed.nbytes  # from now on: the meter samples it while copying
-        if not keeps_weight:  # a linear layer: copied beside the next layer's post-processing
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-staging")
+        if not keeps_weight and self._worker() is not None:  # copied beside the next layer's post-processing
             try:
                 future = self._copier.submit(_copied, packed, view, False)
-            except BaseException:  # no thread: the handler keeps its buffer
+            except BaseException:  # the handler keeps its buffer
                 self.created_bytes -= packed.nbytes
                 raise
             self._in_flight = (future, name, handler, key, packed.nbytes)
             return
-        moved = packed.nbytes >= MAPPED_BLOCK_BYTES
+        moved = keeps_weight and packed.nbytes >= MAPPED_BLOCK_BYTES  # a linear layer's is copied whole
         try:
             segment, tensor = _copied(packed, view, moved)
         except BaseException:
@@ -254,6 +253,24 @@ class Staging:
         if not moved:  # its pages stay in the heap (a moved one's were given back)
             self._freed_since_trim += packed.nbytes
         self._adopt(name, handler, key, segment, tensor)
+
+    def _worker(self) -> ThreadPoolExecutor | None:
+        """The copy worker, its thread started on first use; None where no thread can be had (a
+        pids limit: ``RuntimeError: can't start new thread``), and linear layers' copies then run
+        in the load's own thread.  Started by a task waited for, so that a copy is never queued
+        for a thread that did not start (``submit`` queues before it starts one: that copy
+        would run later, unseen, and install a segment nothing records)."""
+        if self._copier is None and not self._no_thread:
+            copier = ThreadPoolExecutor(1, thread_name_prefix="vllm-dedup-staging")
+            try:
+                copier.submit(int).result()
+            except RuntimeError as e:
+                copier.shutdown(wait=False, cancel_futures=True)
+                self._no_thread = True
+                logger.info("packed weights are copied into segments in the load's own thread (%s)", e)
+            else:
+                self._copier = copier
+        return self._copier
 
     def _finish_copy(self) -> None:
         """Wait for the copy in flight, if any, and adopt its segment (a failure: the handler

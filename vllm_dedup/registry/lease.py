@@ -379,8 +379,14 @@ class Lease:
             if self._client is None:
                 return
         if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="vllm-dedup-lease", daemon=True)
-            self._watcher.start()
+            watcher = threading.Thread(target=self._watch, name="vllm-dedup-lease", daemon=True)
+            try:
+                watcher.start()
+            except RuntimeError as e:  # a pids limit: the engine goes on, its weights are mapped
+                logger.warning("this engine will not re-register with a registry that restarts: no thread to "
+                               "watch it with (%s)", e)
+                return
+            self._watcher = watcher
 
     def close(self) -> None:
         """Stop watching, close the connection and every descriptor kept."""

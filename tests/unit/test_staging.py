@@ -427,6 +427,37 @@ def test_staged_weights_the_registry_never_took_count_as_read_only(registry_serv
         ctx.lease.close()
 
 
+@pytest.mark.parametrize("fails", ["keys", "walk"])
+def test_staged_weights_count_as_read_only_when_the_pass_fails_before_taking_them(registry_server, monkeypatch,
+                                                                                   fails):
+    """The plain tensors' keys cannot be computed (``keys``), or the model's walk fails
+    (``walk``): the staged packed weights are still read-only in their segments, so they are
+    counted in ``unpublished_bytes`` (the engine then refuses weight writes), not forgotten."""
+    from vllm_dedup.engine import share as share_module
+    from vllm_dedup.segments.host import HostSegment
+
+    def failing(*args, **kwargs):
+        raise MemoryError("for the test")
+
+    if fails == "keys":
+        monkeypatch.setattr(HostSegment, "content_keys", staticmethod(failing))
+    else:
+        monkeypatch.setattr(share_module, "collect_slots", failing)
+    model = _model(1, 2)
+    want = _outputs(model)
+    nbytes = onednn.find_packed(model.layer0.handler).nbytes
+    ctx = _context(registry_server.path, "pass-fails", on_registry_error="fallback")
+    try:
+        staged = Staging(min_bytes=1)
+        _stage(model, staged)
+        report = share_model(model, ctx, staging=staged)
+        assert report.published_tensors == report.shared_tensors == 0 and report.private_tensors == 2
+        assert report.unpublished_bytes == report.segment_bytes == 2 * nbytes
+        assert all(torch.equal(x, y) for x, y in zip(want, _outputs(model)))
+    finally:
+        ctx.lease.close()
+
+
 def test_the_heap_is_trimmed_as_layers_are_staged(monkeypatch):
     """Note [the heap while staging]: every `_TRIM_EVERY_BYTES` of oneDNN buffers freed into the
     heap, its free pages go back to the kernel (else they grow by a weight per layer)."""

@@ -115,6 +115,11 @@ def share_model(model, ctx: LoadContext, report: LoadReport | None = None,
         except Exception as e:  # the model's walk failed: nothing shared yet
             if ctx.failures_stop_the_engine:
                 raise
+            if staging is not None:  # staged weights stay read-only in their segments: say so
+                n, nbytes = staging.read_only()
+                report.private_tensors += n
+                report.private_bytes += nbytes
+                report.unpublished_bytes += nbytes
             report.errors.append(f"{type(e).__name__}: {e}")
             logger.warning("the model's tensors could not be collected for sharing (%s: %s); they stay private",
                            type(e).__name__, e)
@@ -181,7 +186,7 @@ class SharingPass:
         """The content key of each of ``slots``; with packed weights shared, the staged and
         the other packed weights are added to ``slots`` (and counted in the report) and keyed."""
         ctx, report = self.ctx, self.report
-        keys = [str(k) for k in colliding(self.seg_cls.content_keys([s.tensor for s in slots]))]
+        plain, staged, census_slots = list(slots), [], []
         if ctx.share_packed:
             if staging is not None:  # a copy in flight would free the buffer the census finds
                 staging.finish()
@@ -194,9 +199,12 @@ class SharingPass:
             report.private_tensors += census.private_n
             report.private_bytes += census.private_bytes
             staged = staging.slots() if staging is not None else []  # keyed already; each segment's owner first
-            slots += [slot for slot, _ in staged] + census.slots
-            keys += [key for _, key in staged] + [str(k) for k in colliding(packed_keys(census.slots))]
-        return keys
+            census_slots = census.slots
+            # In ``slots`` before anything is hashed: keys that cannot be computed leave every
+            # slot private and counted, the staged ones read-only (`keep_private`).
+            slots += [slot for slot, _ in staged] + census_slots
+        keys = [str(k) for k in colliding(self.seg_cls.content_keys([s.tensor for s in plain]))]
+        return keys + [key for _, key in staged] + [str(k) for k in colliding(packed_keys(census_slots))]
 
     def run(self) -> None:
         if self.no_segments is not None:

@@ -141,6 +141,32 @@ def test_only_written_pages_are_copied_and_the_rest_reads_zeros():
     assert torch.equal(dst, t)  # unwritten pages of t read zeros too
 
 
+def test_a_pagemap_that_does_not_tell_present_pages_is_not_believed(monkeypatch):
+    """A kernel (or sandbox) whose pagemap reads zeros for every page would have the written
+    pages skipped as zeros: a wrong weight.  A probe finds it out, and every byte is copied."""
+    import mmap
+    import warnings
+
+    from vllm_dedup.engine import proc_maps
+
+    pages = mmap.mmap(-1, 4 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(pages, dtype=torch.uint8)
+    t[3 * 4096 + 1] = 5
+    monkeypatch.setattr(proc_maps, "_pagemap", lambda first, count: bytes(8 * count))  # "nothing present"
+    proc_maps._pagemap_tells.cache_clear()
+    try:
+        assert present_runs(t.data_ptr(), t.numel()) is None
+        dst = torch.zeros_like(t)
+        in_place_module._copy_written(t, dst, AnonymousRanges())
+        assert torch.equal(dst, t) and int(dst[3 * 4096 + 1]) == 5
+    finally:
+        monkeypatch.undo()
+        proc_maps._pagemap_tells.cache_clear()
+    assert present_runs(t.data_ptr(), t.numel()) is not None  # this kernel's pagemap tells
+
+
 def test_a_witness_reads_no_page_of_a_segment_that_holds_no_data():
     """Before loading, a placed memfd nothing was copied into holds no data: the write witness
     says what reading its zeros would, without reading (which would allocate its pages)."""

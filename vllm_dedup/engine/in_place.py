@@ -40,7 +40,8 @@ Note [only written pages are copied]
     nor swapped out (``/proc/self/pagemap``, bits 63 and 62) reads as zeros, as a fresh memfd
     page does, so only the runs of present or swapped pages are copied.  That holds for
     private anonymous mappings only (``/proc/self/maps``); any other storage is copied whole,
-    as is everything where ``pagemap`` cannot be read.
+    as is everything where ``pagemap`` cannot be read or does not tell a written page from an
+    untouched one (a probe, `proc_maps.present_runs`).
 
 Note [no pages allocated ahead of the weight loaders]
     Most of what writing into a fresh memfd costs is the kernel allocating and zeroing its

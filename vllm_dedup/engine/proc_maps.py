@@ -10,6 +10,8 @@ and a write witness does not read them (`sources.write_witness`).
 from __future__ import annotations
 
 import bisect
+import functools
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,18 +103,43 @@ class AnonymousRanges:
 def present_runs(address: int, nbytes: int) -> list[tuple[int, int]] | None:
     """Byte ranges (offsets from ``address``) of the pages in ``[address, address + nbytes)``
     that are present or swapped out (``/proc/self/pagemap``, bits 63 and 62); None where it
-    cannot be read.  In a private anonymous range (`AnonymousRanges`) every other byte reads
-    as zero."""
+    cannot be read, or does not tell (`_pagemap_tells`).  In a private anonymous range
+    (`AnonymousRanges`) every other byte reads as zero."""
     first, last = address // PAGE_BYTES, (address + nbytes - 1) // PAGE_BYTES
-    try:
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            pagemap.seek(first * 8)
-            raw = pagemap.read((last - first + 1) * 8)
-    except OSError:
-        return None
-    if len(raw) != (last - first + 1) * 8:
+    raw = _pagemap(first, last - first + 1) if _pagemap_tells() else None
+    if raw is None:
         return None
     present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(62)) != 0
     edges = np.flatnonzero(np.diff(np.concatenate(([0], present.astype(np.int8), [0]))))
     return [(max(address, (first + a) * PAGE_BYTES) - address, min(address + nbytes, (first + b) * PAGE_BYTES) - address)
             for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist())]
+
+
+def _pagemap(first: int, count: int) -> bytes | None:
+    """``count`` entries of ``/proc/self/pagemap`` from page ``first`` (8 bytes each), or None."""
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            raw = pagemap.read(count * 8)
+    except OSError:
+        return None
+    return raw if len(raw) == count * 8 else None
+
+
+@functools.cache
+def _pagemap_tells() -> bool:
+    """Whether ``pagemap`` tells a present page from an absent one here: a page just written
+    must read present, and one never touched absent.  A kernel whose entries say otherwise (a
+    sandbox emulating ``/proc`` with zeros) would have written pages skipped as zeros, which
+    would be a wrong weight: its answers are not used then (every byte is copied)."""
+    probe = mmap.mmap(-1, 2 * PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        probe[0] = 1  # the first page written, the second never touched
+        address = np.frombuffer(probe, dtype=np.uint8).ctypes.data  # the array goes at once: close() can
+        raw = _pagemap(address // PAGE_BYTES, 2)
+        if raw is None:
+            return False
+        bits = np.frombuffer(raw, dtype=np.uint64) >> np.uint64(62)
+        return bool(bits[0] != 0 and bits[1] == 0)
+    finally:
+        probe.close()

@@ -17,7 +17,10 @@ answers with a digest per tensor:
 - ``packed:<module>``: on vLLM's CPU backend, the packed weight of each oneDNN handler a module
   holds (`vllm_dedup.engine.onednn`): what the linear kernels read once vLLM dropped the
   weight, as the content key the sharing pass gives it (`vllm_dedup.engine.packed`:
-  ``onednn:<layout identity digest>[<bytes>]/[1]:<XXH3-128 of the bytes>``);
+  ``onednn:<layout identity digest>[<bytes>]/[1]:<XXH3-128 of the bytes>``); where the packed
+  bytes cannot be read (a layout not understood), ``output|`` and the digest of the handler's
+  output on a fixed input instead, and where even that fails ``unreadable: <why>``, which
+  `differences` always reports;
 - ``output:<module>``: each quantized linear's output on a fixed input (`output_digests`): what
   its kernel computes, with tensors it reads through raw pointers;
 
@@ -107,28 +110,48 @@ def _device_of(module):
 
 def packed_digests(model) -> dict[str, str]:
     """``packed:<module>`` -> digest of each oneDNN handler's packed weight (module docstring);
-    empty where vLLM has no oneDNN handlers (a GPU build)."""
+    empty where vLLM is not there.  (Any other failure to walk the handlers is raised: an empty
+    answer on both sides would compare nothing.)"""
     import xxhash
 
     try:
-        from vllm_dedup.content.keys import ContentKey
-        from vllm_dedup.engine import onednn
-        from vllm_dedup.engine.packed import packed_dtype
-        from vllm_dedup.errors import PackedWeightError
-
-        handlers = onednn.handlers_in(model)
-    except (ImportError, AttributeError):
+        import vllm._custom_ops  # noqa: F401  (where the handlers come from)
+    except ImportError:
         return {}
+    from vllm_dedup.content.keys import ContentKey
+    from vllm_dedup.engine import onednn
+    from vllm_dedup.engine.packed import packed_dtype
+    from vllm_dedup.errors import PackedWeightError
+
     out = {}
-    for name, handler in handlers:
+    for name, handler in onednn.handlers_in(model):
         try:
             packed = onednn.find_packed(handler)
         except PackedWeightError as e:
-            out[f"packed:{name}"] = f"unreadable: {e}"
+            out[f"packed:{name}"] = _handler_output(model, name, handler, e)
             continue
         key = ContentKey(xxhash.xxh3_128_digest(packed.view()), packed_dtype(packed.layout), (packed.nbytes,), (1,))
         out[f"packed:{name}"] = str(key)
     return out
+
+
+def _handler_output(model, name: str, handler, why: Exception) -> str:
+    """``output|`` and the digest of ``handler``'s output (vLLM's ``onednn_mm``) on 3 rows of
+    seeded values in the dtype of the module ``name`` (its ``params_dtype``, else the model's
+    first floating-point parameter's): what its kernel computes from the packed bytes that
+    could not be read (``why``); ``unreadable: ...`` where it cannot be run either."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    module = model.get_submodule(name)
+    dtype = getattr(module, "params_dtype", None) or next(
+        (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    x = torch.randn(3, handler.k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    try:
+        with torch.inference_mode():
+            return "output|" + _digest(ops.onednn_mm(handler, x, None))
+    except Exception as e:  # whatever stops it: the oracle cannot vouch for it
+        return f"unreadable: {why}; its output neither ({type(e).__name__}: {e})"
 
 
 class FinalTensors:
@@ -154,6 +177,6 @@ def differences(engine: dict[str, str], reference: dict[str, str]) -> list[str]:
     out = []
     for name in sorted(set(engine) | set(reference)):
         a, b = engine.get(name), reference.get(name)
-        if a != b:
+        if a != b or str(a).startswith("unreadable"):  # what cannot be read is not known equal
             out.append(f"{name}: {a} != reference {b}")
     return out

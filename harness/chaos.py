@@ -160,6 +160,7 @@ class Soak:
         self._reference_servers: list[ServeProcess] = []
         self._fresh_registry_fds = 0  # descriptors of a registry nobody has connected to yet
         self._registry_fds_left = 0
+        self._registry_left = 0  # registry processes alive 15 s after their shutdown (`_stop_all`)
 
     def run(self, cycles: int | None = None, minutes: float | None = None,
             victims: list[str] | None = None) -> SoakReport:
@@ -297,8 +298,10 @@ class Soak:
         os.kill(old, signal.SIGKILL)
         self.report.registry_kills += 1
         start_daemon(self.socket)  # the engines' leases may have started one already: harmless
-        # Every engine re-registers with it.
-        _wait(lambda: self._registered_engines(old) == len(self.slots), 60)
+        # Every engine re-registers with it (its segments and recipe, then its load report).
+        if not _wait(lambda: self._registered_engines(old) == len(self.slots), 60):
+            self._inconsistent(f"{len(self.slots) - max(self._registered_engines(old), 0)} engine(s) did not "
+                               "re-register with the new registry within 60 s")
 
     def _registered_engines(self, old_registry: int) -> int:
         try:
@@ -327,6 +330,8 @@ class Soak:
         self._registry_fds_left = self._registry_extra_fds()
         shutdown_registry(self.socket)
         if not _wait(lambda: not processes_matching(DAEMON, str(self.socket).encode()), 15):
+            # a registry that outlives its shutdown is a leak, however it is stopped now
+            self._registry_left = len(processes_matching(DAEMON, str(self.socket).encode()))
             for pid in processes_matching(DAEMON, str(self.socket).encode()):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -434,7 +439,7 @@ class Soak:
         return {
             "memfd_holders": memfds(),
             "registry_descriptors": self._registry_fds_left,
-            "registry_processes": len(processes_matching(DAEMON, str(self.socket).encode())),
+            "registry_processes": self._registry_left + len(processes_matching(DAEMON, str(self.socket).encode())),
             "serve_processes": sum(len(processes_matching(b"serve", str(s.model).encode(), b"--port"))
                                    for s in self.slots),
             "socket_files": len(list(self.socket.parent.glob("*.sock"))) if self.socket.parent.exists() else 0,

@@ -106,7 +106,9 @@ def same_tensors(reference_tensors):
 
     def check(engine, model, dtype: str = "bfloat16") -> None:
         reference = reference_tensors(model, dtype)
-        for rank, tensors in enumerate(engine.final_tensors()):
+        workers = engine.final_tensors()
+        assert workers and all(workers), f"no worker answered with its tensors: {workers!r:.200}"
+        for rank, tensors in enumerate(workers):
             differ = differences(tensors, reference)
             assert not differ, f"worker {rank}: {len(differ)} tensors differ from a plain load's: {differ[:5]}"
 

@@ -61,6 +61,7 @@ def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(sm
     reference = alone.tokens()
     shards = alone.final_tensors()  # each rank's final tensors, as a plain load makes them
     alone.stop()
+    assert len(shards) == TP and all(shards), f"{len(shards)} ranks answered, not {TP}"
 
     # Six rank workers on two CPUs, beside another test's engines in CI: the registry may take
     # longer than its default 10 s to answer, and a rank would then load on without it (as it
@@ -88,7 +89,9 @@ def test_each_rank_shares_its_own_shards_with_the_same_rank_of_another_engine(sm
                 assert (one[rank]["load_path"], two[rank]["load_path"]) == ("none", "full"), (one[rank], two[rank])
                 assert two[rank]["checkpoint_bytes_read"] == 0
             for engine in (first, second):
-                for rank, tensors in enumerate(engine.final_tensors()):
+                workers = engine.final_tensors()
+                assert len(workers) == TP and all(workers), f"{len(workers)} ranks answered, not {TP}"
+                for rank, tensors in enumerate(workers):
                     assert not differences(tensors, shards[rank]), (rank, differences(tensors, shards[rank])[:5])
             (group,) = registry.stats().groups
             assert group.engines == 2 * TP

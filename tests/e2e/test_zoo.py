@@ -43,6 +43,7 @@ def test_every_load_path_leaves_a_plain_loads_final_tensors(name, tmp_path, monk
     changed_layers = layer_indices(result["changed_tensors"])
     seen = result["reference"]["base_vs_last_layers"]
     assert seen and layer_indices(n.split(":", 1)[1] for n in seen) == changed_layers, seen
+    assert all(layer_indices([n.split(":", 1)[1]]) for n in seen), seen  # no head, embedding or final norm
 
     rows = result["engines"]
     roles = {"first", "second", "last-layers"} | ({"embeddings"} if embeddings else set())

@@ -115,6 +115,7 @@ def kept_unless_passing(passing: Callable[[object], bool]):
                 kept.cache_clear()
             return answer
 
+        ask.cache_clear = kept.cache_clear  # as functools.cache's own
         return ask
 
     return decorate

@@ -194,8 +194,13 @@ def test_another_nodes_registry_actor_puts_its_socket_where_that_node_keeps_it(n
     try:
         pid = registry_stats(path).registry_pid
         actor = environ(pid)
-        base = Path(actor["XDG_RUNTIME_DIR"]) / "vllm-dedup" if actor.get("XDG_RUNTIME_DIR") else \
-            Path(f"/tmp/vllm-dedup-{os.getuid()}")
+        # `wire.runtime_dir`, in the actor's own environment (its raylet's)
+        if actor.get("VLLM_DEDUP_RUNTIME_DIR"):
+            base = Path(actor["VLLM_DEDUP_RUNTIME_DIR"])
+        elif actor.get("XDG_RUNTIME_DIR"):
+            base = Path(actor["XDG_RUNTIME_DIR"]) / "vllm-dedup"
+        else:
+            base = Path(f"/tmp/vllm-dedup-{os.getuid()}")
         assert path == base.with_name(f"{base.name}-node-{worker[:16]}") / f"{NAMESPACE}.sock"
         assert not str(path).startswith("/proc/")
     finally:

@@ -343,6 +343,16 @@ def test_a_close_whose_free_fails_leaves_only_the_free_to_the_next_release(model
     assert "could not unmap" not in p.log()
 
 
+def test_a_close_whose_context_pop_fails_after_the_free_leaves_nothing_to_free_again(model):
+    """The range is freed already when leaving the device's context fails: freeing it again
+    later could free another reservation that has taken its addresses."""
+    p = model.peer("-", "C")
+    got = ask(p, "close_fails", ordinal=0, code=1, call="cuCtxPopCurrent")
+    assert got["error"].startswith("cuCtxPopCurrent failed"), got["error"]
+    assert (got["failed"]["mappings"], got["failed"]["reservations"]) == (0, 0)
+    assert got["released"] == 0  # nothing was left to the retry
+
+
 def test_a_map_that_fails_says_so_when_freeing_its_reservation_fails_too(model):
     """``cuMemMap``'s error is the one raised; the reservation it leaves is freed by the next
     release, not leaked."""

@@ -660,3 +660,26 @@ def test_an_error_while_adopting_a_resident_segment_leaves_it_unheld(registry_se
     finally:
         a.lease.close()
         b.lease.close()
+
+
+def test_a_pagemap_probe_that_cannot_be_made_now_is_asked_again_and_never_raises(monkeypatch):
+    """Out of memory or mappings for the probe: no pagemap answer is used this time (every
+    byte is copied), nothing is raised into the load, and the next call probes again."""
+    import mmap
+
+    from vllm_dedup.engine import proc_maps
+
+    class NoMemory:
+        def __init__(self, *args, **kwargs):
+            raise OSError(12, "Cannot allocate memory")
+
+    t = torch.ones(4096)
+    proc_maps._pagemap_tells.cache_clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(proc_maps.mmap, "mmap", NoMemory)
+            assert present_runs(t.data_ptr(), t.numel() * 4) is None
+        assert proc_maps.mmap.mmap is mmap.mmap
+        assert present_runs(t.data_ptr(), t.numel() * 4) is not None  # probed again, and it tells
+    finally:
+        proc_maps._pagemap_tells.cache_clear()

@@ -8,7 +8,9 @@ from another engine are not private and do not count; segments this engine creat
 memory and are added *in the same sample*, as they exist at that moment (``live``): a private
 copy freed once its segment is made is not counted twice.  A sample reads private memory first
 and ``live`` second, so bytes moved into a segment between the two reads count twice: the peak
-can err high by what moves in that instant, never low.
+can err high by what moves in that instant, never low, while the thread samples.  Where no
+thread can be started (a pids limit) only the load's end is sampled, and the peak is then
+that (a debug line says so).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..log import init_logger
 from ..segments import segment_class
 
 __all__ = ["LoadMeter", "private_bytes"]
+
+logger = init_logger(__name__)
 
 
 def private_bytes(device_type: str) -> int:
@@ -62,7 +67,8 @@ class LoadMeter:
         self._start = time.perf_counter()
         try:
             self._thread.start()
-        except RuntimeError:  # no thread to be had (a pids limit): the peak is sampled at the end only
+        except RuntimeError as e:  # no thread to be had (a pids limit): the peak is sampled at the end only
+            logger.debug("the load's peak memory is sampled at its end only (%s)", e)
             self._thread = None
         return self
 

@@ -10,13 +10,15 @@ and a write witness does not read them (`sources.write_witness`).
 from __future__ import annotations
 
 import bisect
-import functools
+import contextlib
 import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..errors import kept_unless_passing
 
 __all__ = ["PAGE_BYTES", "AnonymousRanges", "Mapping", "mappings", "present_runs"]
 
@@ -126,19 +128,26 @@ def _pagemap(first: int, count: int) -> bytes | None:
     return raw if len(raw) == count * 8 else None
 
 
-@functools.cache
-def _pagemap_tells() -> bool:
+@kept_unless_passing(lambda told: told is None)
+def _pagemap_tells() -> bool | None:
     """Whether ``pagemap`` tells a present page from an absent one here: a page just written
     must read present, and one never touched absent.  A kernel whose entries say otherwise (a
     sandbox emulating ``/proc`` with zeros) would have written pages skipped as zeros, which
-    would be a wrong weight: its answers are not used then (every byte is copied)."""
-    probe = mmap.mmap(-1, 2 * PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    would be a wrong weight: its answers are not used then (every byte is copied).  None (not
+    kept: asked again next time) where the probe cannot be made or read now (out of memory,
+    mappings or descriptors; or no pagemap).  Never raises."""
     try:
+        probe = mmap.mmap(-1, 2 * PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None
+    try:
+        with contextlib.suppress(OSError):  # one huge page would make the untouched page present
+            probe.madvise(mmap.MADV_NOHUGEPAGE)
         probe[0] = 1  # the first page written, the second never touched
         address = np.frombuffer(probe, dtype=np.uint8).ctypes.data  # the array goes at once: close() can
         raw = _pagemap(address // PAGE_BYTES, 2)
         if raw is None:
-            return False
+            return None
         bits = np.frombuffer(raw, dtype=np.uint64) >> np.uint64(62)
         return bool(bits[0] != 0 and bits[1] == 0)
     finally:

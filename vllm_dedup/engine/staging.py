@@ -335,10 +335,11 @@ class Staging:
         self._by_key.clear()
 
     def read_only(self) -> tuple[int, int]:
-        """(handlers, bytes) of the staged packed weights whose handler still reads its staged
-        segment (read-only), for a sharing pass that failed before it took them: they count as
-        private and unpublished (`context.LoadReport.unpublished_bytes`)."""
-        reading = [e for e in self.staged if _reads(e)]
+        """(segments, bytes) of the staged packed weights whose handler still reads its staged
+        segment (read-only), each segment once (a twin reads its owner's: `keep_private` counts
+        the owner's slot only), for a sharing pass that failed before it took them: they count
+        as private and unpublished (`context.LoadReport.unpublished_bytes`)."""
+        reading = [e for e in self.staged if e.owner and _reads(e)]
         return len(reading), sum(e.tensor.numel() for e in reading)  # uint8: one element a byte
 
     def summary(self) -> str:

@@ -231,19 +231,21 @@ class RegistryServer:
                         self.registry.expire()
                         self._next_expire = now + EXPIRE_EVERY_S
         finally:
-            # A loop that died (an error outside one connection's handling) stops the registry
-            # as a stop would: `wait` returns, and the daemon or Ray actor waiting in it exits
-            # (an actor that lived on would keep the node's name, and every engine would be
-            # sent to a socket nobody serves).
-            self._stop.set()
-            with self._mutex:
-                for conn in [*self._connections, *self._refused]:
-                    self._disconnect(conn)
-            self._sel.close()
-            self._listener.close()
-            self._unlink_socket()
-            with self._mutex:
-                self.registry.close()
+            try:
+                with self._mutex:
+                    for conn in [*self._connections, *self._refused]:
+                        self._disconnect(conn)
+                self._sel.close()
+                self._listener.close()
+                self._unlink_socket()
+                with self._mutex:
+                    self.registry.close()
+            finally:
+                # A loop that died (an error outside one connection's handling) stops the
+                # registry as a stop would, once it has closed everything: `wait` returns, and
+                # the daemon or Ray actor waiting in it exits (an actor that lived on would keep
+                # the node's name, and every engine would be sent to a socket nobody serves).
+                self._stop.set()
 
     def _on_event(self, sock, events: int) -> None:
         try:

@@ -57,6 +57,7 @@ def _release_range(va: int, size: int, ordinal: int, mapped: bool = True, defer:
     Raises:
         CudaError: a driver call failed.
     """
+    freed = False
     try:
         with on_device(ordinal):
             if mapped:
@@ -64,8 +65,9 @@ def _release_range(va: int, size: int, ordinal: int, mapped: bool = True, defer:
                 call("cuMemUnmap", va, size)
                 mapped = False
             call("cuMemAddressFree", va, size)
+            freed = True  # a failure leaving the context now leaves nothing to do: the range may be another's by then
     except CudaError:
-        if defer:
+        if defer and not freed:
             with cudadrv.lock:
                 _deferred.append((va, size, ordinal, mapped))
         raise

@@ -146,7 +146,8 @@ def content_keys(
     threads: int | None = None,
     on_done: Callable[[int], None] | None = None,
 ) -> list[ContentKey]:
-    """Run key computations in parallel threads, keeping their order.
+    """Run key computations in parallel threads, keeping their order (those no thread can be
+    started for, under a pids limit, in the caller's).
 
     Args:
         loaders: callables, each computing one key (typically ``content_key`` over an
@@ -164,10 +165,15 @@ def content_keys(
                 on_done(i)
         return out
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vllm-dedup-key") as pool:
-        futures = [pool.submit(fn) for fn in loaders]
+        futures = []
+        for fn in loaders:
+            try:
+                futures.append(pool.submit(fn))
+            except RuntimeError:  # no thread to be had (a pids limit): this one in the caller's
+                futures.append(None)
         out = []
-        for i, fut in enumerate(futures):
-            out.append(fut.result())
+        for i, (fn, fut) in enumerate(zip(loaders, futures)):
+            out.append(fut.result() if fut is not None else fn())
             if on_done:
                 on_done(i)
         return out

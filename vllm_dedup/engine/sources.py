@@ -248,7 +248,11 @@ class SourceRecorder:
             return
         while len(self._pending) >= _MAX_PENDING:
             self._pending.pop(0).result()
-        fut = self._pool.submit(_source_key_or_none, tensor)
+        try:
+            fut = self._pool.submit(_source_key_or_none, tensor)
+        except RuntimeError:  # no thread to be had (a pids limit): no key, never an error in the load
+            self.unhashable.append(name)
+            return
         self._futures[name] = fut
         self._pending.append(fut)
 

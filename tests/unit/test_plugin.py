@@ -212,3 +212,45 @@ def test_a_model_folder_file_the_signature_cannot_read_makes_the_load_private(mo
     assert loader._context(vllm_config, model_config, "") is None
     assert "/models/m/modeling_m.py: vllm-dedup cannot read it for the load signature (Permission denied)" in caplog.text
     assert "loading privately" in caplog.text
+
+
+GPU_PROCESS = """
+import json, sys
+import torch
+import vllm.platforms
+from vllm.platforms.interface import Platform, PlatformEnum
+
+class Gpu(Platform):  # what vLLM resolves on a CUDA machine, as far as the hooks ask
+    _enum = PlatformEnum.CUDA
+    device_name = device_type = "cuda"
+
+vllm.platforms.current_platform = Gpu()
+event = torch.cuda.Event
+from vllm_dedup.engine import worker_hooks
+wrapped = worker_hooks.install()
+print(json.dumps({"wrapped": wrapped, "cpu_worker": "vllm.v1.worker.cpu_worker" in sys.modules,
+                  "event_kept": torch.cuda.Event is event}))
+"""
+
+
+def test_the_hooks_never_import_the_cpu_worker_on_another_platform():
+    """vLLM's CPU worker module replaces torch's CUDA events and streams, ``synchronize`` and
+    ``get_memory_info`` for the whole process when imported (vllm/v1/worker/cpu/shm.py): the
+    plugin, loaded in every vLLM process, must not import it where vLLM would not (a GPU)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", GPU_PROCESS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # (this CPU build of vLLM cannot import its GPU worker under a CUDA platform: its hooks are skipped here)
+    assert "CPUWorker.sleep" not in got["wrapped"], got
+    # On the CPU platform (this process), the CPU worker's sleep is guarded.
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from vllm_dedup.engine import worker_hooks
+
+    worker_hooks.install()
+    assert getattr(CPUWorker.sleep, worker_hooks._MARK, False)
+    assert (got["cpu_worker"], got["event_kept"]) == (False, True), got

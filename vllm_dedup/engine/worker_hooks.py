@@ -21,6 +21,10 @@ kinds, both reading this process's `session.EngineSession`:
   lives on, an engine in the user's own process, would otherwise keep it from every other
   engine of the GPU for ``startup_lock_timeout_s``).
 
+A module vLLM imports on one platform only, and whose import changes the process (the CPU
+worker's replaces torch's CUDA events and streams), is imported, and wrapped, only on that
+platform (`vllm_facts.PLATFORM_MODULES`).
+
 Each wrapper is tied to the vLLM versions it was checked against (`vllm_facts.CHECKED_VLLM_VERSIONS`); on
 another version a method that no longer exists is skipped with a warning, never guessed at.
 ``patches/`` holds the upstream-vLLM form of the guards, the budget correction and the lock's
@@ -35,11 +39,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 from ..errors import SharedWeightsError
 from ..log import init_logger
 from .session import EngineSession
-from .vllm_facts import CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, PATCHED_BY
+from .vllm_facts import CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, PATCHED_BY, PLATFORM_MODULES
 
 __all__ = ["STARTUP_HOOKS", "install"]
 
@@ -111,8 +116,11 @@ def _patched(method, marker: str | None) -> bool:
 
 
 def _wrap(module_name: str, cls_name: str, name: str, make, marker: str | None = None) -> bool:
-    """Replace ``cls.name`` by ``make(method)`` unless missing, already wrapped, or already
-    hooked by patches/ (its source holds ``marker``)."""
+    """Replace ``cls.name`` by ``make(method)`` unless missing, already wrapped, already hooked
+    by patches/ (its source holds ``marker``), or in a module vLLM does not import on this
+    platform (`vllm_facts.PLATFORM_MODULES`: importing it would change the process)."""
+    if not _imported_here(module_name):
+        return False
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
     except Exception as e:  # a module another platform's build cannot import: no engine here runs it
@@ -133,6 +141,17 @@ def _wrap(module_name: str, cls_name: str, name: str, make, marker: str | None =
     setattr(wrapper, _MARK, True)
     setattr(cls, name, wrapper)
     return True
+
+
+def _imported_here(module_name: str) -> bool:
+    """Whether vLLM imports ``module_name`` on this process's platform (`vllm_facts.PLATFORM_MODULES`;
+    a module not listed there: yes)."""
+    check = PLATFORM_MODULES.get(module_name)
+    if check is None or module_name in sys.modules:
+        return True
+    from vllm.platforms import current_platform
+
+    return bool(getattr(current_platform, check)())
 
 
 def _guard(method, name: str, why: str):

@@ -109,8 +109,8 @@ def test_external_mode_budget_ends_at_plain_minus_the_bytes_really_mapped():
             session.hold(object(), segment_bytes=shared, shared_bytes=shared)
         worker = SimpleNamespace(requested_memory=request_memory(snapshot, cache, reported), init_snapshot=snapshot,
                                  cache_config=cache)
-        assert session.correct_budget(worker) == (shared - predicted if predicted else 0)
-        assert worker.requested_memory == (plain - shared if predicted else plain)
+        assert session.correct_budget(worker) == shared - predicted
+        assert worker.requested_memory == plain - shared  # a prediction of 0 too
         assert session.correct_budget(worker) == 0 and session.correction_bytes == 0  # applied once
     # A second engine in the same process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its correction
     # counts its own load, not the first engine's.

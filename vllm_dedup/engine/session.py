@@ -138,7 +138,7 @@ class EngineSession:
         self.startup_client: Lease | None = None  # the connection `begin_startup` opened, until `end_startup`
         self.startup_for: tuple | None = None  # whom it said hello for (`_connection_for`)
         self.locks: list[str] = []  # start-up locks held now
-        self.predicted: int | None = None  # bytes reported to vLLM as mapped from others (None: none reported)
+        self.predicted: int | None = None  # bytes reported to vLLM as mapped from others (None: no correction)
         self.segment_bytes = 0  # bytes of this process's tensors that live in segments
         self.shared_bytes = 0  # of them, mapped from other engines' segments
         self.shared_before_startup = 0  # shared_bytes when this start-up began (engines before it, in-process)
@@ -273,9 +273,9 @@ class EngineSession:
             utilization: vLLM's ``gpu_memory_utilization``.
 
         Returns:
-            ``predicted`` in ``external`` mode, and in ``kv_cache`` mode when the full budget
-            ``ceil(total * utilization)`` exceeds ``free`` but ``budget - predicted`` does not;
-            else 0 (nothing reported, nothing to correct).
+            ``predicted`` in ``external`` mode (kept to correct even when 0), and in ``kv_cache``
+            mode when the full budget ``ceil(total * utilization)`` exceeds ``free`` but
+            ``budget - predicted`` does not; else 0 (nothing reported, nothing to correct).
         """
         import math
 
@@ -289,7 +289,9 @@ class EngineSession:
                 "creator has gone, so no budget holds them): this engine reports them as external weight memory "
                 "(its KV cache is a plain load's)", free / 1e6, budget / 1e6, predicted / 1e6)
         with self._holds:
-            self.predicted = report if report > 0 else None
+            # In external mode a prediction of 0 is one all the same (a fine-tune of a new
+            # signature, a registry that lost its figures): what is mapped is still set aside.
+            self.predicted = report if report > 0 or accounting == "external" else None
             self.budget_corrected = False
             self.shared_before_startup = self.shared_bytes
         return report

@@ -112,6 +112,13 @@ def test_external_mode_budget_ends_at_plain_minus_the_bytes_really_mapped():
         assert session.correct_budget(worker) == shared - predicted
         assert worker.requested_memory == plain - shared  # a prediction of 0 too
         assert session.correct_budget(worker) == 0 and session.correction_bytes == 0  # applied once
+    # A start-up that failed after its prediction (vLLM's request_memory in init_device, a load
+    # that raised) ends with nothing left to correct: not a later engine's budget (a plain one).
+    session = EngineSession()
+    session.plan_startup("external", 10 * gib, snapshot.free_memory, snapshot.total_memory, 0.5)
+    session.end_startup()
+    worker = SimpleNamespace(requested_memory=plain, init_snapshot=snapshot, cache_config=cache)
+    assert session.correct_budget(worker) == 0 and worker.requested_memory == plain
     # A second engine in the same process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its correction
     # counts its own load, not the first engine's.
     session = EngineSession()

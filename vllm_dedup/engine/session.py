@@ -401,6 +401,8 @@ class EngineSession:
 
         client, locks = self.startup_client, self.locks
         self.startup_client, self.startup_for, self.locks = None, None, []
+        with self._holds:  # a start-up that failed leaves nothing to correct in the next engine's (a plain one)
+            self.predicted = None
         try:
             if locks:
                 client.unlock(locks)

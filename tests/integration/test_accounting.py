@@ -261,12 +261,13 @@ STARTUP_STEPS = ["init_device", "load_model", "determine_available_memory", "ini
                  "compile_or_warm_up_model"]
 
 
-@pytest.mark.parametrize("method", STARTUP_STEPS)
+@pytest.mark.parametrize("method", [*STARTUP_STEPS, "EngineCore.__init__"])
 def test_the_hook_gives_the_startup_lock_back_even_when_the_method_fails(registry_server, monkeypatch, method):
     """Any start-up step from the lock (taken in ``init_device``) to the warm-up: an engine whose
     step raises (too little free memory, a checkpoint vLLM cannot read, a KV cache that does not
     fit) may live on, an engine in the user's own process.  Its start-up lock must not keep
     every other engine of the GPU waiting ``startup_lock_timeout_s``."""
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_dedup.engine import worker_hooks
@@ -274,6 +275,7 @@ def test_the_hook_gives_the_startup_lock_back_even_when_the_method_fails(registr
     worker_hooks.install()
     for name in STARTUP_STEPS:
         assert getattr(Worker.__dict__[name], "__vllm_dedup_hook__", False), name
+    assert getattr(EngineCore.__dict__["__init__"], "__vllm_dedup_hook__", False)
     client = RegistryClient(registry_server.path)
     client.hello("m", GPU0, "default")
     client.lock([startup_lock_name(GPU0)], owner="vllm-instance:X")
@@ -284,8 +286,11 @@ def test_the_hook_gives_the_startup_lock_back_even_when_the_method_fails(registr
     session.hold(client, segment_bytes=0, shared_bytes=0)
     monkeypatch.setattr(EngineSession, "_current", session)
     try:
-        with pytest.raises(AttributeError):  # not a real worker: the method itself fails
-            getattr(Worker, method)(object(), *([None] if method == "initialize_from_config" else []))
+        with pytest.raises(AttributeError):  # not a real worker (or config): the method itself fails
+            if method == "EngineCore.__init__":  # after the workers' steps, the engine core's own
+                EngineCore.__init__(object.__new__(EngineCore), None, None, False)
+            else:
+                getattr(Worker, method)(object(), *([None] if method == "initialize_from_config" else []))
         assert registry_stats(registry_server.path).locks == {}
         session.end_startup()  # idempotent
     finally:

@@ -17,7 +17,8 @@ kinds, both reading this process's `session.EngineSession`:
   ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
   even when warm-up fails, and so it is when any start-up step after the lock was taken fails:
   ``init_device`` (which takes it, then may find too little free memory), the load or its
-  correction, ``determine_available_memory`` and ``initialize_from_config`` (a process that
+  correction, ``determine_available_memory`` and ``initialize_from_config``, and the engine
+  core's own steps between them (``EngineCore.__init__``: its KV cache check) (a process that
   lives on, an engine in the user's own process, would otherwise keep it from every other
   engine of the GPU for ``startup_lock_timeout_s``).
 
@@ -76,6 +77,12 @@ STARTUP_HOOKS = (
     ("vllm.v1.worker.gpu_worker", "Worker", "initialize_from_config", _after_a_step),
     ("vllm.v1.worker.gpu_worker", "Worker", "compile_or_warm_up_model",
      lambda worker, failed: EngineSession.current().end_startup()),
+    # Around them all: the engine core fails between the workers' steps too (its KV cache
+    # check, ``get_kv_cache_configs``: "needs more KV cache than available"), and no worker
+    # method sees that (vllm/v1/engine/core.py, ``EngineCore.__init__``).  It matters where
+    # the worker shares the engine core's process, which lives on (an engine in the user's own
+    # process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); elsewhere this process holds no lock.
+    ("vllm.v1.engine.core", "EngineCore", "__init__", _after_a_step),
 )
 
 _MARK = "__vllm_dedup_hook__"

@@ -156,9 +156,14 @@ def _imported_here(module_name: str) -> bool:
     check = PLATFORM_MODULES.get(module_name)
     if check is None or module_name in sys.modules:
         return True
-    from vllm.platforms import current_platform
+    try:
+        from vllm.platforms import current_platform
 
-    return bool(getattr(current_platform, check)())
+        return bool(getattr(current_platform, check)())
+    except Exception as e:  # the plugin loads in every vLLM process: never stop one
+        logger.warning("vLLM's platform could not be told (%s: %s); %s is not hooked", type(e).__name__, e,
+                       module_name)
+        return False
 
 
 def _guard(method, name: str, why: str):

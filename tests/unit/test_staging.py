@@ -8,6 +8,7 @@ and frees the staged segment."""
 from __future__ import annotations
 
 import errno
+import functools
 import gc
 import os
 import threading
@@ -52,11 +53,26 @@ class _Layer(nn.Module):
         self.handler = ops.create_onednn_mm(_weight(seed).t(), 32)
 
 
-def _model(*seeds: int) -> nn.Module:
+def _model(*seeds: int, linear: bool = False) -> nn.Module:
+    """One `_Layer` per seed, or with ``linear`` one vLLM linear layer (`LinearBase`: it drops the
+    weight it packs, so its packing is copied in the staging worker)."""
+    layer = _linear_class() if linear else _Layer
     model = nn.Module()
     for i, seed in enumerate(seeds):
-        model.add_module(f"layer{i}", _Layer(seed))
+        model.add_module(f"layer{i}", layer(seed))
     return model
+
+
+@functools.cache
+def _linear_class() -> type:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    class Linear(LinearBase):  # only the class matters here; LinearBase's own state is not used
+        def __init__(self, seed: int):
+            nn.Module.__init__(self)
+            self.handler = ops.create_onednn_mm(_weight(seed).t(), 32)
+
+    return Linear
 
 
 def _stage(model: nn.Module, staging: Staging) -> None:
@@ -242,16 +258,7 @@ def test_linear_layers_copy_one_at_a_time_beside_the_next_in_order(monkeypatch):
     """Note [one copy in flight]: linear layers' copies run in the staging worker, adopted in
     layer order; a twin finds the segment of the copy before it; a copy that fails leaves its
     handler its own bytes and is named in ``failures``."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    class Linear(LinearBase):  # only the class matters here; LinearBase's own state is not used
-        def __init__(self, seed: int):
-            nn.Module.__init__(self)
-            self.handler = ops.create_onednn_mm(_weight(seed).t(), 32)
-
-    model = nn.Module()
-    for i, seed in enumerate((1, 2, 1, 3)):
-        model.add_module(f"layer{i}", Linear(seed))
+    model = _model(1, 2, 1, 3, linear=True)
     before = _outputs(model)
     install, calls, threads = onednn.install, [], []
 
@@ -281,18 +288,9 @@ def test_without_a_worker_thread_linear_layers_are_copied_in_the_loads_own(monke
     """Where the worker's thread cannot start (a pids limit), no copy is left queued for it (it
     would run later, unseen, and install a segment nothing records): each linear layer's copy
     runs in the load's thread, adopted in order, with the same results."""
-    from vllm.model_executor.layers.linear import LinearBase
-
     from test_no_thread import no_thread_named
 
-    class Linear(LinearBase):  # only the class matters here; LinearBase's own state is not used
-        def __init__(self, seed: int):
-            nn.Module.__init__(self)
-            self.handler = ops.create_onednn_mm(_weight(seed).t(), 32)
-
-    model = nn.Module()
-    for i, seed in enumerate((1, 2, 1)):
-        model.add_module(f"layer{i}", Linear(seed))
+    model = _model(1, 2, 1, linear=True)
     before = _outputs(model)
     refused = no_thread_named(monkeypatch, "vllm-dedup-staging")
     install, threads = onednn.install, []
@@ -401,52 +399,31 @@ def test_the_sharing_pass_publishes_a_staged_segment_as_it_is_and_maps_it_elsewh
         b.lease.close()
 
 
-def test_staged_weights_the_registry_never_took_count_as_read_only(registry_server):
-    """The registry fails before the staged segments are published: the packed weights stay
-    this engine's, in sealed segments, so the engine counts them in ``unpublished_bytes`` and
-    refuses weight writes as where weights are shared (`worker_hooks`)."""
-    from vllm_dedup.errors import RegistryUnavailable
-
-    model = _model(1, 2)
-    want = _outputs(model)
-    nbytes = onednn.find_packed(model.layer0.handler).nbytes
-    ctx = _context(registry_server.path, "registry-fails", on_registry_error="fallback")
-
-    def failing(*args, **kwargs):
-        raise RegistryUnavailable("the registry failed for the test")
-
-    ctx.lease.acquire = failing
-    try:
-        staged = Staging(min_bytes=1)
-        _stage(model, staged)
-        report = share_model(model, ctx, staging=staged)
-        assert report.published_tensors == report.shared_tensors == 0 and report.private_tensors == 2
-        assert report.unpublished_bytes == report.segment_bytes == 2 * nbytes
-        assert all(torch.equal(x, y) for x, y in zip(want, _outputs(model)))
-    finally:
-        ctx.lease.close()
-
-
-@pytest.mark.parametrize("fails", ["keys", "walk"])
-def test_staged_weights_count_as_read_only_when_the_pass_fails_before_taking_them(registry_server, monkeypatch,
-                                                                                   fails):
-    """The plain tensors' keys cannot be computed (``keys``), or the model's walk fails
-    (``walk``): the staged packed weights are still read-only in their segments, so they are
-    counted in ``unpublished_bytes`` (the engine then refuses weight writes), not forgotten."""
+@pytest.mark.parametrize("fails", ["registry", "keys", "walk"])
+def test_staged_weights_the_pass_never_took_count_as_read_only(registry_server, monkeypatch, fails):
+    """The staged packed weights stay this engine's, in sealed segments, when the pass cannot
+    take them: the registry fails before they are published (``registry``), the plain tensors'
+    keys cannot be computed (``keys``), or the model's walk fails (``walk``).  The engine then
+    counts them in ``unpublished_bytes`` and refuses weight writes as where weights are shared
+    (`worker_hooks`), rather than forgetting them."""
     from vllm_dedup.engine import share as share_module
+    from vllm_dedup.errors import RegistryUnavailable
     from vllm_dedup.segments.host import HostSegment
 
     def failing(*args, **kwargs):
-        raise MemoryError("for the test")
+        raise RegistryUnavailable("the registry failed for the test") if fails == "registry" else \
+            MemoryError("for the test")
 
-    if fails == "keys":
-        monkeypatch.setattr(HostSegment, "content_keys", staticmethod(failing))
-    else:
-        monkeypatch.setattr(share_module, "collect_slots", failing)
     model = _model(1, 2)
     want = _outputs(model)
     nbytes = onednn.find_packed(model.layer0.handler).nbytes
-    ctx = _context(registry_server.path, "pass-fails", on_registry_error="fallback")
+    ctx = _context(registry_server.path, f"pass-fails-{fails}", on_registry_error="fallback")
+    if fails == "registry":
+        ctx.lease.acquire = failing
+    elif fails == "keys":
+        monkeypatch.setattr(HostSegment, "content_keys", staticmethod(failing))
+    else:
+        monkeypatch.setattr(share_module, "collect_slots", failing)
     try:
         staged = Staging(min_bytes=1)
         _stage(model, staged)

@@ -5,9 +5,9 @@ because Ray cannot carry file descriptors.  Engines talk to the socket only: the
 to create the actor the first time (`ensure_actor`, called by `discovery.connect_registry`).
 The socket's directory is the node's own (`nodes.py`), so several nodes on one machine never
 share a registry; the actor of another node than its creator's works it out on that node
-(Note [whose environment names a socket]).  The actor also exports the registry's figures as Ray metrics, tagged with
-its node (`metrics.RegistryMetrics`), and `node_registries` reads every node's registry
-through Ray (``vllm-dedup status --all-nodes``).
+(Note [whose environment names a socket]).  The actor also exports the registry's figures as
+Ray metrics, tagged with its node (`metrics.RegistryMetrics`), and `node_registries` reads
+every node's registry through Ray (``vllm-dedup status --all-nodes``).
 """
 
 from __future__ import annotations
@@ -105,9 +105,10 @@ def ensure_actor(namespace: str, keep_warm_s: float = 0.0, address: str | None =
     Ray connection, or the one its parent exported), and else to the node that ``ray.init``
     connects this process to.  A new actor serves `nodes.node_socket_path` of that node, from
     this process's environment on its own node and from the actor's on another (Note [whose
-    environment names a socket]); an actor that exists already serves the path its creator chose.  Where no actor can be made
-    because a registry already serves that socket (a standalone daemon engines started before
-    Ray), that socket is returned: it is the node's registry, and ``keep_warm_s`` stays its own.
+    environment names a socket]); an actor that exists already serves the path its creator
+    chose.  Where no actor can be made because a registry already serves that socket (a
+    standalone daemon engines started before Ray), that socket is returned: it is the node's
+    registry, and ``keep_warm_s`` stays its own.
 
     Connects this process to Ray if it is not connected yet (and disconnects afterwards: the
     actor is detached and outlives us).

@@ -50,9 +50,11 @@ def _access_desc(ordinal: int, read_only: bool):
 
 def _release_range(va: int, size: int, ordinal: int, mapped: bool = True, defer: bool = True) -> None:
     """Unmap ``[va, va + size)`` (when ``mapped``) and free its reservation.  A failed step
-    leaves what is still to do to `release_deferred` (with ``defer``), and raises: after ``cuMemUnmap`` the
-    range is a reservation only (NVIDIA's reference: "the address range is converted to an
-    address reservation"), and unmapping it again would fail and leak it.
+    leaves what is still to do to `release_deferred` (with ``defer``), and raises: after
+    ``cuMemUnmap`` the range is a reservation only (NVIDIA's reference: "the address range is
+    converted to an address reservation"), and unmapping it again would fail and leak it; once
+    freed, nothing is left to do, even if leaving the device's context fails (the addresses
+    may be another reservation's by then).
 
     Raises:
         CudaError: a driver call failed.
@@ -65,7 +67,7 @@ def _release_range(va: int, size: int, ordinal: int, mapped: bool = True, defer:
                 call("cuMemUnmap", va, size)
                 mapped = False
             call("cuMemAddressFree", va, size)
-            freed = True  # a failure leaving the context now leaves nothing to do: the range may be another's by then
+            freed = True
     except CudaError:
         if defer and not freed:
             with cudadrv.lock:

@@ -306,6 +306,11 @@ class EngineProcess(PeerProcess):
         self.send({"rpc": method})
         return self.read("RPC ", 120)
 
+    def call(self, method: str, **kwargs) -> str:
+        """``LLM.<method>(**kwargs)`` (``sleep``, ``wake_up``): ``"ok"`` or ``"error <message>"``."""
+        self.send({"call": method, "kwargs": kwargs})
+        return self.read("CALL ", 120)
+
     def pss(self, trim: bool = True) -> int:
         """The engine's PSS in bytes (engine core and worker run in this one process).
 
@@ -414,12 +419,16 @@ def _engine_main(argv: list[str]) -> None:
         if "embed" in req:
             print("EMBEDDED " + json.dumps(_pooled_digests(llm, req["embed"])), flush=True)
             continue
-        if "rpc" in req:
+        if "rpc" in req or "call" in req:
+            reply = "RPC" if "rpc" in req else "CALL"
             try:
-                llm.collective_rpc(req["rpc"])
-                print("RPC ok", flush=True)
+                if "rpc" in req:
+                    llm.collective_rpc(req["rpc"])
+                else:
+                    getattr(llm, req["call"])(**req["kwargs"])
+                print(f"{reply} ok", flush=True)
             except Exception as e:  # reported to the parent, which decides
-                print("RPC error " + str(e).replace("\n", " "), flush=True)
+                print(f"{reply} error " + str(e).replace("\n", " "), flush=True)
             continue
         start = time.perf_counter()
         outs = llm.generate(req["prompts"], SamplingParams(temperature=0, max_tokens=req.get("max_tokens", 16)),

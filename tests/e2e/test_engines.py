@@ -60,6 +60,14 @@ def test_same_model_outputs_match_and_the_second_engine_saves_90_percent(smollm2
             reply = b.rpc(op)
             assert reply.startswith("error") and f"{op} is refused" in reply, reply
         assert b.generate() == reference and a.generate() == reference
+        # A user's sleep is refused before the engine core pauses its scheduler (which it does
+        # before asking the workers): the engine serves on without a wake_up.  Level 0 pauses
+        # scheduling only and is not refused.
+        reply = b.call("sleep", level=1)
+        assert reply.startswith("error") and "sleep is refused" in reply, reply
+        assert b.generate() == reference
+        assert b.call("sleep", level=0) == "ok" and b.call("wake_up", tags=["scheduling"]) == "ok"
+        assert b.generate() == reference
 
         # An engine deleted in its own process (a user's `del llm`) lets its lease go with its
         # model while the process lives: the registry drops it; what b maps stays resident.

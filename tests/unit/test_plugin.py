@@ -5,6 +5,7 @@ Greedy outputs of real engines with dedup and auto are compared in test_engines.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from unittest import mock
 
 import pytest
 from vllm.config.load import LoadConfig
@@ -254,3 +255,38 @@ def test_the_hooks_never_import_the_cpu_worker_on_another_platform():
     worker_hooks.install()
     assert getattr(CPUWorker.sleep, worker_hooks._MARK, False)
     assert (got["cpu_worker"], got["event_kept"]) == (False, True), got
+
+
+@pytest.mark.parametrize("workers", [[0, 0], [0, 4096], "unreachable"])
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_the_engine_core_asks_its_workers_before_it_pauses_for_sleep(workers, level):
+    """``EngineCore.sleep`` pauses the scheduler before the workers' ``sleep`` runs (their guard
+    would refuse too late): the engine core asks every worker first, for the levels that reach
+    the workers, and sleeps as vLLM does where none shares or they cannot be asked."""
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_dedup.engine import worker_hooks
+    from vllm_dedup.errors import SharedWeightsError
+
+    worker_hooks.install()
+    assert getattr(EngineCore.__dict__["sleep"], worker_hooks._MARK, False)
+    executor = mock.Mock()
+    if workers == "unreachable":
+        executor.collective_rpc.side_effect = TimeoutError("no answer")
+    else:
+        executor.collective_rpc.return_value = workers
+    core = object.__new__(EngineCore)
+    core.model_executor = executor
+    core.pause_scheduler = mock.Mock(return_value=None)  # the step that must not run if refused
+    if level >= 1 and workers == [0, 4096]:
+        with pytest.raises(SharedWeightsError, match="sleep is refused"):
+            core.sleep(level=level)
+        core.pause_scheduler.assert_not_called()
+        executor.sleep.assert_not_called()
+    else:
+        core.sleep(level)
+        core.pause_scheduler.assert_called_once()
+    if level >= 1:  # asked by name: a module function, as the workers' processes import it
+        executor.collective_rpc.assert_called_once_with(worker_hooks.shared_weight_bytes)
+    else:
+        executor.collective_rpc.assert_not_called()

@@ -9,8 +9,8 @@ it comes from.  `worker_hooks.py` wraps what is listed here; the loader and `ses
 
 from __future__ import annotations
 
-__all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARD_MARKER", "PATCHED_BY",
-           "PLATFORM_MODULES", "private_reason"]
+__all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARDED_BEFORE_PAUSING", "GUARD_MARKER",
+           "PATCHED_BY", "PLATFORM_MODULES", "private_reason"]
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 
@@ -25,6 +25,16 @@ GUARDED = (
     ("vllm.v1.worker.gpu_worker", "Worker", "reset_weights", "weight reset zeroes the weights in place"),
     ("vllm.distributed.eplb.eplb_state", "EplbState", "rearrange",
      "expert load balancing moves expert weights in place"),
+)
+
+# Engine-core methods that stop serving before they reach a guarded worker method: (module,
+# class, method, the lowest level that reaches the workers, what it does to weights).
+# vllm/v1/engine/core.py: ``EngineCore.sleep(level)`` pauses the scheduler (clearing the prefix
+# cache; under the default mode ``"abort"`` aborting the requests in flight) and only then calls
+# the workers' ``sleep``; a worker's refusal would leave the engine paused, every later request
+# waiting, until ``wake_up``.  Level 0 pauses scheduling only and touches no weight.
+GUARDED_BEFORE_PAUSING = (
+    ("vllm.v1.engine.core", "EngineCore", "sleep", 1, "sleep mode offloads or discards the weights"),
 )
 
 # Modules of `GUARDED` that vLLM imports on one platform only, and that change the process when

@@ -11,7 +11,10 @@ kinds, both reading this process's `session.EngineSession`:
   guard refuses with a clear error while this process holds tensors in segments and passes
   through otherwise.  An engine whose configuration says it will write its weights in place
   (`vllm_facts.private_reason`: EPLB, weight offloading, RLHF weight transfer, sleep mode) never shares
-  them in the first place: the loader keeps them private.
+  them in the first place: the loader keeps them private.  Where the engine core stops serving
+  before it reaches the workers (``EngineCore.sleep`` pauses the scheduler first), it asks the
+  workers up front (`vllm_facts.GUARDED_BEFORE_PAUSING`), so a refused call leaves the engine
+  serving as before.
 - **start-up hooks** (GPU accounting, `session.py`): after ``Worker.load_model`` the engine's
   budget is corrected by the bytes mapped beyond the prediction; after
   ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
@@ -45,9 +48,16 @@ import sys
 from ..errors import SharedWeightsError
 from ..log import init_logger
 from .session import EngineSession
-from .vllm_facts import CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, PATCHED_BY, PLATFORM_MODULES
+from .vllm_facts import (
+    CHECKED_VLLM_VERSIONS,
+    GUARD_MARKER,
+    GUARDED,
+    GUARDED_BEFORE_PAUSING,
+    PATCHED_BY,
+    PLATFORM_MODULES,
+)
 
-__all__ = ["STARTUP_HOOKS", "install"]
+__all__ = ["STARTUP_HOOKS", "install", "shared_weight_bytes"]
 
 logger = init_logger(__name__)
 
@@ -89,7 +99,8 @@ _MARK = "__vllm_dedup_hook__"
 
 
 def install() -> list[str]:
-    """Wrap every method of `GUARDED` and `STARTUP_HOOKS` that exists.  Idempotent.
+    """Wrap every method of `GUARDED`, `GUARDED_BEFORE_PAUSING` and `STARTUP_HOOKS` that exists.
+    Idempotent.
 
     Returns:
         the methods wrapped now (``"Class.method"``).
@@ -102,6 +113,10 @@ def install() -> list[str]:
     wrapped = []
     for module_name, cls_name, name, why in GUARDED:
         if _wrap(module_name, cls_name, name, functools.partial(_guard, name=name, why=why), GUARD_MARKER):
+            wrapped.append(f"{cls_name}.{name}")
+    for module_name, cls_name, name, level, why in GUARDED_BEFORE_PAUSING:
+        if _wrap(module_name, cls_name, name,
+                 functools.partial(_guard_before_pausing, name=name, from_level=level, why=why)):
             wrapped.append(f"{cls_name}.{name}")
     for module_name, cls_name, name, after in STARTUP_HOOKS:
         if _wrap(module_name, cls_name, name, functools.partial(_run_after, after=after),
@@ -169,16 +184,49 @@ def _imported_here(module_name: str) -> bool:
 def _guard(method, name: str, why: str):
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
-        held = EngineSession.current().segment_bytes
+        held = shared_weight_bytes(self)
         if held:
-            raise SharedWeightsError(
-                f"vllm-dedup: {name} is refused: {why}, and this engine's process maps {held / 1e6:.1f} MB of "
-                "weights shared read-only with other engines. Start this engine with another "
-                "--load-format (e.g. auto) to use it."
-            )
+            raise _refusal(name, why, held)
         return method(self, *args, **kwargs)
 
     return guarded
+
+
+def _guard_before_pausing(method, name: str, from_level: int, why: str):
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        level = kwargs.get("level", args[0] if args else from_level)
+        if level >= from_level:
+            held = _workers_shared_weight_bytes(self)
+            if held:
+                raise _refusal(name, why, held)
+        return method(self, *args, **kwargs)
+
+    return guarded
+
+
+def shared_weight_bytes(worker=None) -> int:
+    """Bytes of weights this process holds in segments (read-only, shared or publishable).  Run
+    in each worker by the engine core (``collective_rpc``: a module function travels by name)."""
+    return EngineSession.current().segment_bytes
+
+
+def _workers_shared_weight_bytes(engine_core) -> int:
+    """Bytes of weights ``engine_core``'s workers hold in segments, all together; 0 where they
+    cannot be asked (each worker's own guard still refuses then)."""
+    try:
+        return sum(engine_core.model_executor.collective_rpc(shared_weight_bytes))
+    except Exception as e:  # never the reason a plain engine cannot sleep
+        logger.warning("vllm-dedup: the workers could not be asked whether they share weights (%s: %s)",
+                       type(e).__name__, e)
+        return 0
+
+
+def _refusal(name: str, why: str, held: int) -> SharedWeightsError:
+    return SharedWeightsError(
+        f"vllm-dedup: {name} is refused: {why}, and this engine maps {held / 1e6:.1f} MB of weights shared "
+        "read-only with other engines. Start this engine with another --load-format (e.g. auto) to use it."
+    )
 
 
 def _run_after(method, after):

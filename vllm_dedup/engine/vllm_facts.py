@@ -10,7 +10,7 @@ it comes from.  `worker_hooks.py` wraps what is listed here; the loader and `ses
 from __future__ import annotations
 
 __all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARDED_BEFORE_PAUSING", "GUARD_MARKER",
-           "PATCHED_BY", "PLATFORM_MODULES", "private_reason"]
+           "PATCHED_BY", "private_reason"]
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 
@@ -36,13 +36,6 @@ GUARDED = (
 GUARDED_BEFORE_PAUSING = (
     ("vllm.v1.engine.core", "EngineCore", "sleep", 1, "sleep mode offloads or discards the weights"),
 )
-
-# Modules of `GUARDED` that vLLM imports on one platform only, and that change the process when
-# imported: module -> the ``current_platform`` check that says vLLM runs them here.
-# vllm/v1/worker/cpu_worker.py imports vllm.v1.worker.cpu.shm first, which replaces torch's
-# CUDA events and streams, ``torch.accelerator.synchronize`` and ``get_memory_info`` (host
-# memory) for the whole process: imported on a GPU, it would break every engine of the process.
-PLATFORM_MODULES = {"vllm.v1.worker.cpu_worker": "is_cpu"}
 
 # What a method's source holds once patches/ is applied to it: (class, method) -> marker.  The
 # guards' marker is the check the patch adds to every guarded method.

@@ -140,6 +140,19 @@ def test_publish_refuses_a_descriptor_that_is_not_a_sealed_memfd(registry_server
             assert found.hits[0].nbytes == NBYTES
 
 
+def test_a_cuda_segment_that_is_a_socket_is_refused_and_the_lease_ends_with_its_client(registry_server):
+    """A CUDA export cannot be inspected, but it is never a socket: kept as a segment, the
+    sender's own connection would never hang up, and its lease, with the start-up lock every
+    engine of the GPU waits for, would outlive it."""
+    raw = RawClient(registry_server.path)
+    raw.hello(device="cuda:GPU-0")
+    assert raw.ask({"op": "lock", "names": ["startup:cuda:GPU-0"]}).get("granted")
+    reply = raw.ask({"op": "publish", "nbytes": 0, "keys": [[KEY, 0, 0]]}, [raw.sock.fileno()])
+    assert reply == {"error": "request 'publish': a socket is no CUDA export descriptor"}
+    raw.close()
+    assert wait_for(lambda: not registry_server.registry.engines and not registry_server.registry.locks, 10)
+
+
 BAD_FIELDS = [
     ({"op": "hello", "pid": -1, "model": "m", "device": "cpu", "group": "g"},
      "request 'hello' field 'pid' must be between 1 and"),

@@ -96,6 +96,21 @@ def test_an_acquire_reply_that_does_not_add_up_is_refused_and_its_descriptors_cl
     assert fd_kinds()["memfd"] == before  # every memfd received is closed
 
 
+@pytest.mark.parametrize("call, reply", [("hello", {"engine": 1}), ("lock", {"granted": True}), ("release", {})])
+def test_descriptors_on_a_reply_that_carries_none_are_closed_and_the_connection_too(answering, call, reply):
+    """A registry that attaches descriptors where none belong (a lock wait asks 20 times a
+    second) would fill the engine's descriptor table, and the engine could open no checkpoint."""
+    before = fd_kinds()["memfd"]
+    client = answering((reply, [memfd(4096) for _ in range(5)]))
+    with pytest.raises(ProtocolError, match="a reply that carries no descriptors came with 5"):
+        {"hello": lambda: client.hello("m", "cpu", "g"), "lock": lambda: client.lock("publish:cpu:g"),
+         "release": lambda: client.release([1])}[call]()
+    with pytest.raises(ProtocolError, match="an earlier request"):  # the connection is closed
+        client.expected_shared_bytes()
+    answering.done()
+    assert fd_kinds()["memfd"] == before
+
+
 def test_stats_of_another_version_are_a_protocol_error_and_new_fields_are_left_out(answering):
     stats = Registry().stats().to_dict()
     newer = {**stats, "groups": [{"device": "cpu", "share_group": "g", "new_figure": 1}], "added": True}

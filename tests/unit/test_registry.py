@@ -366,6 +366,20 @@ def test_an_engine_dropping_many_segments_reindexes_once(reg, monkeypatch):
     assert not any(key.startswith("own") for _, _, key in reg.index)
 
 
+def test_a_freed_segments_keys_go_to_the_oldest_copy_whether_it_holds_few_keys_or_many(reg):
+    """`_reindex` looks a segment's keys up in those left, or those left in the segment's keys,
+    whichever are fewer (one client's 65,536 orphans against 4,000 one-key segments held the
+    serving thread 15.7 s): either way each key goes to the oldest segment holding it."""
+    first, few, many = engine(reg, 1), engine(reg, 2), engine(reg, 3)
+    reg.publish(first, 100, 4096, [(f"k{i}", 0, 8) for i in range(4)])
+    one = reg.publish(few, 101, 4096, [("k1", 0, 8)])  # fewer keys than the 4 orphans
+    lots = reg.publish(many, 102, 4096, [(f"k{i}", 8, 8) for i in range(1, 100)])  # more
+    reg.drop_engine(first)
+    assert reg.index[(GPU0, "default", "k1")] == (one, 0, 8)
+    assert [reg.index[(GPU0, "default", f"k{i}")] for i in (2, 3)] == [(lots, 8, 8)] * 2
+    assert (GPU0, "default", "k0") not in reg.index
+
+
 def test_metrics_zero_a_group_that_went_away_once_then_forget_it(reg):
     """A (device, share group) gone from the stats reads 0 on the next update and is set no more
     after it: a long-lived registry does not keep every group it ever saw."""

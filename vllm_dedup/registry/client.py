@@ -34,6 +34,10 @@ from .state import Hit, RegistryStats
 
 __all__ = ["RegistryClient", "SegmentHits", "registry_answers", "registry_stats", "shutdown_registry"]
 
+# The replies that come with descriptors (one per segment hit, one per recipe: messages.py);
+# any other reply that does is refused, its descriptors closed.
+_REPLIES_WITH_DESCRIPTORS = (m.AcquireReply, m.RecipesReply)
+
 
 @dataclass
 class SegmentHits:
@@ -148,6 +152,9 @@ class RegistryClient:
         try:
             if "error" in reply:
                 raise RegistryUnavailable(f"registry at {self.path}: {reply['error']}")
+            if got and reply_type not in _REPLIES_WITH_DESCRIPTORS:  # each would stay open here
+                self.abandon(f"a reply that carries no descriptors came with {len(got)}")
+                raise self.closed_by_us
             try:
                 return (reply_type.from_wire(reply) if reply_type else reply), got
             except ProtocolError as e:

@@ -14,7 +14,9 @@ Hostile and broken clients (tests/integration/test_hostile_clients.py, test_prot
   read-only of at least ``nbytes`` (`segments.host.check_sealed_memfd`).  A segment of a
   ``cuda:*`` device is a CUDA export descriptor the registry cannot inspect; there the share
   group is the isolation (an engine only ever maps what engines of its own group published)
-  and the importer maps it read-only;
+  and the importer maps it read-only.  A socket is refused there: kept as a segment, the
+  sender's own connection (or a socket keeping it open) would never hang up, and the lease,
+  its locks and holds would outlive the engine;
 - descriptors of a rejected message are all closed; an error never echoes more than a few dozen
   characters of what the peer sent;
 - connections are limited (``max_connections``): a newcomer over the limit is told so and
@@ -40,6 +42,7 @@ import resource
 import select
 import selectors
 import socket
+import stat
 import threading
 import time
 from collections import deque
@@ -421,6 +424,8 @@ class RegistryServer:
                 check_sealed_memfd(fds[0], req.nbytes)
             except SegmentError as e:
                 raise ProtocolError(f"request 'publish': {e}") from None
+        elif stat.S_ISSOCK(os.fstat(fds[0]).st_mode):
+            raise ProtocolError("request 'publish': a socket is no CUDA export descriptor")
         return m.PublishReply(self.registry.publish(engine, fds[0], req.nbytes, req.keys, req.uid)), []
 
     def _release(self, conn, engine, req: m.Release, fds):

@@ -466,10 +466,13 @@ class Registry:
 
         Two engines that missed a key at the same moment may each publish it; the index names
         the first segment, and when that one goes the second still holds the bytes.  One pass
-        over the pair's segments, oldest first, so the index keeps naming the oldest copy."""
+        over the pair's segments, oldest first, so the index keeps naming the oldest copy; each
+        segment costs the smaller of its keys and those left (many orphans against many small
+        segments cost their product: 15.7 s for 65,536 against 4,000, a client's publishes)."""
         for other in sorted((s for s in self.segments.values() if (s.device, s.group) == (device, group)),
                             key=lambda s: s.id):
-            for key in [key for key in keys if key in other.where]:
+            small, large = (keys, other.where) if len(keys) <= len(other.where) else (other.where, keys)
+            for key in [key for key in small if key in large]:
                 self.index[(device, group, key)] = (other.id, *other.where[key])
                 keys.discard(key)
             if not keys:

@@ -413,6 +413,38 @@ def test_an_acquire_reply_the_engine_cannot_read_holds_nothing_for_it(registry_s
         owner.close()
 
 
+def test_an_acquire_whose_reply_cannot_be_sent_hangs_up_and_holds_nothing(registry_server, monkeypatch):
+    """An acquire records its holds, then its reply (over 64 KiB of JSON) needs a memfd the
+    registry cannot make (out of descriptors or memory: a model, failing on the registry's
+    thread only).  An error reply would leave holds the engine was never told of, resident
+    for its lifetime; the registry hangs up instead, which drops them with the lease."""
+    import errno
+
+    key = "k" * 4000
+    owner = RegistryClient(registry_server.path)
+    owner.hello("m", "cpu", "default")
+    fd = memfd(8192)
+    owner.publish(fd, 8192, [(key, 0, 8192)])
+    os.close(fd)
+    reader = RegistryClient(registry_server.path)
+    reader.hello("m", "cpu", "default")
+    real = wire.sealed_memfd
+
+    def no_memfd(*args, **kwargs):
+        if threading.current_thread().name == "vllm-dedup-registry":
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wire, "sealed_memfd", no_memfd)
+    with pytest.raises(RegistryUnavailable, match="closed the connection|went away"):
+        reader.acquire([key] * 20)  # 20 hits of a 4000-character key: an 80 KB reply
+    assert wait_for(lambda: len(engine_ids(registry_server)) == 1, 10)
+    with registry_server._mutex:
+        assert [s.holders for s in registry_server.registry.segments.values()] == [set(engine_ids(registry_server))]
+    reader.close()
+    owner.close()
+
+
 @pytest.mark.parametrize("call", ["acquire", "publish"])
 def test_a_lease_out_of_descriptors_after_the_registry_recorded_a_hold_leaves_none(published, monkeypatch, call):
     """The registry records the hold before the lease keeps its own descriptor of the segment

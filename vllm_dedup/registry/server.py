@@ -352,6 +352,10 @@ class RegistryServer:
         try:
             data, carrier = wire.frame(reply, wire.MAX_REPLY)
         except (ProtocolError, OSError) as e:  # too big even for a memfd, or no memfd to be had
+            if fds:  # an acquire's: the holds it recorded must go with a hang-up, not an error
+                logger.warning("registry: dropping a client whose reply cannot be sent (%s)", e)
+                self._disconnect(conn)
+                return
             data, carrier, fds = wire.frame({"error": f"the reply cannot be sent: {e}"})[0], None, []
         out = [*fds, carrier] if carrier is not None else list(fds)
         try:

@@ -21,6 +21,7 @@ from rawclient import fd_kinds, memfd
 from vllm_dedup.errors import ProtocolError
 from vllm_dedup.registry import wire
 from vllm_dedup.registry.client import RegistryClient
+from vllm_dedup.registry.messages import MAX_RECIPE_BYTES
 from vllm_dedup.registry.state import Registry
 
 
@@ -121,6 +122,15 @@ def test_stats_of_another_version_are_a_protocol_error_and_new_fields_are_left_o
         client.stats()
     with pytest.raises(ProtocolError, match="answered stats this version cannot read"):
         client.stats()
+
+
+@pytest.mark.parametrize("size", [MAX_RECIPE_BYTES + 1, -5])
+def test_a_recipe_size_no_recipe_can_have_is_refused(answering, size):
+    """A recipe is read whole into the engine's memory: a size past `MAX_RECIPE_BYTES` (a sparse
+    memfd of a TiB) would raise MemoryError out of the fast path's decision."""
+    client = answering(({"sizes": [size]}, [memfd(4096)]))
+    with pytest.raises(ProtocolError, match="must be between 0 and"):
+        client.get_recipes("sig")
 
 
 def test_a_negative_expected_share_is_refused(answering):

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from vllm_dedup.engine.provenance import Provenance, ProtectedWrite
+from vllm_dedup.engine.provenance import Provenance, ProtectedWrite, WriteGuard
 
 
 def test_views_copies_and_concatenations_carry_the_names_of_what_they_came_from():
@@ -93,3 +93,24 @@ def test_a_write_into_a_protected_tensor_is_refused_before_it_is_made():
     assert torch.equal(mapped, torch.zeros(4))
     with mode:
         fresh.add_(mapped)  # reading it is fine
+
+
+def test_a_write_guard_refuses_writes_into_a_mapped_tensor_and_lets_rebinding_through():
+    """What a replay's post-processing runs under: a write into a tensor mapped read-only would
+    fault (SIGSEGV), so it is refused before it is made; ``.data =`` writes no byte."""
+    import struct
+
+    from vllm_dedup.segments.host import HostSegment
+
+    seg = HostSegment.from_bytes(struct.pack("<f", 1.0))  # a published 4-byte attention scale
+    scale = seg.tensor(0, torch.float32, (), ())
+    other = torch.zeros(4)
+    with WriteGuard([(scale, "attn._k_scale, mapped read-only from a segment")]):
+        for write in (lambda: scale.fill_(1.0), lambda: scale.copy_(torch.tensor(2.0)),
+                      lambda: torch.add(other[0], 1, out=scale), lambda: scale.view(1).__setitem__(0, 3.0)):
+            with pytest.raises(ProtectedWrite, match="would write into attn._k_scale, mapped read-only"):
+                write()
+        other.fill_(5.0)  # any other tensor is written as usual
+        param = torch.nn.Parameter(scale, requires_grad=False)
+        param.data = torch.ones(())  # rebound: the segment's byte is not touched
+    assert scale.item() == 1.0 and torch.equal(other, torch.full((4,), 5.0)) and param.item() == 1.0

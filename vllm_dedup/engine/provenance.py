@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..log import init_logger
 
-__all__ = ["Provenance", "ProtectedWrite"]
+__all__ = ["Provenance", "ProtectedWrite", "WriteGuard"]
 
 logger = init_logger(__name__)
 
@@ -71,6 +71,32 @@ Names = frozenset[str] | None  # None: unknown (Note [unknown is not empty])
 class ProtectedWrite(RuntimeError):
     """A call would write into a tensor `Provenance.protect` named (a module mapped read-only from a
     segment); it was not made."""
+
+
+class WriteGuard(TorchFunctionMode):
+    """Refuse (`ProtectedWrite`) every torch call that would write into the bytes of one of
+    ``protect``'s tensors (tensor, what it is); nothing else is traced.  Rebinding a tensor
+    (``.data =``, ``set_``) writes no byte and goes through.
+
+    `replay.py` runs vLLM's post-processing under it: a tensor mapped read-only there faults
+    at a write (SIGSEGV; on CUDA an illegal address that poisons the context), which no
+    fallback can catch, and vLLM's attention layers write their scales in post-processing
+    whatever the pre-processed mode (``set_default_quant_scales``: ``_k_scale.fill_(1.0)``).
+    """
+
+    def __init__(self, protect: Iterable[tuple[torch.Tensor, str]]):
+        super().__init__()
+        self._protected: dict[int, tuple[weakref.ref, str]] = {}
+        for t, what in protect:
+            _protect(self._protected, t, what)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        if self._protected and name != "data.__set__" and name.split(".")[0] != "set_":
+            for t in _written(func, name, args, kwargs):
+                _refuse_protected(self._protected, t, name)
+        return func(*args, **kwargs)
 
 
 class Provenance(TorchFunctionMode):
@@ -126,9 +152,7 @@ class Provenance(TorchFunctionMode):
     def protect(self, t: torch.Tensor, what: str) -> None:
         """Refuse (`ProtectedWrite`) any call that would write into ``t``'s storage."""
         with self.quiet():
-            storage = _storage(t)
-            if storage is not None:
-                self._protected[id(storage)] = (weakref.ref(storage), what)
+            _protect(self._protected, t, what)
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -149,8 +173,10 @@ class Provenance(TorchFunctionMode):
         name = _name(func)
         inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         written = _written(func, name, args, kwargs)
-        for t in written:
-            self._refuse_protected(t, name)
+        if self._protected:
+            with self.quiet():
+                for t in written:
+                    _refuse_protected(self._protected, t, name)
         called = time.perf_counter()
         result = func(*args, **kwargs)
         returned = time.perf_counter()
@@ -222,12 +248,20 @@ class Provenance(TorchFunctionMode):
             out |= names
         return frozenset(out)
 
-    def _refuse_protected(self, t: torch.Tensor, name: str) -> None:
-        with self.quiet():
-            storage = _storage(t)
-            entry = self._protected.get(id(storage)) if storage is not None else None
-            if entry is not None and entry[0]() is storage:
-                raise ProtectedWrite(f"{name} would write into {entry[1]}")
+
+
+def _protect(protected: dict[int, tuple[weakref.ref, str]], t: torch.Tensor, what: str) -> None:
+    storage = _storage(t)
+    if storage is not None:
+        protected[id(storage)] = (weakref.ref(storage), what)
+
+
+def _refuse_protected(protected: dict[int, tuple[weakref.ref, str]], t: torch.Tensor, name: str) -> None:
+    """Raise `ProtectedWrite` where ``t``'s storage is one of ``protected``'s (``name``: the call)."""
+    storage = _storage(t)
+    entry = protected.get(id(storage)) if storage is not None else None
+    if entry is not None and entry[0]() is storage:
+        raise ProtectedWrite(f"{name} would write into {entry[1]}")
 
 
 def _storage(t: torch.Tensor):

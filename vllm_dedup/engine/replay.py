@@ -58,6 +58,7 @@ from .heap import reused_heap, trim
 from .meta_model import check_no_meta, forget_layers, like_meta, registered_layers, retie, rope_cache
 from .packed import ZeroPages, install_replayed, keeps_weight
 from .post_processing import post_processing_hooks
+from .provenance import WriteGuard
 from .recipe import Match, RecipeDeclined, TensorRecipe
 from .recipe_builder import PLAIN_TYPES
 from .resident import map_resident
@@ -97,6 +98,9 @@ class Replay:
         self.held: list[int] = []
         # (weak reference to a bound tensor, its id, its data_ptr, its bytes): `_forget_replaced`
         self._mapped: list[tuple[weakref.ref, int, int, int]] = []
+        # (weak reference to a tensor bound read-only: mapped, or a placeholder over zero pages,
+        # what it is): post-processing must not write into them (`WriteGuard`)
+        self._read_only: list[tuple[weakref.ref, str]] = []
 
     @property
     def bytes_read(self) -> int:
@@ -145,7 +149,9 @@ class Replay:
                     if self.in_place is not None:
                         self.in_place.place(model, [modules[name] for name in self.match.unmatched])
                     self._load_unmatched(model, modules)
-                self._post_process(model, {m: modules[m] for m in self.match.matched}, resident)
+                with WriteGuard([(t, what) for ref, what in self._read_only if (t := ref()) is not None]):
+                    self._post_process(model, {m: modules[m] for m in self.match.matched}, resident)
+                self._read_only.clear()
                 resident.clear()  # the last references of this build to the mapped tensors
                 replaced.clear()
                 self._forget_replaced()
@@ -160,6 +166,7 @@ class Replay:
             # Nothing of this build may outlive it: the loader keeps this object during the
             # usual load that follows, and these hold tensors over the released segments.
             self._mapped.clear()
+            self._read_only.clear()
             self.placement.clear()
             if self.in_place is not None:
                 self.in_place.discard()
@@ -259,6 +266,7 @@ class Replay:
             if t.key is not None:
                 self.placement[id(new)] = Placement(t.key, uid)
                 self._mapped.append((weakref.ref(new), id(new), new.data_ptr(), t.nbytes))
+                self._read_only.append((weakref.ref(new), f"{name}.{t.name}, mapped read-only from a segment"))
 
     def _placeholder(self, module: nn.Module, name: str, replaced: dict) -> None:
         """A linear layer whose packed weight the recipe names: its ``weight`` (packed and
@@ -273,6 +281,8 @@ class Replay:
             raise RecipeDeclined(f"module {name}: no 2-D {recipe.packed.name} to pack (found {meta!r})")
         placeholder = self._zeros.tensor(meta.dtype, meta.shape)
         module._parameters[recipe.packed.name] = like_meta(meta, placeholder)
+        self._read_only.append((weakref.ref(module._parameters[recipe.packed.name]),
+                                f"{name}.{recipe.packed.name}, a placeholder over zero pages"))
         replaced[id(meta)] = (meta, module._parameters[recipe.packed.name])
 
     def _install_packed(self, name: str, module: nn.Module, resident: dict) -> None:

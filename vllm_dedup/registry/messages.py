@@ -382,9 +382,10 @@ class ExpectReply(Message):
 
 @dataclass(frozen=True)
 class RecipesReply(Message):
-    """The recipes' sizes in bytes, in the order of the attached memfds."""
+    """The recipes' sizes in bytes, in the order of the attached memfds: each at most what a
+    recipe may be (a registry's larger one would be read whole into the engine's memory)."""
 
-    sizes: list[int] = field(default_factory=list)
+    sizes: list[typing.Annotated[int, Range(0, MAX_RECIPE_BYTES)]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -309,3 +309,54 @@ def test_the_engine_core_asks_its_workers_before_it_pauses_for_sleep(workers, le
         executor.collective_rpc.assert_called_once_with(worker_hooks.shared_weight_bytes)
     else:
         executor.collective_rpc.assert_not_called()
+
+
+def test_a_declined_replays_model_is_collected_before_the_usual_load(monkeypatch):
+    """A model a replay gave up lives in reference cycles (a parameter's ``weight_loader`` is a
+    bound method of its layer): without a collection it stayed, mapped and loaded tensors and
+    all, while the usual load made the model again (vLLM collects only after ``load_weights``)."""
+    import gc
+    import types
+    import weakref
+
+    import torch
+
+    import vllm_dedup.engine.loader as loader_module
+    from vllm_dedup.engine.recipe import RecipeDeclined
+    from vllm_dedup.errors import CheckpointError
+
+    given_up = []
+
+    class Replay:
+        def __init__(self, *args):
+            pass
+
+        def build(self):
+            layer = torch.nn.Linear(64, 64)
+            layer.weight.weight_loader = layer.forward  # the cycle vLLM's layers make
+            given_up.append(weakref.ref(layer))
+            raise RecipeDeclined("a write into a mapped tensor")
+
+    seen = {}
+
+    def load_as_usual(*args):
+        seen["alive"] = given_up[0]() is not None
+        return "usual"
+
+    def no_recorded_load(files):
+        raise CheckpointError("f", "not recorded here")
+
+    monkeypatch.setattr(loader_module, "fast_path_files", lambda ctx, inner: (["f"], ""))
+    monkeypatch.setattr(loader_module, "decide", lambda ctx, files: types.SimpleNamespace(
+        bytes_hashed=0, why="", match=object(), where={}, identities={}))
+    monkeypatch.setattr(loader_module, "Replay", Replay)
+    monkeypatch.setattr(loader_module, "RecordedLoad", no_recorded_load)
+    loader = DedupModelLoader(LoadConfig(load_format="dedup"))
+    monkeypatch.setattr(loader, "_load_as_usual", load_as_usual)
+    ctx = types.SimpleNamespace(lease=None, model_name="m", vllm_config=None, model_config=None, prefix="")
+    gc.disable()
+    try:
+        model = loader._load(ctx, types.SimpleNamespace(checkpoint_bytes_read=0))[0]
+    finally:
+        gc.enable()
+    assert model == "usual" and seen == {"alive": False}

@@ -47,6 +47,7 @@ compiled artifact of a plain engine is never loaded into such a model, nor the o
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections import Counter
 
@@ -324,6 +325,11 @@ class DedupModelLoader(BaseModelLoader):
                     report.load_path = "modules" if decision.match.unmatched else "full"
                     ctx.lease.keep_recipe(decision.recipe_bytes)  # given again to a registry that comes back
                     return model, replay.placement, replay, None, decision
+                # The model given up lives in reference cycles (each parameter's weight_loader
+                # is a bound method of its layer): collected now, not after the usual load has
+                # made the model again beside it (vLLM collects only after load_weights).
+                del replay
+                gc.collect()
         logger.info("%s: loading from the checkpoint: %s", ctx.model_name, why)
         recorded = None
         if files:

@@ -215,6 +215,8 @@ def test_a_recipe_whose_final_sizes_are_not_byte_counts_is_refused(published, si
         assert reader.expected_shared_bytes() == 0
         writer.put_recipe(f'{{"signature": "m", "id": "r2", "final": {{"{key}": {NBYTES}}}}}'.encode())
         assert reader.expected_shared_bytes() == NBYTES
+        with pytest.raises(RegistryUnavailable, match="signature and id are at most 4096 characters"):
+            writer.put_recipe(f'{{"signature": "{"m" * 5000}", "id": "r3", "final": {{}}}}'.encode())
     finally:
         writer.close()
         reader.close()

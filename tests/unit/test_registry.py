@@ -133,6 +133,34 @@ def test_recipes_of_many_signatures_keep_at_most_the_limit_the_oldest_going_firs
     assert all(reg.recipes.values())  # no slot left empty
 
 
+def test_recipes_are_kept_within_a_byte_budget_and_only_the_newest_keeps_its_final_keys(reg, monkeypatch):
+    """A recipe may be 64 MiB, and its parsed final keys several times that on the heap: the
+    bytes kept in all are bounded (the oldest going first), and an older recipe of a signature
+    drops its final keys (`expected_shared_bytes` reads the newest's only)."""
+    import vllm_dedup.registry.state as state
+
+    monkeypatch.setattr(state, "MAX_KEPT_RECIPE_BYTES", 100)
+    e = engine(reg, 1)
+    for i in range(4):
+        reg.put_recipe(e, 600 + i, 40, "sig", f"r{i}", {f"k{i}": 8})
+    assert reg.closed == [600, 601]  # 4 x 40 bytes: two went, the oldest first
+    assert [(r.fd, r.final) for r in reg.recipes_for(e, "sig")] == [(603, {"k3": 8}), (602, {})]
+
+
+def test_an_engine_publishes_at_most_the_key_budget_and_nothing_past_it_is_recorded(reg, monkeypatch):
+    """One connection publishing without end (the same sealed memfd, new keys each time) grew
+    the registry by about 23 MB per 0.9 MB request until it was killed."""
+    import vllm_dedup.registry.state as state
+
+    monkeypatch.setattr(state, "MAX_KEYS_PER_ENGINE", 10)
+    e = engine(reg, 1)
+    reg.publish(e, 700, 4096, [(f"a{i}", 0, 8) for i in range(6)])
+    with pytest.raises(ValueError, match="at most 10 content keys; this one has published 6"):
+        reg.publish(e, 701, 4096, [(f"b{i}", 0, 8) for i in range(5)])
+    assert len(reg.segments) == 1 and (GPU0, "default", "b0") not in reg.index and 701 not in reg.closed
+    reg.publish(e, 702, 4096, [(f"c{i}", 0, 8) for i in range(4)])  # within it
+
+
 def test_an_engine_holds_at_most_the_lock_limit(reg):
     from vllm_dedup.registry.state import MAX_LOCKS_PER_ENGINE
 

@@ -491,7 +491,10 @@ def _recipe_summary(fd: int, nbytes: int) -> tuple[str, str, dict[str, int]]:
         final = {str(k): v for k, v in recipe["final"].items()}
         if not all(type(v) is int and 0 <= v <= m.MAX_BYTES for v in final.values()):  # summed for `expect`
             raise ValueError("a recipe's final sizes must be whole numbers of bytes, 0 to 2**63 - 1")
-        return str(recipe["signature"]), str(recipe["id"]), final
+        signature, recipe_id = str(recipe["signature"]), str(recipe["id"])
+        if max(len(signature), len(recipe_id)) > m.MAX_STRING:  # no get_recipes could name it
+            raise ValueError(f"a recipe's signature and id are at most {m.MAX_STRING} characters")
+        return signature, recipe_id, final
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"not a recipe ({type(e).__name__}: {e})") from None
 

@@ -48,6 +48,14 @@ MAX_RECIPES = 8  # per (share group, load signature): a base model and a few fin
 # nowhere an engine could clean up, so peers drawing new signatures could otherwise exhaust
 # the registry's descriptors.  Beyond it the oldest recipe goes (its engines load as usual).
 MAX_KEPT_RECIPES = 512
+# Bytes of recipes in all (their memfds; the parsed final keys of the newest of each signature
+# take several times that on the heap): beyond it the oldest goes, as beyond `MAX_KEPT_RECIPES`.
+# A 1.2B Llama's recipe is about 0.1 MB; 512 of the largest a recipe may be would be 32 GiB.
+MAX_KEPT_RECIPE_BYTES = 256 << 20
+# Content keys one engine may publish: one per tensor on the CPU (a segment each), and a key
+# costs the registry about 400 bytes (segment, index and engine entries).  Nothing else bounds
+# what one connection makes the registry keep.
+MAX_KEYS_PER_ENGINE = 1 << 20
 # Locks one engine may hold: a start-up lock per device and the publish lock are what engines
 # take; each is kept while its connection lives and listed by every `stats` reply.
 MAX_LOCKS_PER_ENGINE = 64
@@ -104,6 +112,7 @@ class EngineEntry:
     group: str
     signature: str = ""  # what determines its tensors' bytes (model, dtype, TP rank, ...)
     segments: set[int] = field(default_factory=set)
+    published_keys: int = 0  # keys its publishes named (`MAX_KEYS_PER_ENGINE`)
     load: dict = field(default_factory=dict)  # its `engine.context.LoadReport`, as reported
 
 
@@ -118,7 +127,8 @@ class LockEntry:
 @dataclass
 class RecipeEntry:
     """A recipe: ``fd`` (the registry's own descriptor of the sealed memfd holding it), its
-    size in bytes, and the final content keys it names (key -> bytes)."""
+    size in bytes, and the final content keys it names (key -> bytes; the newest recipe of a
+    signature only: `expected_shared_bytes` reads no other)."""
 
     id: str
     fd: int
@@ -295,8 +305,17 @@ class Registry:
         after a registry restart, each with the keys it knows) is not stored twice: ``fd`` is
         closed, the keys that lie within it are added to it (one past its end, from a peer
         that says another size, could only fail every acquire of that key), up to
-        `MAX_SEGMENT_KEYS` in all, and the engine holds it."""
+        `MAX_SEGMENT_KEYS` in all, and the engine holds it.
+
+        Raises:
+            ValueError: the engine's publishes would name more than `MAX_KEYS_PER_ENGINE` keys
+                (nothing is recorded; ``fd`` stays the caller's).
+        """
         engine = self.engines[engine_id]
+        if engine.published_keys + len(keys) > MAX_KEYS_PER_ENGINE:
+            raise ValueError(f"an engine may publish at most {MAX_KEYS_PER_ENGINE} content keys; this one has "
+                             f"published {engine.published_keys}")
+        engine.published_keys += len(keys)
         seg = self.segments.get(self._uids.get((engine.device, engine.group, uid), -1)) if uid else None
         if seg is not None:
             self._close(fd)
@@ -338,10 +357,13 @@ class Registry:
         for old in [r for r in kept if r.id == recipe_id]:
             kept.remove(old)
             self._close(old.fd)
+        for older in kept:
+            older.final = {}
         kept.append(RecipeEntry(recipe_id, fd, nbytes, dict(final), next(self._ids)))
         while len(kept) > MAX_RECIPES:
             self._close(kept.pop(0).fd)
-        while sum(map(len, self.recipes.values())) > MAX_KEPT_RECIPES:
+        while (sum(map(len, self.recipes.values())) > MAX_KEPT_RECIPES
+               or sum(r.nbytes for each in self.recipes.values() for r in each) > MAX_KEPT_RECIPE_BYTES):
             slot = min(self.recipes, key=lambda s: self.recipes[s][0].order)
             self._close(self.recipes[slot].pop(0).fd)
             if not self.recipes[slot]:

@@ -72,6 +72,33 @@ def test_no_match_when_names_differ_or_a_changed_tensor_went_nowhere_recorded():
     assert choose([], recipe.sources) == (None, "no recipe for this load signature yet")
 
 
+def test_a_changed_tensor_of_a_module_the_recipe_left_out_rules_it_out():
+    """A module post-processing left without a tensor is in no entry of the recipe: its sources
+    are unattributed (the builder), and a recipe naming a source in neither place (a peer's, an
+    older build's) is ruled out by a change to it too (`match`)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from vllm_dedup.engine.context import Placement
+    from vllm_dedup.engine.recipe_builder import build_recipe
+
+    model = nn.Module()
+    model.x, model.y = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    model.y.register_parameter("weight", None)  # post-processing dropped y's only tensor
+    recording = SimpleNamespace(module_sources={"x": {"x.weight"}, "y": {"y.weight"}}, untraced={}, eager={})
+    built = Recipe.from_bytes(build_recipe(model, "sig", {"x.weight": "K1", "y.weight": "K2"}, recording,
+                                           {id(model.x.weight): Placement(key_of("X", "float32", (4, 4)), "u")},
+                                           0, {}).checked_bytes())
+    assert sorted(built.modules) == ["x"] and built.unattributed == ["y.weight"]
+    match, why = choose([built], {"x.weight": "K1", "y.weight": "K2-tuned"})
+    assert match is None and "went into no recorded module" in why
+    built.unattributed = []  # as a recipe that does not say so
+    match, why = choose([built], {"x.weight": "K1", "y.weight": "K2-tuned"})
+    assert match is None and "in none of the recipe's modules" in why
+    assert choose([built], {"x.weight": "K1", "y.weight": "K2"})[0].matched == {"x"}
+
+
 def test_unreplayable_modules_and_recipes_are_loaded():
     recipe = base_recipe()
     recipe.modules["layers.0.qkv"].replayable = False

@@ -398,6 +398,8 @@ def match(recipe: Recipe, checkpoint: dict[str, str]) -> Match:
     changed = {n for n, k in checkpoint.items() if recipe.sources[n] != k}
     if changed & set(recipe.unattributed):
         raise RecipeDeclined("a changed checkpoint tensor went into no recorded module")
+    if changed - set(recipe.unattributed).union(*(m.sources for m in recipe.modules.values())):
+        raise RecipeDeclined("a changed checkpoint tensor is in none of the recipe's modules")
     found = Match(recipe, set(), {})
     for name, module in recipe.modules.items():
         # Checked before the recipes are ranked by the bytes they map (`choose`): a layout its

@@ -217,7 +217,9 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         recipe.eager = recording.eager.get(module_name, "")
         modules[module_name] = recipe
     _tie_to_what_was_compared(modules, inherited)
-    attributed = set().union(*recording.module_sources.values(), *(m.sources for m in inherited.values()))
+    # Only what the recipe's modules name: a module left without a tensor (post-processing
+    # dropped them all) is in no entry, and a change to its sources must rule the recipe out.
+    attributed = set().union(*(m.sources for m in modules.values()))
     after = model_attrs(model)
     attrs = {k: v for k, v in after.items() if attrs_before.get(k, object()) != v}
     whole_why = ("the model has its own process_weights_after_loading (it may combine modules)"

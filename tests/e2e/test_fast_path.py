@@ -281,20 +281,20 @@ def test_a_quantized_model_is_shared_and_answers_as_plain(smollm2, registry):
             e.stop()
 
 
-def test_a_replay_whose_post_processing_writes_a_mapped_tensor_declines_and_the_engine_serves(
-        smollm2, registry, plain_smollm2, same_tensors):
-    """With ``min_tensor_bytes=4`` the attention layers' 4-byte scales are published, and a
-    replay maps them read-only; vLLM's attention post-processing writes them whatever the
-    pre-processed mode (``_k_scale.fill_(1.0)``).  That write is refused, not made (it would
-    fault: SIGSEGV, no fallback): the replay declines and the usual load serves."""
+def test_tensors_post_processing_writes_are_never_mapped_by_a_replay(smollm2, registry, plain_smollm2, same_tensors):
+    """With ``min_tensor_bytes=4`` the attention layers' 4-byte scales are published, and vLLM's
+    attention post-processing writes them whatever the pre-processed mode
+    (``_k_scale.fill_(1.0)``).  A replay that mapped them read-only died of SIGSEGV; the recipe
+    keeps them inline (as small as its inline limit), and a write into a mapped tensor would
+    be refused and the replay declined (`provenance.WriteGuard`, test_provenance.py)."""
     extra = {"min_tensor_bytes": 4, "share_group": "tiny-tensors"}
     first = EngineProcess(smollm2, extra=extra, core=0).wait_ready()
     try:
         with EngineProcess(smollm2, extra=extra, core=1) as second:
             second.wait_ready()
             load = registry.engine_loads()[second.pid]
-            assert load["load_path"] == "none" and load["shared_tensors"] > 0, load
-            assert "would write into" in second.log() and "mapped read-only from a segment" in second.log()
+            assert (load["load_path"], load["checkpoint_bytes_read"]) == ("full", 0), load
+            assert "would write into" not in second.log()
             same_tensors(second, smollm2)
             assert second.generate() == plain_smollm2
     finally:

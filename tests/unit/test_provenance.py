@@ -113,4 +113,28 @@ def test_a_write_guard_refuses_writes_into_a_mapped_tensor_and_lets_rebinding_th
         other.fill_(5.0)  # any other tensor is written as usual
         param = torch.nn.Parameter(scale, requires_grad=False)
         param.data = torch.ones(())  # rebound: the segment's byte is not touched
+        # Metadata only: no byte written, nothing refused.
+        scale.requires_grad_(False)
+        scale.detach().as_strided_((), ())
+        scale.view(1, 1).t_()
+        scale.share_memory_()
     assert scale.item() == 1.0 and torch.equal(other, torch.full((4,), 5.0)) and param.item() == 1.0
+
+
+def test_a_write_guard_trusts_only_atens_schemas_to_say_what_an_op_writes():
+    """vLLM's ``_C::convert_weight_packed(Tensor($0! -> ) weight)`` only reads its weight (its
+    CPU embeddings call it on a mapped weight of 1 MiB or less on AMX): refusing it would
+    decline every such replay.  ATen's in-place ops are refused by their schemas."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+    weight = torch.zeros(32, 32, dtype=torch.bfloat16)
+    with WriteGuard([(weight, "embed.weight, mapped read-only from a segment")]):
+        try:
+            torch.ops._C.convert_weight_packed(weight)
+        except ProtectedWrite:
+            raise
+        except Exception:  # the kernel may need AMX: whether it runs is not the point
+            pass
+        with pytest.raises(ProtectedWrite, match="add_"):
+            torch.ops.aten.add_(weight, 1)
+    assert not weight.any()

@@ -99,6 +99,31 @@ def test_a_changed_tensor_of_a_module_the_recipe_left_out_rules_it_out():
     assert choose([built], {"x.weight": "K1", "y.weight": "K2"})[0].matched == {"x"}
 
 
+def test_a_tensor_in_a_segment_as_small_as_the_inline_limit_is_kept_inline():
+    """Post-processing may write a small tensor whatever the pre-processed mode (attention's
+    ``_k_scale.fill_(1.0)``): mapped read-only, the replay would refuse that write and decline
+    every time.  One no larger than the recipe's inline limit is kept inline; larger ones map."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from vllm_dedup.engine.context import Placement
+    from vllm_dedup.engine.recipe_builder import build_recipe
+
+    attn = nn.Module()
+    attn.register_buffer("_k_scale", torch.tensor(1.0))
+    attn.register_buffer("table", torch.ones(4))
+    model = nn.Module()
+    model.attn = attn
+    placement = {id(attn._k_scale): Placement(key_of("K", "float32", ()), "u"),
+                 id(attn.table): Placement(key_of("T", "float32", (4,)), "u")}
+    recording = SimpleNamespace(module_sources={}, untraced={}, eager={})
+    built = build_recipe(model, "sig", {}, recording, placement, 4, {})
+    scale, table = built.modules["attn"].tensors
+    assert (scale.name, scale.key, scale.inline) == ("_k_scale", None, torch.tensor(1.0).numpy().tobytes())
+    assert (table.name, table.key, table.inline) == ("table", placement[id(attn.table)].key, None)
+
+
 def test_unreplayable_modules_and_recipes_are_loaded():
     recipe = base_recipe()
     recipe.modules["layers.0.qkv"].replayable = False

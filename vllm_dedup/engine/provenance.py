@@ -65,6 +65,13 @@ _INPLACE_DUNDERS = frozenset({
     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "data.__set__",
 })
 
+# Tensor methods named like in-place ops that write no byte of the tensor's storage: they
+# change its metadata (or rebind it, ``set_``); ``resize_`` past a mapping's end raises.
+_METADATA_ONLY = frozenset({
+    "requires_grad_", "as_strided_", "t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "unsqueeze_",
+    "detach_", "share_memory_", "set_", "resize_", "rename_", "retain_grad",
+})
+
 Names = frozenset[str] | None  # None: unknown (Note [unknown is not empty])
 
 
@@ -76,7 +83,11 @@ class ProtectedWrite(RuntimeError):
 class WriteGuard(TorchFunctionMode):
     """Refuse (`ProtectedWrite`) every torch call that would write into the bytes of one of
     ``protect``'s tensors (tensor, what it is); nothing else is traced.  Rebinding a tensor
-    (``.data =``, ``set_``) writes no byte and goes through.
+    (``.data =``, ``set_``) or changing only its metadata (``requires_grad_``, ``as_strided_``,
+    ``t_``, ...: `_METADATA_ONLY`) writes no byte and goes through, and so does an op outside
+    ATen whose schema marks an argument it only reads as mutated (vLLM's
+    ``_C::convert_weight_packed(Tensor($0! -> ) weight)``, which its CPU embeddings call on a
+    weight of 1 MiB or less on AMX): the guard refuses what would fault, not what might.
 
     `replay.py` runs vLLM's post-processing under it: a tensor mapped read-only there faults
     at a write (SIGSEGV; on CUDA an illegal address that poisons the context), which no
@@ -93,8 +104,8 @@ class WriteGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
-        if self._protected and name != "data.__set__" and name.split(".")[0] != "set_":
-            for t in _written(func, name, args, kwargs):
+        if self._protected and name != "data.__set__" and name.split(".")[0] not in _METADATA_ONLY:
+            for t in _written(func, name, args, kwargs, aten_schemas_only=True):
                 _refuse_protected(self._protected, t, name)
         return func(*args, **kwargs)
 
@@ -283,15 +294,18 @@ def _name(func) -> str:
     return name
 
 
-def _written(func, name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors a call writes into: by its schema (an op overload), an in-place method
-    (``copy_``), an in-place operator (``__setitem__``, ``__iadd__``), ``.data =``, ``out=``."""
+def _written(func, name: str, args: tuple, kwargs: dict, aten_schemas_only: bool = False) -> list[torch.Tensor]:
+    """The tensors a call writes into: by its schema (an op overload; with
+    ``aten_schemas_only``, ATen's only, as other libraries' schemas may mark what they only
+    read), an in-place method (``copy_``), an in-place operator (``__setitem__``,
+    ``__iadd__``), ``.data =``, ``out=``."""
     written = []
-    schemas = []
+    overloads = []
     if isinstance(func, torch._ops.OpOverload):
-        schemas = [func._schema]
+        overloads = [func]
     elif isinstance(func, torch._ops.OpOverloadPacket):
-        schemas = [getattr(func, o)._schema for o in func.overloads()]
+        overloads = [getattr(func, o) for o in func.overloads()]
+    schemas = [o._schema for o in overloads if not aten_schemas_only or o.namespace == "aten"]
     for schema in schemas:
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:

@@ -153,7 +153,8 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
         recording: the `sources.SourceRecorder` of the load (its ``module_sources`` and
             ``untraced``).
         placement: ``id`` of a tensor bound in the model -> its `context.Placement`.
-        inline_max: tensors of at most this many bytes (and private) are stored inline.
+        inline_max: tensors of at most this many bytes (private, or in a segment: post-processing
+            may write them) are stored inline.
         attrs_before: `model_attrs` before ``load_weights`` (what loading set is the difference).
         inherited: modules mapped from an earlier recipe, taken over as they are.
     """
@@ -200,6 +201,12 @@ def build_recipe(model, signature: str, sources: dict[str, str], recording, plac
             entry = TensorRecipe(n, is_param, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()))
             if owner[id(t)] != qualified:
                 entry.alias = owner[id(t)]
+            elif id(t) in placement and t.is_contiguous() and t.numel() * t.element_size() <= inline_max:
+                # Kept inline, not mapped, though in a segment: post-processing may write it
+                # whatever the pre-processed mode (attention's 4-byte scales, ``fill_(1.0)``,
+                # published under ``min_tensor_bytes`` 4), and a replay would refuse that write
+                # into a mapping (`provenance.WriteGuard`) and decline every time.
+                entry.inline = bytes(_host_bytes(t))
             elif id(t) in placement:
                 entry.key, entry.uid = placement[id(t)].key, placement[id(t)].uid
             elif (viewed := _view_of(t, bases)) is not None:

@@ -19,6 +19,7 @@ __all__ = [
     "LockTimeout",
     "PackedWeightError",
     "ProtocolError",
+    "RegistryRefused",
     "RegistryTimeout",
     "RegistryUnavailable",
     "SegmentError",
@@ -40,6 +41,11 @@ class RegistryTimeout(RegistryUnavailable):
     """The registry accepted the connection but did not answer in time: it is hung, stopped
     (SIGSTOP) or starved.  The connection is closed then (a late reply must never be read as the
     answer to a later request), and the engine goes on without the registry."""
+
+
+class RegistryRefused(RegistryUnavailable):
+    """The registry answered a request with an error (what it was asked is not recorded); the
+    connection serves on."""
 
 
 class LockTimeout(DedupError, TimeoutError):

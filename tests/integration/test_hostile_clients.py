@@ -217,6 +217,12 @@ def test_a_recipe_whose_final_sizes_are_not_byte_counts_is_refused(published, si
         assert reader.expected_shared_bytes() == NBYTES
         with pytest.raises(RegistryUnavailable, match="signature and id are at most 4096 characters"):
             writer.put_recipe(f'{{"signature": "{"m" * 5000}", "id": "r3", "final": {{}}}}'.encode())
+        with RawClient(published.path) as raw:  # 42 bytes said, 64 MiB kept: the budget counts what is kept
+            raw.hello()
+            data = b'{"signature": "m", "id": "r4", "final": {}}'
+            fd = memfd(64 << 20, data=data)
+            assert "holds more than" in raw.ask({"op": "put_recipe", "nbytes": len(data)}, [fd])["error"]
+            os.close(fd)
     finally:
         writer.close()
         reader.close()

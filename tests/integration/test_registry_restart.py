@@ -344,6 +344,32 @@ def test_a_load_report_with_a_long_string_is_cut_and_re_registers(tmp_path, monk
     assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
 
 
+def test_a_kept_recipe_the_new_registry_refuses_is_dropped_and_the_rest_re_registers(tmp_path, monkeypatch):
+    """A recipe kept from a registry of another version (whose limits it met) may be refused by
+    the one that comes back: dropped, with a warning, instead of failing every re-registration
+    (segments, locks and the other recipes with it)."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    sock = run / "vllm-dedup.sock"
+    start_daemon(sock)
+    lease = Lease(RegistryClient(sock, timeout_s=10), "m", "cpu", "default", "sig", start_daemon, timeout_s=10)
+    good = b'{"signature": "sig", "id": "r1", "final": {}}'
+    try:
+        lease.report({"load_path": "none"})
+        lease.put_recipe(good)
+        lease.keep_recipe(b'{"signature": "' + b"s" * 5000 + b'", "id": "r0", "final": {}}')
+        lease.watch()
+        old = registry_stats(sock)
+        os.kill(old.registry_pid, signal.SIGKILL)
+        assert wait_for(lambda: (s := stats_or_none(sock)) is not None and s.registry_pid != old.registry_pid
+                        and [e.load.get("reregistered") for e in s.engines] == [1], timeout_s=30), stats_or_none(sock)
+        assert recipes(sock) == [good]
+    finally:
+        lease.close()
+        shutdown_registry(sock)
+    assert wait_for(lambda: not processes_matching(b"vllm_dedup.registry.daemon", str(sock).encode()), 15)
+
+
 def test_a_daemon_slower_to_start_than_asked_is_a_registry_unavailable_not_a_crash(tmp_path):
     """On a busy machine the daemon's launcher can take longer than the caller waits: that is
     `RegistryUnavailable` (an engine's lease retries on it), never ``subprocess.TimeoutExpired``

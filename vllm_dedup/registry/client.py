@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ProtocolError, RegistryTimeout, RegistryUnavailable
+from ..errors import ProtocolError, RegistryRefused, RegistryTimeout, RegistryUnavailable
 from . import messages as m
 from . import wire
 from .state import Hit, RegistryStats
@@ -77,7 +77,7 @@ class RegistryClient:
         self.timeout_s = timeout_s
         self.closed_by_us: RegistryUnavailable | None = None
         self._address = wire.socket_address(self.path)
-        wire.ensure_private_dir(self.path.parent)
+        wire.ensure_private_dir(self.path.parent, create=False)
         try:
             info = os.lstat(self.path)
             if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
@@ -151,7 +151,7 @@ class RegistryClient:
             raise RegistryUnavailable(f"registry at {self.path} closed the connection")
         try:
             if "error" in reply:
-                raise RegistryUnavailable(f"registry at {self.path}: {reply['error']}")
+                raise RegistryRefused(f"registry at {self.path}: {reply['error']}")
             if got and reply_type not in _REPLIES_WITH_DESCRIPTORS:  # each would stay open here
                 self.abandon(f"a reply that carries no descriptors came with {len(got)}")
                 raise self.closed_by_us

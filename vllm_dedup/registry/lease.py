@@ -65,7 +65,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import RegistryUnavailable, SegmentError
+from ..errors import RegistryRefused, RegistryUnavailable, SegmentError
 from ..log import init_logger
 from .client import RegistryClient, SegmentHits
 from .daemon import DaemonLaunch
@@ -479,8 +479,12 @@ class Lease:
                 if held.fd >= 0:
                     keys = [(k, o, n) for k, (o, n) in held.keys.items()]
                     registry_ids[lease_id] = client.publish(held.fd, held.nbytes, keys, held.uid)
-            for data in self._recipes:
-                client.put_recipe(data)
+            for data in list(self._recipes):
+                try:
+                    client.put_recipe(data)
+                except RegistryRefused as e:  # this registry will never take it (another version's limits)
+                    logger.warning("vllm-dedup: the registry refused a recipe this engine kept (%s); it is dropped", e)
+                    del self._recipes[data]
             lost = self._reclaim(client)
             if self._load is not None:
                 client.report({**self._load, "reregistered": self.reregistrations + 1})

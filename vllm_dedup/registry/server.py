@@ -454,6 +454,9 @@ class RegistryServer:
         return m.ExpectReply(min(expected, m.MAX_BYTES)), []  # each size is in range; their sum may not be
 
     def _put_recipe(self, conn, engine, req: m.PutRecipe, fds):
+        # The registry keeps the memfd: its size, not the one claimed, is what recipes cost it.
+        if os.fstat(fds[0]).st_size > max(req.nbytes, 1):  # an empty one is 1 byte (`sealed_memfd`)
+            raise ValueError(f"a recipe's memfd holds more than the {req.nbytes} bytes it says")
         signature, recipe_id, final = _recipe_summary(fds[0], req.nbytes)
         self.registry.put_recipe(engine, fds[0], req.nbytes, signature, recipe_id, final)
         return m.Empty(), []

@@ -78,15 +78,21 @@ def socket_address(path: Path) -> str:
     return str(path)
 
 
-def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` mode 0700, or check that the existing one is ours, private, no symlink.
+def ensure_private_dir(path: Path, create: bool = True) -> None:
+    """Create ``path`` mode 0700 (with ``create``; a client only checks: a query must not make
+    a directory that the user's engines would then find owned by whoever queried), or check
+    that the existing one is ours, private, no symlink.
 
     Raises:
-        RegistryUnavailable: the directory is a symlink, not ours, or open to others.
+        RegistryUnavailable: the directory is a symlink, not ours, or open to others; or it
+            does not exist and ``create`` is false.
     """
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if create:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = os.lstat(path)
+    except FileNotFoundError:
+        raise RegistryUnavailable(f"no registry serves {path}: the directory does not exist") from None
     except OSError as e:
         raise RegistryUnavailable(f"cannot create the registry's socket directory {path}: {e}") from None
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):

@@ -360,3 +360,29 @@ def test_a_declined_replays_model_is_collected_before_the_usual_load(monkeypatch
     finally:
         gc.enable()
     assert model == "usual" and seen == {"alive": False}
+
+
+def test_a_hook_waits_for_a_module_another_thread_is_importing(tmp_path, monkeypatch):
+    """wrapt runs a hook at once when its module is in ``sys.modules``, which it is while
+    another thread still executes it: the hook waits for that import, or the class it wraps
+    would be missing and stay unguarded."""
+    import sys
+    import threading
+    import time
+
+    from vllm_dedup.engine import worker_hooks
+
+    (tmp_path / "slow_worker_module.py").write_text(
+        "import time\ntime.sleep(0.5)\nclass Worker:\n    def sleep(self):\n        return 'slept'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importer = threading.Thread(target=__import__, args=("slow_worker_module",))
+    importer.start()
+    deadline = time.monotonic() + 10
+    while "slow_worker_module" not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.001)
+    half = sys.modules["slow_worker_module"]
+    assert not hasattr(half, "Worker")  # still executing in the other thread
+    got = worker_hooks._on_import(half, [("Worker", "sleep", lambda method: lambda self: "guarded", None)])
+    importer.join()
+    monkeypatch.delitem(sys.modules, "slow_worker_module")
+    assert got == ["Worker.sleep"] and half.Worker().sleep() == "guarded"

@@ -114,8 +114,8 @@ def install() -> list[str]:
                        ", ".join(CHECKED_VLLM_VERSIONS), vllm.__version__)
     wrapped = []
     for module_name, hooks in _hooks_by_module().items():
-        if module_name in sys.modules:  # import_module waits for an import under way in another thread
-            wrapped += _on_import(importlib.import_module(module_name), hooks)
+        if module_name in sys.modules:
+            wrapped += _on_import(sys.modules[module_name], hooks)
         else:  # (imported meanwhile: wrapt runs the hook at once; a second wrap is no-op)
             wrapt.register_post_import_hook(functools.partial(_on_import, hooks=hooks), module_name)
     return wrapped
@@ -139,6 +139,10 @@ def _hooks_by_module() -> dict[str, list[tuple]]:
 def _on_import(module, hooks: list[tuple]) -> list[str]:
     """Wrap ``hooks``' methods in ``module``, just imported; returns those wrapped.  Never
     raises: it runs inside vLLM's import of ``module``."""
+    try:  # an import under way in another thread (wrapt calls a hook registered meanwhile at once): wait for it
+        module = importlib.import_module(module.__name__)
+    except Exception:  # ours to wrap as it is
+        pass
     wrapped = []
     for cls_name, name, make, marker in hooks:
         try:

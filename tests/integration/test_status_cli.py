@@ -158,3 +158,13 @@ def test_watch_redraws_in_place_on_a_terminal(registry_server, two_peers):
         assert frame.endswith("\x1b[J") and "\x1b[K" in frame  # lines cleared to their end, then the rest
     assert status == 0
     assert "Traceback" not in shown + rest
+
+
+def test_status_without_a_registry_creates_no_directory(tmp_path, monkeypatch):
+    """A query makes nothing: run as root with the user's environment, a created socket
+    directory would belong to root, and the user's engines would then refuse it."""
+    missing = tmp_path / "no" / "such" / "dir"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(missing))
+    proc = run_cli("status")
+    assert proc.returncode == 1 and "no registry" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
+    assert not (tmp_path / "no").exists()

@@ -114,6 +114,9 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"vllm-dedup scan: error: cannot write the plot to {args.plot}: {e.strerror or e}", file=sys.stderr)
             return 2
+        except Exception as e:  # matplotlib's own (a label it cannot lay out): still one line, exit 2
+            print(f"vllm-dedup scan: error: cannot draw the plot {args.plot}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
         print(f"vllm-dedup scan: heatmap written to {written}", file=sys.stderr)
     return 1 if errors else 0
 

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,6 +96,29 @@ def test_plot_of_2_and_of_30_models(minilm, smollm2, variants, tmp_path):
     # One inode, hashed once: the other 29 copies came from the manifest cache.
     assert [m["hashed_bytes"] > 0 for m in data["models"]] == [True] + [False] * 29
     assert data["unique_bytes"] == data["models"][0]["bytes"]
+
+
+def test_model_paths_with_dollar_signs_are_drawn_as_they_are(minilm, tmp_path):
+    """matplotlib reads text between two ``$`` as math: ``n$\\q$`` made it raise after the
+    report was printed (exit 1, a traceback), ``price$5$tier`` was drawn as ``price5tier``."""
+    from vllm_dedup.scan.plot import _draw_heatmap, _Layout
+
+    copies = hardlinked_copies(minilm, tmp_path / "copies", 2)
+    named = [c.rename(c.with_name(name)) for c, name in zip(copies, ["n$\\q$", "price$5$tier"])]
+    png = tmp_path / "dollars.png"
+    plot_ok(cli("scan", "--plot", str(png), *map(str, named), cache=tmp_path / "cache"), png)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = SimpleNamespace(labels=["[0] price$5$tier", "[1] n$\\q$"], pair_bytes=[[0, 1], [1, 0]])
+    fig, ax = plt.subplots()
+    _draw_heatmap(fig, ax, data, "MB", 1.0, _Layout.for_models(data.labels))
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_yticklabels()] == data.labels
+    assert not any(t._parse_math for t in ax.get_yticklabels())
+    plt.close(fig)
 
 
 def test_short_labels_name_folders_and_tell_equal_names_apart():

@@ -158,7 +158,7 @@ def _draw_heatmap(fig, ax, data: PlotData, unit: str, scale: float, layout: _Lay
     image = ax.imshow(matrix, cmap=cmap, vmin=0, vmax=largest or 1.0, aspect="auto", interpolation="nearest")
     fig.colorbar(image, ax=ax, label=f"bytes shared ({unit})", aspect=20 + n, pad=0.02)
     ax.set_xticks(range(n), [f"[{i}]" for i in range(n)], fontsize=layout.tick_font)
-    ax.set_yticks(range(n), data.labels, fontsize=layout.tick_font)
+    ax.set_yticks(range(n), data.labels, fontsize=layout.tick_font, parse_math=False)  # a path may hold $...$
     ax.tick_params(top=True, labeltop=True, bottom=False, labelbottom=False)
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_title(f"bytes each pair of models shares ({unit})", fontsize=11)

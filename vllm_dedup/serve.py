@@ -59,12 +59,17 @@ def ensure_registry(namespace: str = DEFAULT_NAMESPACE, node_id: str | None = No
 
     Raises:
         RuntimeError: Ray is not initialized in this process.
+        ValueError: ``keep_warm_s`` is not a finite number >= 0 (the actor is the node's, for
+            every engine: ``inf`` made its stats unsendable, a string broke every engine's exit).
         RegistryUnavailable: the actor could not be created, or ``node_id`` is no alive node.
     """
     import ray
 
+    from .config import is_finite_number
     from .registry.ray_actor import ensure_actor
 
+    if not (is_finite_number(keep_warm_s) and keep_warm_s >= 0):
+        raise ValueError(f"ensure_registry: keep_warm_s must be a finite number >= 0 (seconds), got {keep_warm_s!r}")
     if not ray.is_initialized():
         raise RuntimeError("vllm_dedup.serve.ensure_registry needs a Ray connection: call ray.init() first")
     return Path(ensure_actor(namespace, keep_warm_s=keep_warm_s, node_id=node_id))

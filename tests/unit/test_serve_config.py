@@ -31,3 +31,14 @@ def test_a_placement_or_accelerator_given_replaces_the_one_made(smollm2):
     config = dedup_llm_config("m", smollm2, node=None, placement_group_config={"bundles": [{"CPU": 2}]},
                               accelerator_config={"kind": "cpu"})
     assert config.get_engine_config().placement_bundles == [{"CPU": 2.0}]
+
+
+@pytest.mark.parametrize("keep_warm_s", [float("inf"), float("nan"), -1, "10", None])
+def test_ensure_registry_refuses_a_keep_warm_s_no_registry_could_keep(keep_warm_s):
+    """The actor it makes is the node's, for every engine: ``inf`` made its stats unsendable
+    (JSON has no infinity) and a string broke every engine's exit (``drop_engine``).  Refused
+    before Ray is asked anything."""
+    from vllm_dedup.serve import ensure_registry
+
+    with pytest.raises(ValueError, match="keep_warm_s must be a finite number >= 0"):
+        ensure_registry("t", keep_warm_s=keep_warm_s)

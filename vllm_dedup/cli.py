@@ -182,14 +182,14 @@ def _cmd_status_all_nodes(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from .registry.client import registry_stats
-    from .registry.wire import socket_path
+    from .registry.nodes import local_socket_path
 
     if args.all_nodes:
         return _cmd_status_all_nodes(args)
     if args.address is not None:
         print("vllm-dedup status: error: --address needs --all-nodes", file=sys.stderr)
         return 2
-    path = socket_path(args.namespace)
+    path = local_socket_path(args.namespace)
     if args.watch is not None:
         def frame() -> str:
             try:
@@ -201,7 +201,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     try:
         stats = registry_stats(path)
     except RegistryUnavailable as e:
-        print(f"vllm-dedup status: no registry for namespace {args.namespace!r} on this node ({e})", file=sys.stderr)
+        print(f"vllm-dedup status: no registry for namespace {args.namespace!r} on this node ({e}); every Ray "
+              "node's: vllm-dedup status --all-nodes", file=sys.stderr)
         return 1
     print(json.dumps(stats.to_dict()) if args.json else format_status([(str(path), stats)]))
     return 0

@@ -168,3 +168,20 @@ def test_status_without_a_registry_creates_no_directory(tmp_path, monkeypatch):
     proc = run_cli("status")
     assert proc.returncode == 1 and "no registry" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_status_on_a_worker_node_finds_that_nodes_registry(tmp_path, monkeypatch):
+    """A Ray worker node's registry serves ``<runtime dir>-node-<id>`` (registry/nodes.py);
+    `status` on that machine found nothing at the head's directory and exited 1."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
+    monkeypatch.delenv("VLLM_DEDUP_RAY_NODE_DIR", raising=False)
+    server = RegistryServer(Registry(), tmp_path / "run-node-0123456789abcdef" / "vllm-dedup.sock").start()
+    try:
+        proc = run_cli("status", "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["registry_pid"] == os.getpid()
+    finally:
+        server.stop()
+    proc = run_cli("status")
+    assert proc.returncode == 1 and "vllm-dedup status --all-nodes" in proc.stderr, proc.stderr

@@ -22,6 +22,7 @@ find them.  Nothing has to be configured.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ from pathlib import Path
 from ..log import init_logger
 from .wire import runtime_dir, socket_path
 
-__all__ = ["NODE_DIR_ENV", "NODE_ENV", "NODE_ID_ENV", "RayNode", "export_node", "node_socket_path", "ray_node",
-           "registry_env", "this_node"]
+__all__ = ["NODE_DIR_ENV", "NODE_ENV", "NODE_ID_ENV", "RayNode", "export_node", "local_socket_path", "node_socket_path",
+           "ray_node", "registry_env", "this_node"]
 
 logger = init_logger(__name__)
 
@@ -134,6 +135,23 @@ def registry_env() -> dict[str, str]:
     ``runtime_env``, so that it computes its node's socket directory as this process would,
     from its own node's environment for the rest (``XDG_RUNTIME_DIR``, the uid)."""
     return {k: v for k, v in os.environ.items() if k.startswith("VLLM_DEDUP_") and k not in NODE_ENV}
+
+
+def local_socket_path(namespace: str) -> Path:
+    """The socket of ``namespace``'s registry on this machine, for a process outside Ray (the
+    `vllm-dedup status` command): `node_socket_path`; where no socket is there, the socket of
+    the one other Ray node's directory on this machine that holds one (a worker node's
+    registry, `_socket_dir`).
+
+    Raises:
+        ValueError: a bad namespace (see ``wire.socket_path``).
+    """
+    path = node_socket_path(namespace)
+    if path.exists():
+        return path
+    base = runtime_dir()
+    found = sorted(base.parent.glob(f"{glob.escape(base.name)}-node-*/{path.name}"))
+    return found[0] if len(found) == 1 else path
 
 
 def node_socket_path(namespace: str, node: RayNode | None = None) -> Path:

@@ -74,7 +74,8 @@ def socket_address(path: Path) -> str:
     n = len(os.fsencode(path))
     if n > 107:
         raise RegistryUnavailable(f"the registry socket path {path} is {n} bytes, and Linux allows a Unix socket at "
-                                  "most 107: set VLLM_DEDUP_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a shorter directory")
+                                  "most 107: set VLLM_DEDUP_RUNTIME_DIR (or XDG_RUNTIME_DIR) to a shorter directory, "
+                                  "or choose a shorter registry_namespace (the socket's name)")
     return str(path)
 
 

@@ -22,7 +22,8 @@ class DedupConfig:
 
     Attributes:
         inner_load_format: the vLLM load format that reads the checkpoint (``auto``,
-            ``safetensors``, ``pt``, ``gguf``, ``runai_streamer``, ...).  Not ``dedup``.
+            ``safetensors``, ``pt``, ``runai_streamer``, ...: a name this vLLM registers).  Not
+            ``dedup``.
         inner_extra_config: the inner loader's own ``model_loader_extra_config``.
         share_group: engines share only within the same group (and device).
         min_tensor_bytes: tensors smaller than this stay private (bytes).  A segment costs a

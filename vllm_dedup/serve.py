@@ -88,7 +88,6 @@ def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Map
             ``engine_kwargs`` sets ``load_format`` or ``model_loader_extra_config``, which this
             sets (the loader's keys go in ``loader_config``).
     """
-    from .config import DedupConfig
 
     if clash := sorted({"load_format", "model_loader_extra_config"} & set(engine_kwargs or {})):
         raise ValueError(f"engine_kwargs sets {' and '.join(clash)}, which the dedup loader sets: pass the "
@@ -98,7 +97,13 @@ def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Map
         address = _ray_address()
         if address:
             loader["registry_address"] = address
-    DedupConfig.from_extra_config(loader)  # fail here, in the driver, not in every replica
+    # Fail here, in the driver, not in every replica: the loader checks its keys, and vLLM the
+    # inner loader's (inner_load_format, inner_extra_config).
+    from vllm.config.load import LoadConfig
+
+    from .engine.loader import DedupModelLoader
+
+    DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config=loader))
     return {**dict(engine_kwargs or {}), "load_format": "dedup", "model_loader_extra_config": loader}
 
 

@@ -49,6 +49,21 @@ def test_inner_loader_gets_only_its_own_config():
         DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"inner_load_format": "dedup"}))
 
 
+@pytest.mark.parametrize("extra, words", [
+    ({"inner_load_format": "safetensor"}, "inner_load_format 'safetensor'.*not supported.*load formats: .*safetensors"),
+    ({"inner_extra_config": {"num_thread": 2}}, "inner_extra_config {'num_thread': 2}.*num_thread"),
+])
+def test_an_inner_loader_vllm_cannot_make_is_named_by_our_keys_and_refused_in_the_serve_driver(extra, words):
+    """vLLM's own words ("Load format `safetensor` is not supported") name neither of our keys;
+    and the Serve helper refuses it in the driver, not in every replica."""
+    from vllm_dedup.serve import dedup_engine_kwargs
+
+    with pytest.raises(ValueError, match=words):
+        DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config=extra))
+    with pytest.raises(ValueError, match=words):
+        dedup_engine_kwargs({}, {**extra, "registry_address": "local"})
+
+
 def test_where_packed_sharing_cannot_work_linears_keep_vllms_private_packed_copies(monkeypatch):
     """Issue 28, fallback: where vLLM packs but sharing cannot (a failed probe), the engine runs
     ``private`` (vLLM's own oneDNN kernels on private packed copies: plain's speed and numerics),

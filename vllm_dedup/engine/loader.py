@@ -105,13 +105,18 @@ class DedupModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.config = DedupConfig.from_extra_config(load_config.model_loader_extra_config)
-        self.inner = get_model_loader(
-            replace(
-                load_config,
-                load_format=self.config.inner_load_format.lower(),
-                model_loader_extra_config=dict(self.config.inner_extra_config),
-            )
-        )
+        fmt = self.config.inner_load_format.lower()
+        try:
+            self.inner = get_model_loader(
+                replace(load_config, load_format=fmt, model_loader_extra_config=dict(self.config.inner_extra_config)))
+        except ValueError as e:  # vLLM's own words name neither of our keys
+            from vllm.model_executor import model_loader
+
+            known = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {})  # read only, to say them
+            formats = ", ".join(sorted(f for f in known if f != "dedup")) or "unknown"
+            raise ValueError(f"vllm-dedup: no inner loader for inner_load_format {fmt!r} and inner_extra_config "
+                             f"{dict(self.config.inner_extra_config)!r}: {e} (this vLLM's load formats: {formats})"
+                             ) from None
         self.report: LoadReport | None = None  # of the last load_model call (None: it loaded privately)
         self._cpu_linear: str | None = None  # cpu_linear as this engine runs it (`cpu_linear`)
         self.packed_declined = ""  # why packed sharing cannot work here ("" where it can, or was not asked)

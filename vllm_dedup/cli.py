@@ -151,22 +151,31 @@ def _cmd_status_all_nodes(args: argparse.Namespace) -> int:
         print(f"vllm-dedup status: error: {given} {address!r} would start a new, empty Ray cluster; give the "
               "address of the cluster the engines run in (host:port), or leave it out for this node's", file=sys.stderr)
         return 2
-    try:
+
+    def connect() -> None:
         probe_ray_address(address)
         ray.init(address=address, namespace=args.namespace, logging_level=logging.WARNING, log_to_driver=False,
                  include_dashboard=False)
+
+    if args.watch is not None:  # a cluster not up yet, or going away, is shown and tried again
+        def frame() -> str:
+            try:
+                if not ray.is_initialized():
+                    connect()
+                return _all_nodes_frame(args.namespace)[0]
+            except Exception as e:
+                return f"cannot read the registries through Ray at {address}: {e}; retrying every {args.watch:g}s"
+
+        try:
+            return watch(frame, args.watch)
+        finally:
+            ray.shutdown()
+    try:
+        connect()
     except (RegistryUnavailable, ConnectionError, RuntimeError, ValueError) as e:
         print(f"vllm-dedup status: no Ray cluster at {address} ({e})", file=sys.stderr)
         return 1
     try:
-        if args.watch is not None:
-            def frame() -> str:
-                try:
-                    return _all_nodes_frame(args.namespace)[0]
-                except Exception as e:  # the cluster going away is shown, and tried again
-                    return f"cannot read the registries through Ray: {e}; retrying every {args.watch:g}s"
-
-            return watch(frame, args.watch)
         text, found = _all_nodes_frame(args.namespace)
     finally:
         ray.shutdown()

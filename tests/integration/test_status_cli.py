@@ -185,3 +185,22 @@ def test_status_on_a_worker_node_finds_that_nodes_registry(tmp_path, monkeypatch
         server.stop()
     proc = run_cli("status")
     assert proc.returncode == 1 and "vllm-dedup status --all-nodes" in proc.stderr, proc.stderr
+
+
+def test_watch_of_all_nodes_retries_while_no_ray_cluster_answers(tmp_path):
+    """``--watch`` keeps trying, with ``--all-nodes`` too: a cluster not up yet is a frame that
+    says so, not an exit."""
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}  # nothing listens there
+    proc = subprocess.Popen([CLI, "status", "--all-nodes", "--watch", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, preexec_fn=default_sigint)
+    fd = proc.stdout.fileno()
+    try:
+        shown = read_until(fd, lambda t: t.count("retrying every 0.2s") >= 2)
+        assert shown.count("cannot read the registries through Ray at 127.0.0.1:1") >= 2, shown
+        assert proc.poll() is None
+        status, rest = interrupt(proc, fd)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+    assert status == 0 and "Traceback" not in shown + rest

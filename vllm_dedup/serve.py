@@ -138,8 +138,9 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
 
     Raises:
         ValueError: bad ``device`` or ``replicas_per_device``, an unknown loader config key, a
-            ``node`` that is no alive Ray node, or ``engine_kwargs`` that set the load format or
-            its config (`dedup_engine_kwargs`).
+            ``node`` that is no alive Ray node or lacks the bundle's resources (a driver's node
+            without a GPU), or ``engine_kwargs`` that set the load format or its config
+            (`dedup_engine_kwargs`).
         RuntimeError: ``node`` is a node id but this process is not connected to Ray.
     """
     from ray.serve.llm import LLMConfig
@@ -154,6 +155,8 @@ def dedup_llm_config(model_id: str, model_source: str | os.PathLike, *, dedup: b
         bundle["GPU"] = 1 / replicas_per_device
         kwargs.setdefault("gpu_memory_utilization", round(0.9 / replicas_per_device, 4))
     if (node_id := _pinned_node(node)) is not None:
+        if "placement_group_config" not in llm_config:
+            _check_node_has(node_id, bundle, node)
         deployment = dict(llm_config.pop("deployment_config", None) or {})
         deployment.setdefault("placement_group_bundle_label_selector", [{NODE_ID_LABEL: node_id}])
         llm_config["deployment_config"] = deployment
@@ -226,6 +229,24 @@ def _ray_address() -> str | None:
     import ray
 
     return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+
+
+def _check_node_has(node_id: str, bundle: dict[str, float], node: str) -> None:
+    """Refuse to pin replicas to a node whose resources (Ray's node table) hold no ``bundle``:
+    Serve would wait for room there for ever, saying nothing.
+
+    Raises:
+        ValueError: the node lacks one of the bundle's resources (the message says which).
+    """
+    import ray
+
+    have = next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node_id), {})
+    lacking = [k for k, v in bundle.items() if have.get(k, 0) < v]
+    if lacking:
+        named = "this driver's node" if node == DRIVER_NODE else "node"
+        raise ValueError(f"{named} {node_id[:16]} has no {' or '.join(lacking)} in Ray's node table, so replicas "
+                         "pinned there would never start: pass node=None (wherever Ray finds room) or the id of a "
+                         "node that has it")
 
 
 def _pinned_node(node: str | None) -> str | None:

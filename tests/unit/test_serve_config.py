@@ -42,3 +42,18 @@ def test_ensure_registry_refuses_a_keep_warm_s_no_registry_could_keep(keep_warm_
 
     with pytest.raises(ValueError, match="keep_warm_s must be a finite number >= 0"):
         ensure_registry("t", keep_warm_s=keep_warm_s)
+
+
+def test_replicas_are_not_pinned_to_a_node_without_the_device_they_need(smollm2, monkeypatch):
+    """Pinned by default to the driver's node: where that node has no GPU (a CPU-only head),
+    Serve would wait for room there for ever, saying nothing."""
+    import ray
+
+    import vllm_dedup.serve as serve
+
+    monkeypatch.setattr(serve, "_pinned_node", lambda node: "f" * 56)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "f" * 56, "Alive": True, "Resources": {"CPU": 16.0}}])
+    with pytest.raises(ValueError, match="this driver's node ffffffffffffffff has no GPU in Ray's node table"):
+        serve.dedup_llm_config("m", smollm2, device="gpu", loader_config={"registry_address": "local"})
+    config = serve.dedup_llm_config("m", smollm2, device="cpu", loader_config={"registry_address": "local"})
+    assert config.deployment_config["placement_group_bundle_label_selector"] == [{serve.NODE_ID_LABEL: "f" * 56}]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import pty
 import select
 import signal
@@ -170,13 +171,16 @@ def test_status_without_a_registry_creates_no_directory(tmp_path, monkeypatch):
     assert not (tmp_path / "no").exists()
 
 
-def test_status_on_a_worker_node_finds_that_nodes_registry(tmp_path, monkeypatch):
+def test_status_on_a_worker_node_finds_that_nodes_registry(monkeypatch):
     """A Ray worker node's registry serves ``<runtime dir>-node-<id>`` (registry/nodes.py);
     `status` on that machine found nothing at the head's directory and exited 1."""
-    run = tmp_path / "run"
+    import tempfile
+
+    short = Path(tempfile.mkdtemp(prefix="vds-"))  # a socket path holds 107 bytes at most
+    run = short / "run"
     monkeypatch.setenv("VLLM_DEDUP_RUNTIME_DIR", str(run))
     monkeypatch.delenv("VLLM_DEDUP_RAY_NODE_DIR", raising=False)
-    server = RegistryServer(Registry(), tmp_path / "run-node-0123456789abcdef" / "vllm-dedup.sock").start()
+    server = RegistryServer(Registry(), short / "run-node-0123456789abcdef" / "vllm-dedup.sock").start()
     try:
         proc = run_cli("status", "--json")
         assert proc.returncode == 0, proc.stderr
@@ -185,6 +189,7 @@ def test_status_on_a_worker_node_finds_that_nodes_registry(tmp_path, monkeypatch
         server.stop()
     proc = run_cli("status")
     assert proc.returncode == 1 and "vllm-dedup status --all-nodes" in proc.stderr, proc.stderr
+    shutil.rmtree(short)
 
 
 def test_watch_of_all_nodes_retries_while_no_ray_cluster_answers(tmp_path):

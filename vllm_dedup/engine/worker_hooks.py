@@ -116,7 +116,7 @@ def install() -> list[str]:
     for module_name, hooks in _hooks_by_module().items():
         if module_name in sys.modules:
             wrapped += _on_import(sys.modules[module_name], hooks)
-        else:  # (imported meanwhile: wrapt runs the hook at once; a second wrap is no-op)
+        else:  # imported meanwhile: wrapt runs the hook at once (`_on_import` waits for that import)
             wrapt.register_post_import_hook(functools.partial(_on_import, hooks=hooks), module_name)
     return wrapped
 

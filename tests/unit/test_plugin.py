@@ -30,6 +30,25 @@ def test_vllm_loads_the_plugin_and_knows_the_format():
     assert type(loader.inner).__name__ == "DefaultModelLoader"
 
 
+def test_a_plugin_that_cannot_register_stops_no_engine_and_leaves_the_format_unknown(monkeypatch, caplog):
+    """vLLM calls ``register`` unguarded in every process: raising there would stop plain
+    engines too.  It logs instead, and the load format is not registered without its guards."""
+    from vllm.model_executor import model_loader
+
+    from vllm_dedup import plugin
+    from vllm_dedup.engine import worker_hooks
+
+    def broken():
+        raise RuntimeError("a vLLM this plugin does not know")
+
+    monkeypatch.setattr(worker_hooks, "install", broken)
+    monkeypatch.setattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER",
+                        {k: v for k, v in model_loader._LOAD_FORMAT_TO_MODEL_LOADER.items() if k != "dedup"})
+    plugin.register()
+    assert "dedup" not in model_loader._LOAD_FORMAT_TO_MODEL_LOADER
+    assert "the plugin could not register" in caplog.text and "a vLLM this plugin does not know" in caplog.text
+
+
 def test_unknown_config_key_lists_the_valid_ones():
     with pytest.raises(ValueError) as err:
         DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"share_grup": "a"}))

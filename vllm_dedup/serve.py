@@ -84,7 +84,8 @@ def dedup_engine_kwargs(engine_kwargs: Mapping | None = None, loader_config: Map
             ``registry_address`` defaults to the Ray cluster this process is connected to.
 
     Raises:
-        ValueError: an unknown loader config key (the message lists the valid ones), or
+        ValueError: an unknown loader config key (the message lists the valid ones), an inner
+            loader vLLM cannot make (``inner_load_format``, ``inner_extra_config``), or
             ``engine_kwargs`` sets ``load_format`` or ``model_loader_extra_config``, which this
             sets (the loader's keys go in ``loader_config``).
     """

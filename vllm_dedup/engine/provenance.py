@@ -260,7 +260,6 @@ class Provenance(TorchFunctionMode):
         return frozenset(out)
 
 
-
 def _protect(protected: dict[int, tuple[weakref.ref, str]], t: torch.Tensor, what: str) -> None:
     storage = _storage(t)
     if storage is not None:

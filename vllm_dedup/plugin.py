@@ -35,12 +35,12 @@ def _register() -> None:
 
     from .engine import worker_hooks
     from .engine.loader import DedupModelLoader
+    from .engine.vllm_facts import registered_load_formats
     from .registry.nodes import export_node
 
     export_node()
     worker_hooks.install()  # first: the load format never goes without its guards
     # register_model_loader warns when a format is registered twice; plugins may load more
-    # than once per process (LLM() in a process that already imported them).  The registry
-    # is vLLM's private dict: only read, and only where it is there.
-    if getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT) is not DedupModelLoader:
+    # than once per process (LLM() in a process that already imported them).
+    if registered_load_formats().get(LOAD_FORMAT) is not DedupModelLoader:
         model_loader.register_model_loader(LOAD_FORMAT)(DedupModelLoader)

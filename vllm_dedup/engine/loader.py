@@ -83,7 +83,7 @@ from .session import EngineSession
 from .share import colliding, share_model
 from .signature import load_signature, unreadable
 from .staging import Staging
-from .vllm_facts import private_reason
+from .vllm_facts import private_reason, registered_load_formats
 
 __all__ = ["DedupModelLoader"]
 
@@ -110,10 +110,7 @@ class DedupModelLoader(BaseModelLoader):
             self.inner = get_model_loader(
                 replace(load_config, load_format=fmt, model_loader_extra_config=dict(self.config.inner_extra_config)))
         except ValueError as e:  # vLLM's own words name neither of our keys
-            from vllm.model_executor import model_loader
-
-            known = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {})  # read only, to say them
-            formats = ", ".join(sorted(f for f in known if f != "dedup")) or "unknown"
+            formats = ", ".join(sorted(f for f in registered_load_formats() if f != "dedup")) or "unknown"
             raise ValueError(f"vllm-dedup: no inner loader for inner_load_format {fmt!r} and inner_extra_config "
                              f"{dict(self.config.inner_extra_config)!r}: {e} (this vLLM's load formats: {formats})"
                              ) from None

@@ -10,7 +10,7 @@ it comes from.  `worker_hooks.py` wraps what is listed here; the loader and `ses
 from __future__ import annotations
 
 __all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARDED_BEFORE_PAUSING", "GUARD_MARKER",
-           "PATCHED_BY", "private_reason"]
+           "PATCHED_BY", "private_reason", "registered_load_formats"]
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 
@@ -48,6 +48,15 @@ GUARD_MARKER = "_check_weights_writable("
 # this attribute keeps a (dim, 4) contiguous copy of the weight it had before
 # (vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm).
 CPU_UNPACKED_CONV_WEIGHT = "_cpu_unpacked_conv_weight"
+
+
+def registered_load_formats() -> dict:
+    """vLLM's load formats, name -> loader class: its private ``_LOAD_FORMAT_TO_MODEL_LOADER``
+    (vllm/model_executor/model_loader/__init__.py), only read, and ``{}`` where a vLLM has none
+    (no public way to list them; ``register_model_loader`` is the public way to add one)."""
+    from vllm.model_executor import model_loader
+
+    return getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
 
 
 def private_reason(vllm_config) -> str | None:

@@ -313,3 +313,41 @@ def test_a_registry_whose_loop_dies_stops_and_its_waiter_returns(tmp_path):
     assert not path.exists()
     with pytest.raises(RegistryUnavailable):
         RegistryClient(path, timeout_s=1).close()
+
+
+def test_a_registry_whose_backlog_is_full_is_not_replaced_and_start_does_not_block(tmp_path):
+    """A hung registry (its loop stopped, its listen backlog full) still owns its path: a new
+    registry's start must say so, not block in its probe's connect as a blocking socket would."""
+    path = tmp_path / "run" / "r.sock"
+    path.parent.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(0)  # accepts nothing: one pending connection fills it
+    waiting = []
+    try:
+        for _ in range(2):
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            client.setblocking(False)
+            try:
+                client.connect(str(path))
+            except BlockingIOError:
+                pass
+            waiting.append(client)
+        result = []
+        starter = threading.Thread(target=lambda: result.append(_start_error(path)), daemon=True)
+        starter.start()
+        starter.join(timeout=10)
+        assert not starter.is_alive(), "start() blocked on a registry whose backlog is full"
+        assert "backlog is full" in str(result[0])
+        assert path.exists()  # the hung registry's socket is left where it is
+    finally:
+        for sock in waiting + [listener]:
+            sock.close()
+
+
+def _start_error(path: Path) -> Exception | None:
+    try:
+        RegistryServer(Registry(), path).start().stop()
+    except RegistryUnavailable as e:
+        return e
+    return None

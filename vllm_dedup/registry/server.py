@@ -145,10 +145,14 @@ class RegistryServer:
         address = wire.socket_address(self.path)
         wire.ensure_private_dir(self.path.parent)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.settimeout(1.0)  # a full backlog fails the connect at once (EAGAIN), never blocks it
         replaces_dead = False
         try:
             probe.connect(address)
             raise RegistryUnavailable(f"a registry already serves {self.path}")
+        except BlockingIOError:  # one listens there but accepts nobody now (hung, or busy)
+            raise RegistryUnavailable(f"a registry already serves {self.path}, but its backlog is full (hung or "
+                                      "busy); stop it, or give this one another path") from None
         except FileNotFoundError:
             pass
         except ConnectionRefusedError:  # the socket of a registry that died (a clean stop removes it)

@@ -143,7 +143,7 @@ def test_another_uid_is_refused_even_through_loose_permissions():
             reply = json.loads(proc.stdout)
             assert "refused" in reply["error"] and "uid 65534" in reply["error"]
             assert "groups" not in reply
-            assert server.refused_uids == [65534]
+            assert list(server.refused_uids) == [65534]
         finally:
             server.stop()
 

@@ -436,3 +436,13 @@ def test_metrics_zero_a_group_that_went_away_once_then_forget_it(reg):
     recorders["engines"].sets.clear()
     metrics.update()
     assert recorders["engines"].sets == [("a", 1)]
+
+
+def test_collisions_count_each_engines_latest_report_once_and_outlive_the_engine(reg):
+    a, b = engine(reg, 1), engine(reg, 2)
+    reg.report(a, {"collisions": 2})
+    reg.report(a, {"collisions": 3})  # a second report of one engine replaces its first
+    reg.report(b, {"collisions": 1})
+    assert reg.stats().collisions == 4
+    reg.drop_engine(a)
+    assert reg.stats().collisions == 4  # over the registry's life

@@ -125,7 +125,7 @@ class RegistryServer:
         # its exit (`wait`; Note [the engine a daemon waits for] in `daemon.py`).  Set before
         # serving starts, so that no hello can come before it.
         self.awaited_pid = awaited_pid
-        self.refused_uids: list[int] = []
+        self.refused_uids: deque[int] = deque(maxlen=64)  # the latest, for diagnosis: a peer may retry for ever
         # request type -> handler(conn, engine id or None, request, descriptors) -> (reply, descriptors)
         self._handlers = {
             m.Hello: self._hello, m.Acquire: self._acquire, m.Publish: self._publish, m.Release: self._release,

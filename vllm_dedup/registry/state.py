@@ -341,10 +341,12 @@ class Registry:
     def report(self, engine_id: int, load: dict) -> None:
         """Record an engine's load outcome (its `engine.context.LoadReport` numbers and load
         path; values other than numbers and strings are dropped) and the hash collisions its
-        exact compares caught, which `stats` totals."""
+        exact compares caught, which `stats` totals.  A second report of an engine replaces its
+        first, in the total too."""
         engine = self.engines[engine_id]
+        before = int(engine.load.get("collisions", 0))
         engine.load = {k: v for k, v in load.items() if isinstance(v, (int, float, str))}
-        self.collisions += int(load.get("collisions", 0))
+        self.collisions += int(engine.load.get("collisions", 0)) - before
 
     # recipes -------------------------------------------------------------------------------
     def put_recipe(self, engine_id: int, fd: int, nbytes: int, signature: str, recipe_id: str,

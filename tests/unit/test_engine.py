@@ -741,6 +741,43 @@ def test_a_name_two_files_hold_has_no_source_key_and_leaves_no_manifest(tmp_path
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
+@pytest.mark.parametrize("when", ["during", "just_before", "never"])
+def test_a_file_hashed_during_a_load_and_rewritten_in_place_leaves_no_keys(tmp_path, when):
+    """vLLM's iterator yields views of the file's pages: a tensor hashed at one moment may be
+    copied into the model at another, after a rewrite in place (same size, ``rsync
+    --inplace``).  Its keys must not describe what the model got, so the load keeps none,
+    whether its keys were hashed then or came from the cache; nor does a file changed too
+    shortly before the load for a later write to show (`manifest.settled`)."""
+    import time
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from vllm_dedup.checkpoint.manifest import RACY_WINDOW_NS, ManifestCache
+    from vllm_dedup.engine.fast_path import RecordedLoad
+
+    path = tmp_path / "model.safetensors"
+    save_file(checkpoint(), path)
+    if when != "just_before":
+        time.sleep(2 * RACY_WINDOW_NS / 1e9)
+    recorded = RecordedLoad([path], ManifestCache(tmp_path / "cache"))
+    with safe_open(path, framework="pt") as f:
+        stream = [(name, f.get_tensor(name)) for name in f.keys()]
+    model = Tiny()
+    recorded.recorder.wrap(model)
+    model.load_weights(recorded.recorder.iterate(stream), copy_decoder=False)
+    if when == "during":
+        with open(path, "r+b") as f:  # the same size, other bytes: the header stays as it was
+            f.seek(-4, 2)
+            f.write(b"\x01\x02\x03\x04")
+    recorded.finish()
+    manifests = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    if when == "never":  # the check can pass: an untouched, settled file keeps its keys
+        assert set(recorded.keys) == {"embed", "q", "k", "bias", "norm"} and len(manifests) == 1
+    else:
+        assert recorded.keys == {} and str(path) in recorded.recorder.unhashable and manifests == []
+
+
 def test_a_recipe_of_another_signature_is_never_chosen(tmp_path):
     """The registry files recipes by the signature their writer gave; the reader checks it too."""
     from safetensors.torch import save_file

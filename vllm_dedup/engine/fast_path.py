@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.loading import changed_files, checkpoint_files, checkpoint_keys, write_manifests
-from ..checkpoint.manifest import FileIdentity, ManifestCache, default_cache_dir
+from ..checkpoint.manifest import FileIdentity, ManifestCache, default_cache_dir, settled
 from ..checkpoint.readers import SafetensorsFile
 from ..errors import CheckpointError, RegistryUnavailable, SegmentError
 from ..log import init_logger
@@ -159,12 +159,17 @@ class RecordedLoad:
         self.keys: dict[str, str] = {}
 
     def finish(self) -> None:
-        """Collect the keys; store the manifests of files hashed in full.  A file whose keys
-        came from the cache and whose identity changed during the load leaves no keys: what
-        was read from it may be neither version, so no recipe comes of this load."""
+        """Collect the keys; store the manifests of files hashed in full.  A file whose
+        identity changed during the load, whether its keys came from the cache or were hashed
+        now, leaves no keys: the loader's tensors are views of the file's pages, hashed at one
+        moment and copied at another, so what the model got may be neither version, and no
+        recipe may say it came from those keys.  Nor does a file changed too shortly before the
+        load for a later write to show in its identity (`manifest.settled`)."""
         self.keys = self.recorder.finish()
-        changed = changed_files({p: self.identities[p] for p in self.cached})
+        changed = changed_files(self.identities) or [p for p in self.files
+                                                     if not settled(self.identities[p], self.taken_ns)]
         if changed:
+            logger.warning("%s changed during the load (or just before it); this load leaves no recipe", changed[0])
             self.recorder.unhashable.extend(map(str, changed))
             self.keys = {}
         uncached = [p for p in self.files if p not in self.cached]

@@ -559,6 +559,10 @@ def test_a_gguf_of_either_byte_order_with_nested_and_empty_arrays_is_read(tmp_pa
     writer.close()
     with GGUFFile(path) as f:
         assert [(e.name, e.nbytes) for e in f.entries()] == [("w", 256)]
+        # The dtype says the byte order: the same bytes in a big-endian file are other values.
+        assert f.entries()[0].dtype == {"LITTLE": "gguf:F32", "BIG": "gguf-be:F32"}[endianess]
+        assert bytes(f.data("w")) == torch.arange(64, dtype=torch.float32).numpy().astype(
+            {"LITTLE": "<f4", "BIG": ">f4"}[endianess]).tobytes()
 
 
 def test_a_real_gguf_passes_the_metadata_check(gguf_path):

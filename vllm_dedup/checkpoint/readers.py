@@ -532,10 +532,13 @@ class GGUFFile(WeightFile):
             return f.read(self._reader.data_offset)
 
     def entries(self) -> list[TensorEntry]:
+        # The dtype names the byte order where it is big-endian: the same bytes are other
+        # values there, so they must not get the same content key as a little-endian file's.
+        order = "gguf" if self._reader.endianess == self._reader.endianess.LITTLE else "gguf-be"
         return [
             TensorEntry(
                 t.name,
-                f"gguf:{t.tensor_type.name}",
+                f"{order}:{t.tensor_type.name}",
                 tuple(int(d) for d in reversed(t.shape.tolist())),
                 int(t.n_bytes),
             )

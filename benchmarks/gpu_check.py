@@ -620,12 +620,27 @@ def step_segments(run: Run, sock: Path, args, key: str | None) -> None:
 def _step_descriptor_only(run: Run, sock: Path, args, step: str, tolerance: int) -> None:
     """A segment whose creator has exited before anybody mapped it, held by the registry's
     descriptor alone (a registry with ``keep_warm_s``): a newcomer maps it and reads its bytes;
-    once the registry lets go, the device has its memory back (CUDA: NVML's used memory)."""
-    from vllm_dedup.registry.server import RegistryServer
-    from vllm_dedup.registry.state import Registry
+    once the registry lets go, the device has its memory back (CUDA: NVML's used memory).  The
+    registry is a standalone daemon, a process that never loads the CUDA driver, as in
+    production (DESIGN.md: the registry holds descriptors, never a context): this parent
+    has a context by now, which would not show that a descriptor alone keeps the memory."""
+    import subprocess
 
-    server = RegistryServer(Registry(keep_warm_s=600), sock).start()
+    from vllm_dedup.registry.client import registry_stats, shutdown_registry
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    daemon = subprocess.Popen([sys.executable, "-m", "vllm_dedup.registry.daemon", "--socket", str(sock),
+                               "--keep-warm-s", "600"], env=env, stdin=subprocess.DEVNULL)
     try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                registry_stats(sock)
+                break
+            except Exception:
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the registry daemon did not start (exit status {daemon.poll()})") from None
+                time.sleep(0.1)
         before = run.read(step, "a registry keeping unheld segments warm")
         e = run.child("E", sock, args)
         made = e.ask("create")
@@ -636,9 +651,17 @@ def _step_descriptor_only(run: Run, sock: Path, args, step: str, tolerance: int)
         run.check(step, "F maps a segment whose creator exited before anyone mapped it, and reads its bytes",
                   "fingerprint" in made and got.get("fingerprint") == made.get("fingerprint"), json.dumps(got))
         run.check(step, "F exits normally", f.end() == 0)
+        maps = Path(f"/proc/{daemon.pid}/maps").read_text()
+        run.check(step, "the registry holding the descriptor never loaded the CUDA driver", "libcuda" not in maps,
+                  "; ".join(sorted({line.split()[-1] for line in maps.splitlines() if "libcuda" in line})))
     finally:
         run.end_children()
-        server.stop()
+        shutdown_registry(sock)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
     freed = run.read(step, "the registry let go of the segment")
     if run.backend == "cuda":  # a memfd's pages that no process maps are in nobody's PSS
         run.check(step, "the segment's memory stays while only the registry's descriptor holds it",

@@ -58,6 +58,8 @@ def test_gpu_check_segments_and_model_steps_on_host_segments(tmp_path):
     assert {("segments", "used memory does not grow when C maps"),
             ("segments", "a write through a read-only mapping faults"),
             ("segments", "after A exits, B and C still compute the same result"),
+            ("segments", "F maps a segment whose creator exited before anyone mapped it, and reads its bytes"),
+            ("segments", "the registry holding the descriptor never loaded the CUDA driver"),
             ("model", "M2 maps every shareable weight from M1's segments and publishes nothing"),
             ("model", "M2's logits through M1's segments equal its private ones and M1's (bit for bit)"),
             ("model", "after M1 exits, M2 computes the same logits"),

@@ -101,8 +101,11 @@ class Segment(ABC):
     # Publishing in place (module docstring): allocate, fill through members, freeze.
     @classmethod
     def allocate(cls, nbytes: int, device: str) -> Segment:
-        """A new segment of ``nbytes`` usable bytes (zeros), mapped read-write in this process
-        for it to fill through `member` tensors; `freeze` it before it is published.
+        """A new segment of ``nbytes`` usable bytes, mapped read-write in this process for it to
+        fill through `member` tensors; `freeze` it before it is published.  Its bytes are zeros
+        on the host (a new memfd's); on CUDA they are whatever ``cuMemCreate`` gives, which its
+        documentation leaves unsaid, so only the host's in-place load may rely on zeros
+        (`engine.in_place.InPlace.holds_no_data`).
 
         Raises:
             SegmentError: this backend cannot, or not now (the message says why).

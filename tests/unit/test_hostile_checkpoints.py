@@ -340,6 +340,10 @@ def test_views_of_one_storage_in_a_pickle_are_each_read_and_never_copied_past_th
     torch.save({f"t{i}": big[i:].t() for i in range(20)}, path)
     with pytest.raises(CheckpointError, match="not contiguous add up to more than the file"):
         TorchFile(path)
+    # Contiguous but overlapping slices: nothing is copied, yet each would be hashed in full.
+    torch.save({f"s{i}": big.view(-1)[i * 64:] for i in range(20)}, path)
+    with pytest.raises(CheckpointError, match="more than 4 times the file's"):
+        TorchFile(path)
 
 
 NOT_PLAIN = {

@@ -575,6 +575,10 @@ class TorchFile(WeightFile):
     """
 
     format = "torch"
+    # Bytes of the tensors listed, at most this many per byte of the file: a fused weight saved
+    # beside views of its parts is twice its bytes; 1000 overlapping slices of one storage made
+    # a 4 MB file 4 GB of hashing.
+    MAX_BYTES_PER_FILE_BYTE = 4
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -596,7 +600,7 @@ class TorchFile(WeightFile):
             ) from None
         self._tensors: dict[str, object] = {}
         seen: set[tuple] = set()
-        copied, budget = 0, os.path.getsize(path)
+        copied, listed, budget = 0, 0, os.path.getsize(path)
         for name, t in _flatten(obj, path):
             kind = _not_plain(t)
             if kind:  # its bytes are not its values, or it has no bytes here: refused, never misread
@@ -612,6 +616,11 @@ class TorchFile(WeightFile):
             if name in self._tensors:  # {"a.b": x, "a": {"b": y}}, or {1: x, "1": y}
                 raise CheckpointError(path, f"two different tensors flatten to the name {name!r}; re-save them "
                                             "as a flat state_dict with unique names")
+            listed += nbytes  # each is hashed: overlapping views would make a small file any amount of work
+            if listed > self.MAX_BYTES_PER_FILE_BYTE * budget:
+                raise CheckpointError(path, f"its tensors add up to more than {self.MAX_BYTES_PER_FILE_BYTE} times the "
+                                            f"file's {budget} bytes (at {name!r}): views of one storage overlap; "
+                                            "re-save each tensor on its own (e.g. as safetensors)")
             if not t.is_contiguous():
                 copied += nbytes
                 if copied > budget:

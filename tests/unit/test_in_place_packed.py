@@ -320,3 +320,71 @@ def test_a_pack_that_cannot_be_frozen_stays_counted_while_its_members_map_it(mon
     placed.release()
     del slots, tensors, model
     assert placed.held_bytes == 0
+
+
+@pytest.mark.parametrize("case", ["put back", "move failed"])
+def test_a_pack_with_a_stretch_no_member_uses_is_not_published_with_it_as_padding(case, monkeypatch):
+    """``big`` (3 MiB, the pack's first storage) is held outside the model, so it goes back where
+    it was and its copy in the pack is used by nothing; or moving the second storage fails, so
+    the rest of the pack is never filled.  Either stretch is more than a granule: published, it
+    would be kept read-only for good with nothing over it (Note [what a pack may hold when it is
+    published]), so the pack's misses are copied instead, and `seal` refuses it too."""
+    from types import SimpleNamespace
+
+    model = _Model()
+    kept = model.big.weight.data if case == "put back" else None
+    placed = _placer()
+    if case == "move failed":
+        move, calls = PackedInPlace._move, []
+
+        def fail_second(self, slot, pack, offset):
+            calls.append(offset)
+            if len(calls) == 2:
+                raise RuntimeError("out of device memory (a test)")
+            move(self, slot, pack, offset)
+
+        monkeypatch.setattr(PackedInPlace, "_move", fail_second)
+    placed.place(model)
+    (pack,) = placed._packs
+    members = [t for t in [*model.weights().values(), model.cache] if t.data_ptr() in pack.members]
+    assert len(members) == (len(_sizes()) - 1 if case == "put back" else 1)
+    slots = [SimpleNamespace(tensor=t) for t in members]
+    offsets = [pack.members[t.data_ptr()].offset for t in members]
+    assert placed.seal(slots, offsets) is None
+    in_place, regroup = placed.packs({f"k{i}": [slot] for i, slot in enumerate(slots)})
+    assert in_place == [] and len(regroup) == 1, placed.failures
+    assert "never filled" in placed.failures[-1]
+    del kept
+
+
+def test_the_load_meter_may_ask_while_packs_are_let_go_of(monkeypatch):
+    """The meter's thread reads `held_bytes` while the load's thread lets packs go one by one
+    (`packs`); each asks between two of them, when the first is let go of and still listed."""
+    import vllm_dedup.engine.in_place_packed as module
+
+    monkeypatch.setattr(module, "plan_packs",
+                        lambda sizes, g, **kw: plan_packs(sizes, g, max_pack_bytes=GRANULARITY, **kw))
+    model = _Model()
+    placed = _placer()
+    placed.place(model)
+    held, count = placed.held_bytes, len(placed._packs)
+    assert count > 2
+    seen, close = [], HostSegment.close_fd
+
+    def close_and_ask(self):
+        close(self)
+        seen.append(placed.held_bytes)
+
+    monkeypatch.setattr(HostSegment, "close_fd", close_and_ask)
+    placed.packs({})  # nothing to publish: each let go of, its members still mapping it
+    assert len(seen) >= count and set(seen) == {held}
+    placed.release()
+
+
+def test_a_model_whose_storages_cannot_be_collected_loads_privately_and_place_never_raises():
+    model = nn.Module()
+    model.w = nn.UninitializedParameter()
+    model.register_buffer("b", torch.ones(1 << 16))
+    placed = _placer()
+    placed.place(model)
+    assert placed.placed_bytes == 0 and "uninitialized" in placed.failures[0]

@@ -204,9 +204,9 @@ class InPlace:
             room -= 2
             try:
                 self._move(slot, anonymous)
-            except (OSError, ValueError, RuntimeError) as e:  # out of memory or descriptors: the rest stays
+            except (OSError, ValueError, RuntimeError, MemoryError) as e:  # out of memory or descriptors
                 self.failures.append(f"{type(e).__name__}: {e}")
-                logger.info("in place: %d storages stay private (%s)", len(slots), e)
+                logger.info("in place: the rest of the storages stay in private memory (%s)", e)
                 break
 
     def _move(self, slot: Slot, anonymous: AnonymousRanges) -> None:

@@ -108,6 +108,10 @@ class _Pack:
     seg: object  # a `segments.base.Segment` from ``allocate``, not frozen yet; None once let go of
     members: dict[int, _Member] = field(default_factory=dict)
     payload_bytes: int = 0  # the members' bytes
+    # Bytes planned for storages that are not members: one put back where it was (its copy
+    # here is used by nothing), those after a move that failed.  Dead bytes as a dead member's
+    # are (Note [what a pack may hold when it is published]).
+    unused_bytes: int = 0
 
 
 class PackedInPlace:
@@ -143,16 +147,22 @@ class PackedInPlace:
         """Bytes of this load's packed segments that exist now (the load meter's ``live``): the
         sealed ones, those not let go of, and those let go of that a member still keeps."""
         kept = sum(size for size, members in self._let_go if any(m.storage() is not None for m in members))
-        return self.sealed_bytes + sum(p.seg.size for p in self._packs) + kept
+        # The meter's thread asks while the load's thread lets packs go (``seg`` None first).
+        return self.sealed_bytes + sum(seg.size for p in list(self._packs) if (seg := p.seg) is not None) + kept
 
     def place(self, model, modules: list | None = None) -> None:
         """Move each of ``model``'s storages the sharing pass would take into a packed segment
         (module docstring, step 1); with ``modules``, only storages whose every place is in one
         of them (a replay's modules loaded from the checkpoint).  Never raises."""
         only = None if modules is None else {id(m) for m in modules}
-        slots = [slot for slot in collect_slots(model, self.device_type, self.min_bytes)[0]
-                 if not any(self.skip(module, name) for module, name, _ in slot.refs)
-                 and (only is None or all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]))]
+        try:
+            slots = [slot for slot in collect_slots(model, self.device_type, self.min_bytes)[0]
+                     if not any(self.skip(module, name) for module, name, _ in slot.refs)
+                     and (only is None or all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]))]
+        except (RuntimeError, ValueError, TypeError) as e:  # the walk failed (an uninitialized parameter): nothing moved
+            self.failures.append(f"{type(e).__name__}: {e}")
+            logger.info("in place: the model's storages cannot be collected (%s); they load into private memory", e)
+            return
         if not slots:
             return
         plan = plan_packs([s.nbytes for s in slots], self.granularity, in_order=True)  # Note [one copy at a time]
@@ -163,10 +173,13 @@ class PackedInPlace:
             except SegmentError as e:  # out of device memory: the rest stays
                 self._stop(e)
                 break
+            moved = 0
             try:
                 for i, offset in pack.members:
                     self._move(slots[i], placed, offset)
+                    moved += 1
             except (SegmentError, RuntimeError, ValueError, MemoryError) as e:
+                placed.unused_bytes += sum(slots[i].nbytes for i, _ in pack.members[moved:])
                 self._stop(e)
                 break
             finally:
@@ -201,6 +214,7 @@ class PackedInPlace:
 
             swap(slot, torch.empty(0, dtype=dtype, device=new.device).set_(held, 0, shape, stride))
             self.failures.append("a tensor outside the model's parameters and buffers holds its storage")
+            placed.unused_bytes += nbytes
             return
         placed.members[new.data_ptr()] = _Member(offset, nbytes, weakref.ref(new.untyped_storage()))
         placed.payload_bytes += nbytes
@@ -228,7 +242,7 @@ class PackedInPlace:
         first = {group[0].tensor.data_ptr(): key for key, group in pending.items()}
         out, regroup = [], []
         for pack in self._packs:
-            keys, offsets, dead, alive = [], [], 0, 0
+            keys, offsets, dead, alive = [], [], pack.unused_bytes, 0
             for ptr, member in pack.members.items():
                 if ptr in first:
                     keys.append(first[ptr])
@@ -245,7 +259,7 @@ class PackedInPlace:
             elif keys and dead > self.granularity:
                 regroup.append(keys)
                 self.failures.append(f"a {mb:.1f} MB pack is copied: {dead / 1e6:.1f} MB in it were replaced by "
-                                     "post-processing or mapped from another engine")
+                                     "post-processing, mapped from another engine, or never filled")
             elif keys:
                 out.append((keys, offsets, pack.seg.nbytes))
                 continue
@@ -280,12 +294,16 @@ class PackedInPlace:
         others = [m for ptr, m in pack.members.items() if ptr not in layout]
         if any(m.storage() is not None for m in others):
             return None  # a member not published is still in use: it would become read-only
-        if sum(m.nbytes for m in others) > self.granularity:
+        if sum(m.nbytes for m in others) + pack.unused_bytes > self.granularity:
             return None  # what `packs` copies: a copy laid out as the pack is must not seal it
         try:
             pack.seg.freeze()
-        except SegmentError as e:  # the pack stays this load's (and counted) until `release`
+        except SegmentError as e:
+            # Its members are copied instead: let go of now, so that it goes with the last of
+            # them (counted while a member maps it), not at `release` (Note [one copy at a time]).
             self.failures.append(str(e))
+            self._let_go_of(pack)
+            self._packs.remove(pack)
             return None
         self._packs.remove(pack)
         self.sealed_bytes += pack.seg.size

@@ -88,7 +88,10 @@ class LoadMeter:
 
             torch.cuda.set_device(self._cuda_device)
         while not self._stop.wait(self.interval_s):
-            self._note()
+            try:
+                self._note()
+            except Exception as e:  # one sample missed, not the rest of the load's
+                logger.debug("a sample of the load's memory failed (%s: %s)", type(e).__name__, e)
 
     @property
     def peak_bytes(self) -> int:

@@ -322,6 +322,33 @@ def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_thei
         lease.close()
 
 
+def test_a_segment_published_where_it_lies_whose_bytes_cannot_be_wrapped_counts_as_read_only(registry_server,
+                                                                                               monkeypatch):
+    """The publish succeeds, but the backend cannot wrap the segment's bytes for its source
+    tensor (a driver error): the tensor stays private, yet over the sealed bytes, read-only.
+    The report must count it in ``unpublished_bytes``, so that the engine refuses to write its
+    weights (worker_hooks) instead of faulting."""
+    from vllm_dedup.segments.host import HostSegment
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("cannot wrap the segment (a test)")
+
+    model = _Model()
+    ctx = _context(registry_server.path, "unwrapped", on_registry_error="fallback")
+    try:
+        placed = InPlace(min_bytes=4096)
+        placed.place(model)
+        weights = model.load(3)
+        monkeypatch.setattr(HostSegment, "tensor", refuse)
+        report = share_model(model, ctx, in_place=placed)
+        assert report.published_tensors == 0 and report.private_tensors >= 2, report
+        assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
+        read_only = [t for t in (model.up.weight, model.down.weight, model.cache) if _mapping(t).split()[1][:2] == "r-"]
+        assert read_only and report.unpublished_bytes == sum(t.nbytes for t in read_only), report
+    finally:
+        ctx.lease.close()
+
+
 def test_a_segment_sealed_where_it_lies_can_be_written_by_nobody():
     """The kernel's side of Note [sealing where it lies] (memfd_create(2), mprotect(2)): after
     `InPlace.seal`, no new writable mapping, no write(2), no receiver's mprotect to writable,

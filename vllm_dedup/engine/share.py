@@ -446,6 +446,10 @@ class SharingPass:
         for key, offset in zip(keys, offsets):
             group = self.pending.pop(key)
             took, differ = self.adopt(group, seg, offset, Placement(key, uid), published=True)
+            if sealed and not took and _staged(group[0]) is None:
+                # The backend failed for its source: private now, but over the sealed bytes still
+                # (a staged packed weight is counted as it is kept private: `keep_private`).
+                self.report.unpublished_bytes += group[0].nbytes
             taken += took
             self.report.collisions += len(differ)  # same key in this model, other bytes
             self.keep_private(differ)

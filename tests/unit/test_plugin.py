@@ -170,6 +170,38 @@ def test_a_linear_marked_for_f_linear_keeps_its_weight():
     assert not packed_and_dropped(nn.Linear(2, 2), "weight")  # not vLLM's: nothing packs it
 
 
+@pytest.mark.parametrize("vllm_packs", [True, False])
+def test_where_nothing_is_staged_a_weight_vllm_packs_and_drops_stays_out_of_the_in_place_load(monkeypatch,
+                                                                                               vllm_packs):
+    """With ``cpu_linear="private"`` (or ``plain``, ``vllm``) nothing is staged, yet vLLM still
+    packs and drops every unmarked linear weight of a dtype its oneDNN matmul takes: loaded into
+    a memfd, such a weight would cost shmem page faults and descriptors for nothing.  Of a dtype
+    it cannot pack (bfloat16 on AVX2), vLLM runs ``F.linear`` on the weight: it is placed."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+    from vllm.model_executor.layers.linear import LinearBase
+
+    from vllm_dedup.config import DedupConfig
+    from vllm_dedup.engine import onednn
+    from vllm_dedup.engine.loader import DedupModelLoader
+
+    class Linear(LinearBase):  # only the class matters here
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.weight = nn.Parameter(torch.empty(4, 4, dtype=torch.bfloat16), requires_grad=False)
+
+    asked = []
+    monkeypatch.setattr(onednn, "vllm_packs", lambda dtype: asked.append(dtype) or vllm_packs)
+    ctx = SimpleNamespace(config=DedupConfig(), device_type="cpu", model_name="m")
+    placed = DedupModelLoader._in_place(ctx, staging=None)
+    layer = Linear()
+    assert placed.skip(layer, "weight") is vllm_packs and asked == ["bfloat16"]
+    layer._cpu_skip_gemm_dispatch = True  # marked for F.linear: vLLM keeps it
+    assert not placed.skip(layer, "weight") and not placed.skip(nn.Linear(2, 2), "weight")
+
+
 @pytest.mark.parametrize("extra, words", [
     ({"registry_namespace": "team a"}, "registry_namespace must be a name of letters, digits"),
     ({"registry_namespace": "team/a"}, "registry_namespace must be a name of letters, digits"),

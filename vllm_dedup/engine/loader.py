@@ -282,13 +282,15 @@ class DedupModelLoader(BaseModelLoader):
     @staticmethod
     def _in_place(ctx: LoadContext, staging) -> InPlace | PackedInPlace | None:
         """Where a load of this context that reads the checkpoint loads its tensors into
-        segments of its own: `in_place.InPlace` on the host (a memfd per storage; where packed
-        weights are staged, the weights vLLM packs and drops stay out: `packed.packed_and_dropped`),
-        `in_place_packed.PackedInPlace` where segments come in granules (CUDA); None with
-        ``in_place`` off, or where the backend cannot say its granularity."""
+        segments of its own: `in_place.InPlace` on the host (a memfd per storage; the weights
+        vLLM packs and drops stay out: `packed.packed_and_dropped`, or where nothing is staged,
+        `_packed_and_dropped_here`), `in_place_packed.PackedInPlace` where segments come in
+        granules (CUDA); None with ``in_place`` off, or where the backend cannot say its
+        granularity."""
         if not ctx.config.in_place:
             return None
-        skip = packed_and_dropped if staging is not None else None
+        skip = packed_and_dropped if staging is not None else (_packed_and_dropped_here if ctx.device_type == "cpu"
+                                                               else None)
         packed_on_host = os.environ.get(PACKED_ON_HOST_ENV)  # a test hook (in_place_packed.py)
         if ctx.device_type == "cpu" and not packed_on_host:
             return InPlace(ctx.config.min_tensor_bytes, skip=skip, huge_pages=ctx.config.huge_pages)
@@ -491,6 +493,17 @@ def _let_go(staging, in_place) -> None:
                 held.release()
             except Exception as e:  # the load's own error is the one to see
                 logger.warning("vllm-dedup: letting go of a failed load's segments: %s: %s", type(e).__name__, e)
+
+
+def _packed_and_dropped_here(module, name: str) -> bool:
+    """Whether vLLM's CPU post-processing packs and drops ``module``'s tensor ``name`` where the
+    engine stages nothing (``cpu_linear`` ``private``, ``plain`` or ``vllm``): a linear layer's
+    weight (`packed.packed_and_dropped`) of a dtype whose oneDNN matmul vLLM can make here
+    (`onednn.vllm_packs`); else vLLM's dispatch falls back to ``F.linear`` and keeps it.  Such
+    a weight stays out of the in-place load: loaded into a memfd, it would cost shmem's page
+    faults and two descriptors for bytes vLLM drops.  (A weight vLLM packs by another kernel,
+    sgl's small GEMMs or zentorch, is still placed, for nothing, as before.)"""
+    return packed_and_dropped(module, name) and onednn.vllm_packs(dtype_name(getattr(module, name).dtype))
 
 
 @contextlib.contextmanager

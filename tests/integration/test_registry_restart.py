@@ -633,3 +633,20 @@ def test_the_serve_helper_starts_a_registry_actor_with_the_keep_warm_s_it_is_giv
             dedup_engine_kwargs({"model_loader_extra_config": {"share_group": "x"}})
     finally:
         ray.shutdown()
+
+
+def test_a_lease_closed_while_watching_says_nothing_went_away(registry_server, caplog):
+    """`Lease.close` closes the connection its watcher polls: the watcher sees a closed
+    connection, but nothing went away, and the engine that let go must not log that the
+    registry did (every ``del llm`` of a process would)."""
+    import logging
+    import threading
+
+    lease = Lease(RegistryClient(registry_server.path, timeout_s=10), "m", "cpu", "default", "sig", timeout_s=10)
+    lease.report({"load_path": "none"})
+    with caplog.at_level(logging.WARNING, logger="vllm_dedup"):
+        lease.watch()
+        time.sleep(0.3)  # the watcher is polling the connection now
+        lease.close()
+        assert wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("vllm-dedup-lease")], 10)
+    assert "went away" not in caplog.text

@@ -408,7 +408,7 @@ class Lease:
                 old = self._closed(timeout_s=1.0)
             except (OSError, ValueError):  # closed by a call that timed out meanwhile: look again
                 continue
-            if old is None:
+            if old is None or self._stop.is_set():  # `close` closed it meanwhile: nothing went away
                 continue
             logger.warning("the registry at %s went away or stopped answering; this engine keeps its "
                            "weights and will re-register them with the next one", self.path)

@@ -73,3 +73,42 @@ def test_expert_rebalancing_and_draft_weight_updates_are_refused_while_weights_a
     session.segment_bytes = 0  # nothing shared: the call reaches vLLM (which wants a MoE model's state)
     with pytest.raises(AssertionError, match="expert parallel group is not initialized"):
         EplbState.rearrange(object())
+
+
+def test_the_guards_refuse_only_the_engine_whose_model_maps_shared_weights(monkeypatch):
+    """Two engines in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a ``dedup`` one that
+    maps shared weights, and an ``auto`` one beside it, which writes its own weights freely.
+    Only the first is refused; a worker whose model cannot be found counts every engine's (a
+    refusal is safe, a write into a segment is not); once the dedup model is gone, none is."""
+    import gc
+    from types import SimpleNamespace
+
+    from torch import nn
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker_hooks.install()
+    session = EngineSession()
+    monkeypatch.setattr(EngineSession, "_current", session)
+    lease = SimpleNamespace(close=lambda: None)
+    shared, own, drafter = nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2), nn.Linear(2, 2)
+    session.hold(lease, 64 << 20, 64 << 20, shared)
+    session.hold(lease, 1 << 20, 0, drafter)
+
+    def worker(model, drafter=None):
+        runner = SimpleNamespace(get_model=lambda: model, drafter=SimpleNamespace(model=drafter))
+        return SimpleNamespace(model_runner=runner)
+
+    dedup, auto = worker(shared, drafter), worker(own)
+    assert worker_hooks.shared_weight_bytes(dedup) == 65 << 20  # the drafter's too
+    assert worker_hooks.shared_weight_bytes(worker(nn.Sequential(shared))) == 64 << 20  # a wrapper of it
+    assert worker_hooks.shared_weight_bytes(auto) == 0
+    assert worker_hooks.shared_weight_bytes(SimpleNamespace()) == 65 << 20  # no model to show: all of them
+    with pytest.raises(SharedWeightsError, match="reload_weights is refused"):
+        Worker.reload_weights(dedup)
+    with pytest.raises(SharedWeightsError, match="with --enable-sleep-mode .its weights then stay private"):
+        Worker.sleep(dedup)  # the refusal names the setting that makes the operation work
+    with pytest.raises(AttributeError):  # past the guard: vLLM's own method, on a stand-in worker
+        Worker.reload_weights(auto)
+    del dedup, shared, drafter
+    gc.collect()
+    assert session.segment_bytes == 0 and worker_hooks.shared_weight_bytes(SimpleNamespace()) == 0

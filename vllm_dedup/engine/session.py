@@ -144,6 +144,7 @@ class EngineSession:
         self.shared_before_startup = 0  # shared_bytes when this start-up began (engines before it, in-process)
         self.budget_corrected = False  # the correction was applied to the worker
         self.described = weakref.WeakSet()  # models given to `describe` since this start-up began
+        self.model_bytes = weakref.WeakKeyDictionary()  # model -> bytes of it in segments (`hold`)
         self._holds = threading.RLock()  # `hold` and `release` (the garbage collector's, on any thread)
     @classmethod
     def current(cls) -> EngineSession:
@@ -204,6 +205,8 @@ class EngineSession:
             self.leases.append(lease)
             self.segment_bytes += segment_bytes
             self.shared_bytes += shared_bytes
+            if model is not None:
+                self.model_bytes[model] = self.model_bytes.get(model, 0) + segment_bytes
         if model is not None:
             weakref.finalize(model, self.release, lease, segment_bytes, shared_bytes)
 
@@ -235,13 +238,24 @@ class EngineSession:
         `worker_hooks`) on ``model`` and again on every model described since this start-up
         began: ``0002`` reads the target model's ``external_weight_correction_bytes`` after
         ``Worker.load_model``, which loads a drafter after it, so the target's must count the
-        drafter's load too."""
+        drafter's load too; so must ``shared_weight_bytes``, which ``0001`` reads of the target
+        only.  Both are this engine's figures, not those of other engines of the process."""
         with self._holds:
             self.described.add(model)
+            engine_bytes = sum(self.model_bytes.get(each, 0) for each in self.described)  # a drafter's too
             for each in list(self.described):
-                each.shared_weight_bytes = self.segment_bytes
+                each.shared_weight_bytes = engine_bytes
                 each.external_weight_correction_bytes = self.correction_bytes
                 each.on_startup_done = self.end_startup
+
+    def bytes_in_segments(self, models) -> int:
+        """Bytes in segments of the held models among ``models`` and their submodules (an
+        engine's model and its drafter's, as its worker has them: one may wrap a held one)."""
+        with self._holds:
+            if not self.model_bytes:
+                return 0
+            found = {id(m): b for model in models for m in model.modules() if (b := self.model_bytes.get(m))}
+            return sum(found.values())
 
     def let_go(self, lease: Lease) -> None:
         """A load through ``lease`` stopped: close it (the registry drops what it held or

@@ -8,8 +8,8 @@ kinds, both reading this process's `session.EngineSession`:
   read-only in several engines: an in-place write would fault (host segments are sealed; on a
   GPU, an illegal-address error that poisons the CUDA context, which no fallback can catch) or,
   on a device without read-only mappings, silently change every other engine's model.  Each
-  guard refuses with a clear error while this process holds tensors in segments and passes
-  through otherwise.  An engine whose configuration says it will write its weights in place
+  guard refuses with a clear error while this engine holds tensors in segments (its model or
+  its drafter's: `shared_weight_bytes`) and passes through otherwise.  An engine whose configuration says it will write its weights in place
   (`vllm_facts.private_reason`: EPLB, weight offloading, RLHF weight transfer, sleep mode) never shares
   them in the first place: the loader keeps them private.  Where the engine core stops serving
   before it reaches the workers (``EngineCore.sleep`` pauses the scheduler first), it asks the
@@ -214,9 +214,30 @@ def _guard_before_pausing(method, name: str, from_level: int, why: str):
 
 
 def shared_weight_bytes(worker=None) -> int:
-    """Bytes of weights this process holds in segments (read-only, shared or publishable).  Run
-    in each worker by the engine core (``collective_rpc``: a module function travels by name)."""
-    return EngineSession.current().segment_bytes
+    """Bytes of weights ``worker``'s engine holds in segments (read-only, shared or publishable):
+    its model's and its drafter's (`session.EngineSession.bytes_in_segments`), not those of
+    another engine of this process (an ``auto`` engine beside a ``dedup`` one writes its own
+    weights freely).  Where the worker's model cannot be found (none loaded yet, a worker of
+    another shape, ``EplbState``), every engine's of this process: refusing is safe, a write
+    into a segment is not.  Run in each worker by the engine core (``collective_rpc``: a module
+    function travels by name)."""
+    session = EngineSession.current()
+    models = _models_of(worker)
+    return session.segment_bytes if models is None else session.bytes_in_segments(models)
+
+
+def _models_of(worker) -> list | None:
+    """The models ``worker`` runs (vLLM 0.32: ``model_runner.get_model()``, the drafter's
+    ``model_runner.drafter.model``), or None where it has none to show."""
+    runner = getattr(worker, "model_runner", None)
+    try:
+        model = runner.get_model()
+    except Exception:  # no runner, or no model loaded yet ("Cannot get model before ...")
+        return None
+    if not hasattr(model, "modules"):
+        return None
+    drafter = getattr(getattr(runner, "drafter", None), "model", None)
+    return [model] + ([drafter] if hasattr(drafter, "modules") else [])
 
 
 def _workers_shared_weight_bytes(engine_core) -> int:
@@ -230,10 +251,21 @@ def _workers_shared_weight_bytes(engine_core) -> int:
         return 0
 
 
+# What a user who wants the refused operation starts the engine with: each setting keeps the
+# engine's weights private under --load-format dedup (`vllm_facts.private_reason`).
+_KEEPS_PRIVATE = {"sleep": "--enable-sleep-mode", "start_weight_update": "a weight_transfer_config",
+                  "start_draft_weight_update": "a weight_transfer_config", "update_weights": "a weight_transfer_config",
+                  "rearrange": "--enable-eplb"}
+
+
 def _refusal(name: str, why: str, held: int) -> SharedWeightsError:
+    setting = _KEEPS_PRIVATE.get(name)
+    way = (f"Start this engine with {setting} (its weights then stay private) or with another --load-format "
+           "(e.g. auto) to use it." if setting else
+           "Start this engine with another --load-format (e.g. auto) to use it.")
     return SharedWeightsError(
         f"vllm-dedup: {name} is refused: {why}, and this engine maps {held / 1e6:.1f} MB of weights shared "
-        "read-only with other engines. Start this engine with another --load-format (e.g. auto) to use it."
+        f"read-only with other engines. {way}"
     )
 
 

@@ -452,3 +452,25 @@ def test_a_hook_waits_for_a_module_another_thread_is_importing(tmp_path, monkeyp
     importer.join()
     monkeypatch.delitem(sys.modules, "slow_worker_module")
     assert got == ["Worker.sleep"] and half.Worker().sleep() == "guarded"
+
+
+def test_an_engine_that_shares_nothing_runs_vllms_own_linears_not_plain_ones(monkeypatch):
+    """``cpu_linear="plain"`` runs ``F.linear`` on shared weights, at a third to two thirds of
+    vLLM's oneDNN speed; an engine whose load stays private (no registry, a configuration that
+    keeps weights private) shares nothing, so it runs vLLM's own kernels (``private``)."""
+    import types
+
+    from vllm.config import VllmConfig
+
+    loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"cpu_linear": "plain"}))
+    config, model_config = VllmConfig(additional_config={}), types.SimpleNamespace(dtype="bfloat16")
+    modes = []
+
+    def no_registry(vllm_config, model_config, prefix):
+        loader.cpu_linear(model_config, vllm_config)  # decided on the way, as `_context` does
+        return None
+
+    monkeypatch.setattr(loader, "_context", no_registry)
+    monkeypatch.setattr(loader, "_load_as_usual", lambda *args: modes.append(loader.cpu_linear(model_config)))
+    loader.load_model(config, model_config)
+    assert modes == ["private"]

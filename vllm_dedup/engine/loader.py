@@ -228,6 +228,10 @@ class DedupModelLoader(BaseModelLoader):
         self.report = None
         ctx = self._context(vllm_config, model_config, prefix)
         if ctx is None:
+            if self._cpu_linear == "plain":  # it shares nothing: vLLM's own graph and kernels, not F.linear's
+                logger.info("cpu_linear=plain is for shared weights; this engine's stay private, so its linear "
+                            "layers run vLLM's own kernels (cpu_linear=private)")
+                self._cpu_linear = "private"
             return self._load_as_usual(vllm_config, model_config, prefix)
         report = self.report = LoadReport()
         staging = self._staging(ctx)

@@ -349,6 +349,27 @@ def test_a_segment_published_where_it_lies_whose_bytes_cannot_be_wrapped_counts_
         ctx.lease.close()
 
 
+def test_a_handler_left_reading_bytes_nobody_owns_stops_the_load_even_under_fallback(registry_server, monkeypatch):
+    """The sharing pass keeps tensors private on any failure of its own under
+    ``on_registry_error="fallback"``, except a SharedWeightsError: a oneDNN handler that may read
+    bytes nobody owns (`onednn.install`) has no private copy left to go on with."""
+    from vllm_dedup.engine.share import SharingPass
+    from vllm_dedup.errors import SharedWeightsError
+
+    def broken(self):
+        raise SharedWeightsError("oneDNN took a handle but reads another (a test)")
+
+    monkeypatch.setattr(SharingPass, "acquire_and_adopt", broken)
+    model = _Model()
+    ctx = _context(registry_server.path, "handler-lost", on_registry_error="fallback")
+    try:
+        model.load(3)
+        with pytest.raises(SharedWeightsError, match="reads another"):
+            share_model(model, ctx)
+    finally:
+        ctx.lease.close()
+
+
 def test_a_segment_sealed_where_it_lies_can_be_written_by_nobody():
     """The kernel's side of Note [sealing where it lies] (memfd_create(2), mprotect(2)): after
     `InPlace.seal`, no new writable mapping, no write(2), no receiver's mprotect to writable,

@@ -244,6 +244,28 @@ def test_other_bytes_are_refused_and_nothing_changes():
     assert torch.equal(ops.onednn_mm(h1, x, None), before)
 
 
+def test_a_handle_onednn_takes_but_does_not_read_stops_the_load(monkeypatch):
+    """`onednn.install`'s check after oneDNN took the new handle: where the handler then reads
+    another buffer (a oneDNN that misbehaves, made here by swapping the address it is given),
+    its own buffer may be gone, so there is no private copy to go on with: the load stops
+    (SharedWeightsError, which the sharing pass and staging never swallow), with what to do."""
+    from vllm_dedup.errors import SharedWeightsError
+
+    weight = _weight(576, 1536, seed=1)
+    handler = ops.create_onednn_mm(weight.t(), 32)
+    packed = onednn.find_packed(handler)
+    data = _segment_tensor(bytes(packed.view()))
+    other = torch.zeros(packed.nbytes + 64, dtype=torch.uint8)
+    other = other[(-other.data_ptr()) % 64:][:packed.nbytes]  # aligned, as oneDNN's own would be
+    lib = onednn_library.library()
+    set_handle = lib.set_data_handle
+    monkeypatch.setattr(lib, "set_data_handle", lambda memory, address: set_handle(memory, other.data_ptr()))
+    with pytest.raises(SharedWeightsError, match="reads another buffer.*cpu_linear='private'"):
+        onednn.install(packed, data)
+    monkeypatch.undo()
+    assert any(t is data for t in getattr(handler, onednn.handler.HOLDS))  # kept: it may be read
+
+
 def test_destroying_the_handler_is_safe_and_unmaps_the_segment():
     weight = _weight(2560, 2048)
     handler = ops.create_onednn_mm(weight.t(), 32)

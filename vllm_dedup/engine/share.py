@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..content.fingerprint import same_bytes
 from ..content.keys import ContentKey
-from ..errors import PackedWeightError, RegistryUnavailable, SegmentError
+from ..errors import PackedWeightError, RegistryUnavailable, SegmentError, SharedWeightsError
 from ..log import init_logger
 from ..segments import segment_class
 from ..segments.packing import plan_packs
@@ -220,6 +220,8 @@ class SharingPass:
             if self.ctx.failures_stop_the_engine:
                 raise RegistryUnavailable(str(e)) from None
             self._stop_publishing(str(e), "registry failed mid-load")
+        except SharedWeightsError:  # a handler left reading bytes nobody owns: no private load to go on with
+            raise
         except Exception as e:  # no thread or descriptor left (EMFILE, a pids limit), a surprise:
             if self.ctx.failures_stop_the_engine:  # never an engine stopped that could load privately
                 raise  # as it is: a SegmentError says what to do, anything else what went wrong

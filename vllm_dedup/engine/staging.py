@@ -176,7 +176,7 @@ class Staging:
     def before_post_processing(self, name: str, module) -> None:
         """Called right before ``module``'s post-processing: before an attention layer's
         deferred one, which may run a handler, the copy in flight ends (Note [one copy in
-        flight]).  Never raises."""
+        flight]).  Raises only `_finish_copy`'s SharedWeightsError."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         if is_deferred_attention_layer(module):
@@ -227,11 +227,10 @@ class Staging:
         self._finish_copy()  # Note [one copy in flight]: in layer order, and a twin is found
         twin = self._by_key.get(key)
         if twin is not None:
-            try:
+            try:  # (a handle oneDNN took, then read another from, stops the load: SharedWeightsError)
                 onednn.install(packed, twin.tensor, compare=True)  # equal bytes only: else it stays
             except PackedWeightError:
-                if not packed.reads_own_buffer():  # oneDNN took the handle, then read another: leave it
-                    raise
+                pass
             else:
                 self.staged.append(Staged(name, handler, key, twin.segment, twin.tensor, owner=False))
                 return
@@ -274,13 +273,20 @@ class Staging:
 
     def _finish_copy(self) -> None:
         """Wait for the copy in flight, if any, and adopt its segment (a failure: the handler
-        keeps its own buffer, and the reason is kept in ``failures``).  Never raises."""
+        keeps its own buffer, and the reason is kept in ``failures``).
+
+        Raises:
+            SharedWeightsError: the handler may read bytes nobody owns (`onednn.install`, or a
+                moved buffer that could not be put back): the load stops.
+        """
         if self._in_flight is None:
             return
         future, name, handler, key, nbytes = self._in_flight
         self._in_flight = None
         try:
             segment, tensor = future.result()
+        except SharedWeightsError:  # the handler may read bytes nobody owns: the load stops
+            raise
         except Exception as e:
             self.created_bytes -= nbytes
             if len(self.failures) < 3:
@@ -296,11 +302,13 @@ class Staging:
 
     def finish(self) -> None:
         """Wait for the copy in flight and stop the worker thread (post-processing is over).
-        Idempotent; never raises."""
-        self._finish_copy()
-        if self._copier is not None:
-            self._copier.shutdown()
-            self._copier = None
+        Idempotent; raises only `_finish_copy`'s SharedWeightsError (the thread stopped)."""
+        try:
+            self._finish_copy()
+        finally:
+            if self._copier is not None:
+                self._copier.shutdown()
+                self._copier = None
 
     def slots(self) -> list[tuple[PackedSlot, str]]:
         """The staged packed weights as the sharing pass takes them: (slot, content key), the

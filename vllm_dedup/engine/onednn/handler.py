@@ -58,7 +58,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ...errors import PackedWeightError
+from ...errors import PackedWeightError, SharedWeightsError
 from . import library as C
 from .layout import PackedLayout, read_layout
 
@@ -233,9 +233,11 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
 
     Raises:
         PackedWeightError: ``data`` does not fit (size, alignment, device), differs from the
-            packed bytes, or oneDNN refused; the handler is unchanged, except where oneDNN
-            took the new handle and then reads neither (`PackedWeight.reads_own_buffer` says
-            which; ``data`` is kept on the handler then, whatever it reads).
+            packed bytes, or oneDNN refused; the handler is unchanged.
+        SharedWeightsError: oneDNN took the new handle, then reads another: its own buffer
+            may be freed already, so the layer would compute with bytes nobody owns, and no
+            private copy is left to fall back to (the load must stop; ``data`` is kept on the
+            handler, whatever it reads).
     """
     import torch
 
@@ -259,7 +261,10 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
     # handler that took it.
     setattr(packed.handler, HOLDS, [*before, data])
     if lib.data_handle(packed.memory) != address:
-        raise PackedWeightError("oneDNN took the new data handle but reads another")
+        raise SharedWeightsError(
+            "vllm-dedup: oneDNN took a shared packed weight's data handle but reads another buffer, so a linear "
+            "layer would compute with bytes nobody owns; the load stops. Start the engine again; if it recurs, set "
+            "cpu_linear='private' in the dedup config (packed weights stay private) and report this oneDNN build")
     # The handler reads ``data`` alone from now on: a segment it read before (one this engine
     # staged, `staging.py`) is let go of here, and freed with its last mapping.
     setattr(packed.handler, HOLDS, [data])

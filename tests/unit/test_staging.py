@@ -445,3 +445,25 @@ def test_the_heap_is_trimmed_as_layers_are_staged(monkeypatch):
     monkeypatch.setattr(staging_module, "_TRIM_EVERY_BYTES", 2 * nbytes)
     _stage(model, Staging(min_bytes=1))
     assert len(trims) == 2  # after layers 1 and 3
+
+
+def test_release_closes_every_staged_descriptor_even_where_a_handler_cannot_be_read(monkeypatch):
+    """`Staging.release` runs in the sharing pass's ``finally``: an unexpected error reading a
+    handler must neither keep it from closing the staged descriptors nor replace the pass's
+    own error; such a handler counts as still reading its segment (read-only: writes refused)."""
+    from vllm_dedup.engine.staging import Staged
+    from vllm_dedup.segments.host import HostSegment
+
+    staging = Staging(4096, "cpu", lambda keys: keys)
+    segments = [HostSegment.from_bytes(bytes(8192), name="vllm-dedup") for _ in range(2)]
+    for i, seg in enumerate(segments):
+        staging.staged.append(Staged(f"layer{i}", object(), f"k{i}", seg, seg.tensor(0, torch.uint8, (8192,), (1,)),
+                                     owner=True))
+
+    def unreadable(handler):
+        raise RuntimeError("a handler this code cannot read (a test)")
+
+    monkeypatch.setattr(onednn, "find_packed", unreadable)
+    assert staging.read_only() == (2, 2 * 8192)
+    staging.release()
+    assert all(seg.fileno() < 0 for seg in segments) and staging.staged == []

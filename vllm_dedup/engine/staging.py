@@ -330,17 +330,20 @@ class Staging:
     def release(self) -> None:
         """Let go of every staged segment: a published one lives on in the handlers that read
         it (and the registry); one that was not (another engine's copy was mapped instead) is
-        freed as its last mapping goes.  Idempotent."""
-        self.finish()
-        in_use = {id(e.segment) for e in self.staged if _reads(e)}
-        for entry in self.staged:
-            if entry.owner and entry.segment.fileno() >= 0:  # never published: its descriptor is still ours
-                with contextlib.suppress(OSError):
-                    entry.segment.close_fd()
-                if id(entry.segment) not in in_use:  # another engine's copy took its place: freed
-                    self.created_bytes -= entry.segment.size
-        self.staged.clear()
-        self._by_key.clear()
+        freed as its last mapping goes.  Idempotent; raises only `finish`'s SharedWeightsError,
+        after every descriptor is closed."""
+        try:
+            self.finish()
+        finally:
+            in_use = {id(e.segment) for e in self.staged if _reads(e)}
+            for entry in self.staged:
+                if entry.owner and entry.segment.fileno() >= 0:  # never published: its descriptor is still ours
+                    with contextlib.suppress(OSError):
+                        entry.segment.close_fd()
+                    if id(entry.segment) not in in_use:  # another engine's copy took its place: freed
+                        self.created_bytes -= entry.segment.size
+            self.staged.clear()
+            self._by_key.clear()
 
     def read_only(self) -> tuple[int, int]:
         """(segments, bytes) of the staged packed weights whose handler still reads its staged
@@ -447,8 +450,12 @@ def _copy_back(packed, fd: int, nbytes: int) -> None:
 
 
 def _reads(entry: Staged) -> bool:
-    """Whether ``entry``'s handler still reads its staged segment."""
+    """Whether ``entry``'s handler still reads its staged segment; where that cannot be told
+    (an error other than a layout not understood), yes: it then counts as read-only, which
+    refuses writes into it (`read_only`), rather than as private."""
     try:
         return onednn.find_packed(entry.handler).address == entry.tensor.data_ptr()
     except PackedWeightError:
         return False
+    except Exception:
+        return True

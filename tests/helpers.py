@@ -136,7 +136,7 @@ def onednn_matmul_dtype():
     """The dtype the oneDNN tests pack: bfloat16 where oneDNN can make a bfloat16 matmul on this
     CPU (AVX-512 and up), else float32.  On AVX2, or with ``ONEDNN_MAX_CPU_ISA=AVX2``, vLLM's
     ``create_onednn_mm`` raises for bfloat16 and plain vLLM runs ``F.linear`` instead, while
-    float32 still packs (``tests/unit/test_onednn.py::test_the_avx2_branch_in_a_child``)."""
+    float32 still packs (``tests/unit/test_onednn.py::test_another_isas_build_in_a_child``)."""
     import torch
     from vllm import _custom_ops as ops
 

@@ -32,7 +32,22 @@ SHAPES = [(576, 1536), (1536, 576), (2560, 2048), (49152, 576), (17, 33), (100, 
 
 DTYPE = onednn_matmul_dtype()  # bfloat16, or float32 where oneDNN cannot pack bfloat16 (AVX2)
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
-AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# The vLLM build an engine loads follows torch's CPU checks (vllm/platforms/cpu.py,
+# ``import_kernels``): ``_C`` with AVX-512-BF16, ``_C_AVX512`` with AVX-512 alone, else
+# ``_C_AVX2``.  A child that fakes those checks, and holds oneDNN and torch to the ISA, loads
+# and runs the build such a machine would (`test_another_isas_build_in_a_child`).
+FORCED_BUILD_ENV = "VLLM_DEDUP_TEST_FORCED_BUILD"
+BUILDS = {  # build -> (environment, torch's AVX-512 check, its AVX-512-BF16 check)
+    "_C_AVX2": ({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}, False, False),
+    "_C_AVX512": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx512"}, True, False),
+}
+_CHILD = """
+import sys, torch
+torch.cpu._is_avx512_supported = lambda: {avx512}
+torch.cpu._is_avx512_bf16_supported = lambda: {bf16}
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
 
 
 def _weight(n: int, k: int, seed: int = 0, dtype=DTYPE) -> torch.Tensor:
@@ -85,7 +100,9 @@ def test_probe_names_the_build():
     support = onednn.probe(DTYPE_NAME)
     flags = _cpu_flags()
     assert support.details["library"] in ("_C", "_C_AVX512", "_C_AVX2")
-    if "avx512_bf16" in flags:
+    if os.environ.get(FORCED_BUILD_ENV):
+        assert support.details["library"] == os.environ[FORCED_BUILD_ENV]
+    elif "avx512_bf16" in flags:
         assert support.details["library"] == "_C"  # platforms/cpu.py import_kernels
     elif "avx512f" not in flags:
         assert support.details["library"] == "_C_AVX2"
@@ -127,12 +144,20 @@ def test_probes_asked_first_while_a_model_is_made_on_the_meta_device_answer_as_o
 
 
 @pytest.mark.heavy
-@pytest.mark.skipif(os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2", reason="this is the child")
-def test_the_avx2_branch_in_a_child():
-    """This module again, with oneDNN and torch held to AVX2 (the branch an AVX2-only CPU takes,
-    whatever this machine's ISA): bfloat16 declines, float32 packs, and every test passes."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env={**os.environ, **AVX2_ENV}, capture_output=True, text=True, timeout=600)
+@pytest.mark.skipif(bool(os.environ.get(FORCED_BUILD_ENV)), reason="this is the child")
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_another_isas_build_in_a_child(build):
+    """This module again, in the vLLM build a machine of another ISA loads, with oneDNN and torch
+    held to that ISA, whatever this machine's: ``_C_AVX2`` (bfloat16 declines, float32 packs)
+    and ``_C_AVX512`` (AVX-512 without BF16), each with its own symbols and layouts; every test
+    passes, and the probe names that build.  (An ISA this CPU cannot run is not tried.)"""
+    env, avx512, bf16 = BUILDS[build]
+    if avx512 and "avx512f" not in _cpu_flags():
+        pytest.skip(f"{build} needs AVX-512, which this CPU lacks")
+    result = subprocess.run([sys.executable, "-c", _CHILD.format(avx512=avx512, bf16=bf16), "-q",
+                             "-p", "no:cacheprovider", __file__],
+                            env={**os.environ, **env, FORCED_BUILD_ENV: build}, capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
 

@@ -474,3 +474,45 @@ def test_an_engine_that_shares_nothing_runs_vllms_own_linears_not_plain_ones(mon
     monkeypatch.setattr(loader, "_load_as_usual", lambda *args: modes.append(loader.cpu_linear(model_config)))
     loader.load_model(config, model_config)
     assert modes == ["private"]
+
+
+@pytest.mark.parametrize("on_error", ["fallback", "fail"])
+def test_a_load_that_fails_inside_vllm_dedup_loads_again_privately_unless_fail(monkeypatch, caplog, on_error):
+    """vLLM's ``load_weights`` runs with vllm-dedup's own code around it (recording, provenance,
+    the in-place layout): an error of that code must not stop an engine that could load
+    privately.  The model given up (in reference cycles, as vLLM's layers are) is collected
+    before the private load makes the model again; under ``fail`` the error stops the load."""
+    import gc
+    import types
+    import weakref
+
+    import torch
+
+    given_up, seen = [], {}
+
+    def fails_inside(ctx, report):
+        layer = torch.nn.Linear(64, 64)
+        layer.weight.weight_loader = layer.forward  # the cycle vLLM's layers make
+        given_up.append(weakref.ref(layer))
+        raise RuntimeError("a bug in the recording (a test)")
+
+    def load_as_usual(*args):
+        seen["given up alive"] = given_up[0]() is not None
+        return "private model"
+
+    loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"on_registry_error": on_error}))
+    ctx = types.SimpleNamespace(model_name="m", device_type="cpu", failures_stop_the_engine=on_error == "fail")
+    monkeypatch.setattr(loader, "_context", lambda *args: ctx)
+    monkeypatch.setattr(loader, "_load_and_share", fails_inside)
+    monkeypatch.setattr(loader, "_load_as_usual", load_as_usual)
+    if on_error == "fail":
+        with pytest.raises(RuntimeError, match="a bug in the recording"):
+            loader.load_model(None, None)
+        return
+    gc.disable()  # only the loader's own collection may free the model given up
+    try:
+        assert loader.load_model(None, None) == "private model"
+    finally:
+        gc.enable()
+    assert seen == {"given up alive": False} and loader.report is None
+    assert "the load failed inside vllm-dedup (RuntimeError: a bug in the recording" in caplog.text

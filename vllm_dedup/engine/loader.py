@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import traceback
 from collections import Counter
 
 import torch
@@ -219,13 +220,19 @@ class DedupModelLoader(BaseModelLoader):
         return model
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        """Load on the path the registry's recipes allow, then share (module docstring).
+        """Load on the path the registry's recipes allow, then share (module docstring).  A
+        load that fails inside vllm-dedup's own code (its recording, provenance or in-place
+        layout around vLLM's ``load_weights``, a oneDNN handler left unusable) is given up and
+        the engine loads again without sharing, unless ``on_registry_error`` is ``fail``; if
+        that load fails too, the error is vLLM's own.
 
         Raises:
             RegistryUnavailable: the registry cannot be reached, or fails, and
                 ``on_registry_error`` is ``fail``.
             SegmentError: shared memory cannot be made or mapped, and ``on_registry_error`` is
                 ``fail``.
+            Exception: under ``fail``, whatever stopped the load; otherwise whatever stopped the
+                load without sharing (vLLM's own error).
         """
         self.report = None
         ctx = self._context(vllm_config, model_config, prefix)
@@ -236,6 +243,42 @@ class DedupModelLoader(BaseModelLoader):
                 self._cpu_linear = "private"
             return self._load_as_usual(vllm_config, model_config, prefix)
         report = self.report = LoadReport()
+        failed = None
+        try:
+            model, meter = self._load_and_share(ctx, report)
+        except Exception as e:
+            if ctx.failures_stop_the_engine:
+                raise
+            failed = f"{type(e).__name__}: {e}"
+            # The traceback as text: a log record keeping the exception would keep the model given up.
+            logger.warning("vllm-dedup: %s: the load failed inside vllm-dedup (%s); loading again without sharing "
+                           "(if that fails too, the error is vLLM's own)\n%s", ctx.model_name, failed,
+                           traceback.format_exc())
+        if failed is not None:  # here, not in the handler: its traceback holds the model given up
+            self.report = None
+            gc.collect()  # that model lives in reference cycles (a weight_loader is a bound method)
+            with contextlib.suppress(Exception):
+                segment_class(ctx.device_type).return_cached(collect=False)
+            return self._load_as_usual(vllm_config, model_config, prefix)
+        report.load_seconds = meter.seconds
+        report.peak_bytes = meter.peak_bytes
+        try:
+            ctx.lease.report(report.figures())
+        except RegistryUnavailable:
+            pass
+        session = EngineSession.current()
+        # Held while the model lives: an engine of the user's own process deleted lets its
+        # segments go with it (a separate engine process closes its lease as it exits anyway).
+        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes, model)
+        ctx.lease.watch()  # re-registers what it holds with a registry that comes back
+        session.describe(model)
+        logger.info("%s: %s", ctx.model_name, report.summary())
+        return model
+
+    def _load_and_share(self, ctx: LoadContext, report: LoadReport):
+        """`load_model`'s load through ``ctx``, its sharing pass and its recipe: ``(model, the
+        load's LoadMeter)``.  A load that stops keeps no registry connection, nor what it
+        published (the exception goes on)."""
         staging = self._staging(ctx)
         in_place = self._in_place(ctx, staging)
 
@@ -260,20 +303,7 @@ class DedupModelLoader(BaseModelLoader):
         except BaseException:  # a load that stops keeps no registry connection, nor what it published
             EngineSession.current().let_go(ctx.lease)
             raise
-        report.load_seconds = meter.seconds
-        report.peak_bytes = meter.peak_bytes
-        try:
-            ctx.lease.report(report.figures())
-        except RegistryUnavailable:
-            pass
-        session = EngineSession.current()
-        # Held while the model lives: an engine of the user's own process deleted lets its
-        # segments go with it (a separate engine process closes its lease as it exits anyway).
-        session.hold(ctx.lease, report.segment_bytes, report.shared_bytes, model)
-        ctx.lease.watch()  # re-registers what it holds with a registry that comes back
-        session.describe(model)
-        logger.info("%s: %s", ctx.model_name, report.summary())
-        return model
+        return model, meter
 
     @staticmethod
     def _staging(ctx: LoadContext):

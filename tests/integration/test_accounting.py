@@ -449,3 +449,35 @@ def test_registry_timeout_s_is_checked():
     for bad in (0, -1, True, "10", 3601):
         with pytest.raises(ValueError, match="registry_timeout_s"):
             DedupConfig.from_extra_config({"registry_timeout_s": bad})
+
+
+def test_a_registry_that_failed_the_start_up_is_not_waited_for_again_by_its_load(monkeypatch):
+    """A hung registry costs one ``registry_timeout_s`` per start-up: where the start-up lock's
+    request failed (a RegistryTimeout), the load's own connect does not try the same registry
+    again; the next start-up does (it may be back), and so does one of another registry."""
+    from vllm_dedup.errors import RegistryTimeout, RegistryUnavailable
+    from vllm_dedup.registry import discovery
+
+    tried = []
+
+    def open_registry(namespace, address, *args, **kwargs):
+        tried.append(namespace)
+        raise RegistryUnavailable("no registry here (a test)")
+
+    monkeypatch.setattr(discovery, "open_registry", open_registry)
+    config = DedupConfig.from_extra_config({"registry_timeout_s": 1})
+
+    class Hung:
+        def lock(self, *args, **kwargs):
+            raise RegistryTimeout("the registry did not answer within 1 s (a test)")
+
+        def close(self):
+            pass
+
+    session = EngineSession()
+    assert not session.take_startup_locks(config, Hung(), [startup_lock_name(GPU0)], "vllm-instance:X")
+    assert session.connect(config, "m", GPU0, "sig") is None and tried == []  # no second wait
+    other = DedupConfig.from_extra_config({"registry_namespace": "team-b"})
+    assert session.connect(other, "m", GPU0, "sig") is None and tried == ["team-b"]
+    session.end_startup()
+    assert session.connect(config, "m", GPU0, "sig") is None and tried == ["team-b", config.registry_namespace]

@@ -137,6 +137,9 @@ class EngineSession:
         self.leases: list[Lease] = []  # open while the model each was held for lives (`hold`)
         self.startup_client: Lease | None = None  # the connection `begin_startup` opened, until `end_startup`
         self.startup_for: tuple | None = None  # whom it said hello for (`_connection_for`)
+        # The registry (namespace, address) this start-up could not reach: its load does not
+        # wait for it a second time (one `registry_timeout_s` per start-up), until `end_startup`.
+        self.unreachable: tuple | None = None
         self.locks: list[str] = []  # start-up locks held now
         self.predicted: int | None = None  # bytes reported to vLLM as mapped from others (None: no correction)
         self.segment_bytes = 0  # bytes of this process's tensors that live in segments
@@ -168,6 +171,9 @@ class EngineSession:
         if self.startup_client is not None and self.startup_for == _connection_for(config, model, device_key,
                                                                                     signature):
             return self.startup_client
+        if self.unreachable == (config.registry_namespace, config.registry_address):
+            logger.info("the registry did not answer earlier in this start-up; loading without sharing")
+            return None
         import functools
 
         from ..registry.daemon import DaemonLaunch, is_daemon, start_daemon
@@ -327,6 +333,7 @@ class EngineSession:
             client.close()
             if self.startup_client is client:
                 self.startup_client = self.startup_for = None
+            self.unreachable = (config.registry_namespace, config.registry_address)
             fail_or_fall_back(config, RegistryUnavailable(
                 f"vllm-dedup: cannot reach the weight registry for the start-up lock ({e})"
                 + FALLBACK_ADVICE * (config.on_registry_error == "fail")), "starting without the start-up lock")
@@ -360,6 +367,7 @@ class EngineSession:
         with self._holds:
             self.predicted, self.budget_corrected, self.shared_before_startup = None, False, self.shared_bytes
             self.described = weakref.WeakSet()
+        self.unreachable = None  # an earlier start-up's: the registry may be back
         if not torch.cuda.is_available() or "cuda" not in str(vllm_config.device_config.device):
             return 0
         if warning := startup_plan_warning(config.accounting):
@@ -384,6 +392,7 @@ class EngineSession:
             return 0
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
         if client is None:
+            self.unreachable = (config.registry_namespace, config.registry_address)
             return 0
         self.startup_client = client
         self.startup_for = _connection_for(config, str(vllm_config.model_config.model), device, signature)
@@ -414,7 +423,7 @@ class EngineSession:
         import sys
 
         client, locks = self.startup_client, self.locks
-        self.startup_client, self.startup_for, self.locks = None, None, []
+        self.startup_client, self.startup_for, self.locks, self.unreachable = None, None, [], None
         with self._holds:  # a start-up that failed leaves nothing to correct in the next engine's (a plain one)
             self.predicted = None
         try:

@@ -650,3 +650,41 @@ def test_a_lease_closed_while_watching_says_nothing_went_away(registry_server, c
         lease.close()
         assert wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("vllm-dedup-lease")], 10)
     assert "went away" not in caplog.text
+
+
+def test_a_forked_child_lets_go_of_the_parents_registry_connection(registry_server, monkeypatch):
+    """Note [a forked child's session]: a child forked while an engine of this process holds
+    a lease (vLLM forks its engine processes on the CPU) closes its copy of the connection and
+    starts a session of its own, so the registry drops the parent's engine as soon as the
+    parent lets go, however long the child lives."""
+    import gc
+
+    from torch import nn
+
+    session = EngineSession()
+    monkeypatch.setattr(EngineSession, "_current", session)
+    lease = Lease(RegistryClient(registry_server.path, timeout_s=10), "engine-A", "cpu", "default", "sig",
+                  timeout_s=10)
+    lease.report({"load_path": "none"})
+    model = nn.Linear(2, 2)
+    session.hold(lease, 1 << 20, 0, model)
+    to_parent, from_child = os.pipe()
+    to_child, from_parent = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: says what it sees, then lives until the parent is done
+        fresh = EngineSession.current()
+        os.write(from_child, b"1" if fresh is not session and fresh.segment_bytes == 0 else b"0")
+        os.read(to_child, 1)
+        os._exit(0)
+    try:
+        assert os.read(to_parent, 1) == b"1"  # a session of its own
+        assert [e.model for e in registry_stats(registry_server.path).engines] == ["engine-A"]
+        del model
+        gc.collect()  # the parent's engine goes: its lease closes
+        assert wait_for(lambda: registry_stats(registry_server.path).engines == [], 10), \
+            "the child's copy of the connection kept the parent's engine registered"
+    finally:
+        os.write(from_parent, b"x")
+        os.waitpid(pid, 0)
+        for fd in (to_parent, from_child, to_child, from_parent):
+            os.close(fd)

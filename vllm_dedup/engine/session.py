@@ -66,6 +66,7 @@ meanwhile is outside the lock's reach.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from typing import ClassVar
@@ -465,3 +466,29 @@ class EngineSession:
         logger.info("%+.1f MB more mapped from other engines than predicted; engine budget now %.1f MB",
                     delta / 1e6, worker.requested_memory / 1e6)
         return delta
+
+
+def _start_afresh_in_child() -> None:
+    """Run in every child ``os.fork`` makes (`os.register_at_fork`): vLLM's engine processes on
+    the CPU backend (its default start method is fork), a user's DataLoader workers.
+
+    Note [a forked child's session]
+        A child inherits this process's session: its registry connections and the
+        descriptors its leases keep.  Holding their copies, it would keep the parent's
+        engines registered, and their segments held, for as long as it lives (after the
+        parent deleted its engine), and its guards would count the parent's engines.  So it
+        closes its copies, sending nothing (the connections are the parent's), and begins a
+        session of its own.  The old session gets locks of its own too: a thread of the
+        parent may have held the inherited ones at the fork, and no thread survives it (the
+        finalizers of the parent's models, copied into the child, still call its `release`).
+    """
+    session = EngineSession._current
+    EngineSession._current = None
+    if session is None:
+        return
+    session._holds = threading.RLock()
+    for lease in {id(held): held for held in [*session.leases, session.startup_client] if held is not None}.values():
+        lease.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_start_afresh_in_child)

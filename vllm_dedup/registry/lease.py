@@ -402,6 +402,25 @@ class Lease:
                     os.close(held.fd)
             self._held.clear()
 
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the connection and of the kept
+        descriptors, sending nothing (the connection is the parent's, which keeps its own
+        copy open), and give this object a lock of its own: a thread of the parent may have
+        held the inherited one at the fork, and no thread survives it.  Every later call fails
+        as after `close`."""
+        self._lock = threading.RLock()
+        self._stop.set()
+        self._watcher = None
+        self._launch = None  # the parent's launcher: its process is not this child's to reap
+        if self._client is not None:
+            with contextlib.suppress(OSError):
+                self._client.close()
+        for held in self._held.values():
+            if held.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(held.fd)
+        self._held.clear()
+
     def _watch(self) -> None:
         while not self._stop.is_set():
             try:

@@ -26,7 +26,7 @@ def register() -> None:
     try:
         _register()
     except Exception:
-        logger.exception("vllm-dedup: the plugin could not register; --load-format %s is unavailable in this "
+        logger.exception("the plugin could not register; --load-format %s is unavailable in this "
                          "process, and other engines run as without it", LOAD_FORMAT)
 
 

@@ -251,7 +251,7 @@ class DedupModelLoader(BaseModelLoader):
                 raise
             failed = f"{type(e).__name__}: {e}"
             # The traceback as text: a log record keeping the exception would keep the model given up.
-            logger.warning("vllm-dedup: %s: the load failed inside vllm-dedup (%s); loading again without sharing "
+            logger.warning("%s: the load failed inside vllm-dedup (%s); loading again without sharing "
                            "(if that fails too, the error is vLLM's own)\n%s", ctx.model_name, failed,
                            traceback.format_exc())
         if failed is not None:  # here, not in the handler: its traceback holds the model given up
@@ -528,7 +528,7 @@ def _let_go(staging, in_place) -> None:
             try:
                 held.release()
             except Exception as e:  # the load's own error is the one to see
-                logger.warning("vllm-dedup: letting go of a failed load's segments: %s: %s", type(e).__name__, e)
+                logger.warning("letting go of a failed load's segments: %s: %s", type(e).__name__, e)
 
 
 def _packed_and_dropped_here(module, name: str) -> bool:

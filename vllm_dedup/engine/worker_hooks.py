@@ -149,7 +149,7 @@ def _on_import(module, hooks: list[tuple]) -> list[str]:
             if _wrap(module, cls_name, name, make, marker):
                 wrapped.append(f"{cls_name}.{name}")
         except Exception as e:
-            logger.warning("vllm-dedup: %s.%s.%s could not be hooked (%s: %s); it runs unguarded",
+            logger.warning("%s.%s.%s could not be hooked (%s: %s); it runs unguarded",
                            module.__name__, cls_name, name, type(e).__name__, e)
     return wrapped
 
@@ -246,7 +246,7 @@ def _workers_shared_weight_bytes(engine_core) -> int:
     try:
         return sum(engine_core.model_executor.collective_rpc(shared_weight_bytes))
     except Exception as e:  # never the reason a plain engine cannot sleep
-        logger.warning("vllm-dedup: the workers could not be asked whether they share weights (%s: %s)",
+        logger.warning("the workers could not be asked whether they share weights (%s: %s)",
                        type(e).__name__, e)
         return 0
 
@@ -278,7 +278,7 @@ def _run_after(method, after):
             try:
                 after(self, True)
             except Exception:  # the method's own error is the one to see
-                logger.warning("vllm-dedup: after %s failed", method.__name__, exc_info=True)
+                logger.warning("after %s failed", method.__name__, exc_info=True)
             raise
         after(self, False)
         return result

@@ -502,7 +502,7 @@ class Lease:
                 try:
                     client.put_recipe(data)
                 except RegistryRefused as e:  # this registry will never take it (another version's limits)
-                    logger.warning("vllm-dedup: the registry refused a recipe this engine kept (%s); it is dropped", e)
+                    logger.warning("the registry refused a recipe this engine kept (%s); it is dropped", e)
                     del self._recipes[data]
             lost = self._reclaim(client)
             if self._load is not None:

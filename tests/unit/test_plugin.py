@@ -516,3 +516,34 @@ def test_a_load_that_fails_inside_vllm_dedup_loads_again_privately_unless_fail(m
         gc.enable()
     assert seen == {"given up alive": False} and loader.report is None
     assert "the load failed inside vllm-dedup (RuntimeError: a bug in the recording" in caplog.text
+
+
+@pytest.mark.parametrize("workers", [[0, 0], [0, 4096]])
+@pytest.mark.parametrize("method", ["reload_weights", "update_weights", "get_model", "a callable"])
+def test_the_engine_core_asks_every_worker_before_it_calls_a_weight_writer_on_all(workers, method):
+    """``EngineCore.collective_rpc("reload_weights")`` calls every worker: with tensor
+    parallelism a rank that loaded privately would write while a rank that shares refuses,
+    leaving a model half old and half new.  The engine core asks them all first, for the
+    guarded methods only (by name; a callable or another method goes through unasked)."""
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_dedup.engine import worker_hooks
+    from vllm_dedup.errors import SharedWeightsError
+
+    worker_hooks.install()
+    assert getattr(EngineCore.__dict__["collective_rpc"], worker_hooks._MARK, False)
+    executor = mock.Mock()
+    executor.collective_rpc.side_effect = lambda fn, *args, **kwargs: (
+        workers if fn is worker_hooks.shared_weight_bytes else ["done"] * len(workers))
+    core = object.__new__(EngineCore)
+    core.model_executor = executor
+    target = (lambda worker: None) if method == "a callable" else method
+    guarded = method in ("reload_weights", "update_weights")
+    if guarded and workers == [0, 4096]:
+        with pytest.raises(SharedWeightsError, match=f"{method} is refused"):
+            core.collective_rpc(target)
+        executor.collective_rpc.assert_called_once_with(worker_hooks.shared_weight_bytes)  # nothing written
+        return
+    assert core.collective_rpc(target, kwargs={"x": 1}) == ["done", "done"]
+    asked = [c for c in executor.collective_rpc.call_args_list if c.args[0] is worker_hooks.shared_weight_bytes]
+    assert len(asked) == (1 if guarded else 0)

@@ -9,8 +9,8 @@ it comes from.  `worker_hooks.py` wraps what is listed here; the loader and `ses
 
 from __future__ import annotations
 
-__all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARDED_BEFORE_PAUSING", "GUARD_MARKER",
-           "PATCHED_BY", "private_reason", "registered_load_formats"]
+__all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARDED_BEFORE_PAUSING", "GUARDED_RPC",
+           "GUARD_MARKER", "PATCHED_BY", "private_reason", "registered_load_formats"]
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 
@@ -36,6 +36,15 @@ GUARDED = (
 GUARDED_BEFORE_PAUSING = (
     ("vllm.v1.engine.core", "EngineCore", "sleep", 1, "sleep mode offloads or discards the weights"),
 )
+
+# The engine core's call of a worker method on every worker at once, by name: (module, class,
+# method).  vllm/v1/engine/core.py: ``EngineCore.collective_rpc`` is how ``reload_weights``,
+# ``start_weight_update``, ``update_weights`` and ``reset_weights`` reach the workers
+# (async_llm.py, entrypoints/rl/, snapshot/server.py).  Each worker's own guard refuses only for
+# itself: with tensor parallelism, a rank that loaded privately (its registry call timed out)
+# would write while a rank that shares refuses, leaving a model half old and half new.  So the
+# engine core asks every worker first, for the methods of `GUARDED` (Worker and CPUWorker).
+GUARDED_RPC = ("vllm.v1.engine.core", "EngineCore", "collective_rpc")
 
 # What a method's source holds once patches/ is applied to it: (class, method) -> marker.  The
 # guards' marker is the check the patch adds to every guarded method.

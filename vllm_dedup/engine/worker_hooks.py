@@ -14,7 +14,9 @@ kinds, both reading this process's `session.EngineSession`:
   them in the first place: the loader keeps them private.  Where the engine core stops serving
   before it reaches the workers (``EngineCore.sleep`` pauses the scheduler first), it asks the
   workers up front (`vllm_facts.GUARDED_BEFORE_PAUSING`), so a refused call leaves the engine
-  serving as before.
+  serving as before; and where it calls a guarded method on every worker at once
+  (``EngineCore.collective_rpc``, `vllm_facts.GUARDED_RPC`), it asks them all before any
+  writes, so that no rank writes while another refuses.
 - **start-up hooks** (GPU accounting, `session.py`): after ``Worker.load_model`` the engine's
   budget is corrected by the bytes mapped beyond the prediction; after
   ``Worker.compile_or_warm_up_model`` (KV cache allocated) the start-up lock is given back,
@@ -56,7 +58,7 @@ import sys
 from ..errors import SharedWeightsError
 from ..log import init_logger
 from .session import EngineSession
-from .vllm_facts import CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, GUARDED_BEFORE_PAUSING, PATCHED_BY
+from .vllm_facts import CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, GUARDED_BEFORE_PAUSING, GUARDED_RPC, PATCHED_BY
 
 __all__ = ["STARTUP_HOOKS", "install", "shared_weight_bytes"]
 
@@ -100,7 +102,7 @@ _MARK = "__vllm_dedup_hook__"
 
 
 def install() -> list[str]:
-    """Wrap every method of `GUARDED`, `GUARDED_BEFORE_PAUSING` and `STARTUP_HOOKS` that
+    """Wrap every method of `GUARDED`, `GUARDED_BEFORE_PAUSING`, `GUARDED_RPC` and `STARTUP_HOOKS` that
     exists, each when vLLM imports its module (Note [hooks on import]).  Idempotent.
 
     Returns:
@@ -130,6 +132,9 @@ def _hooks_by_module() -> dict[str, list[tuple]]:
     for module_name, cls_name, name, level, why in GUARDED_BEFORE_PAUSING:
         hooks.setdefault(module_name, []).append(
             (cls_name, name, functools.partial(_guard_before_pausing, name=name, from_level=level, why=why), None))
+    module_name, cls_name, name = GUARDED_RPC
+    whys = {method: why for _, cls, method, why in GUARDED if cls in ("Worker", "CPUWorker")}
+    hooks.setdefault(module_name, []).append((cls_name, name, functools.partial(_guard_rpc, whys=whys), None))
     for module_name, cls_name, name, after in STARTUP_HOOKS:
         hooks.setdefault(module_name, []).append(
             (cls_name, name, functools.partial(_run_after, after=after), PATCHED_BY.get((cls_name, name))))
@@ -208,6 +213,21 @@ def _guard_before_pausing(method, name: str, from_level: int, why: str):
             held = _workers_shared_weight_bytes(self)
             if held:
                 raise _refusal(name, why, held)
+        return method(self, *args, **kwargs)
+
+    return guarded
+
+
+def _guard_rpc(method, whys: dict[str, str]):
+    """``EngineCore.collective_rpc`` asking every worker before it calls one of ``whys``'
+    methods (method name -> what it does to weights) on all of them (`vllm_facts.GUARDED_RPC`)."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        name = kwargs.get("method", args[0] if args else None)
+        if isinstance(name, str) and name in whys:
+            held = _workers_shared_weight_bytes(self)
+            if held:
+                raise _refusal(name, whys[name], held)
         return method(self, *args, **kwargs)
 
     return guarded

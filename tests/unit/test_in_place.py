@@ -480,8 +480,10 @@ def test_a_load_that_fails_closes_the_descriptors_of_what_it_placed(registry_ser
     monkeypatch.setattr(loader, "_load_as_usual", load_privately)
     gc.collect()  # segments of earlier tests that only a collection frees
     before = _memfd_descriptors()
+    from vllm.config import VllmConfig
+
     with pytest.raises(ValueError, match="wrong shape"):
-        loader.load_model(None, None)
+        loader.load_model(VllmConfig(), None)
     assert _memfd(kept[0].up.weight)  # still read by the model
     assert _memfd_descriptors() == before + 3  # the mappings' own (Note [descriptors])
     deadline = time.monotonic() + 5

@@ -454,24 +454,32 @@ def test_a_hook_waits_for_a_module_another_thread_is_importing(tmp_path, monkeyp
     assert got == ["Worker.sleep"] and half.Worker().sleep() == "guarded"
 
 
-def test_an_engine_that_shares_nothing_runs_vllms_own_linears_not_plain_ones(monkeypatch):
+@pytest.mark.parametrize("decided", [True, False], ids=["no registry", "configured private"])
+def test_an_engine_that_shares_nothing_runs_vllms_own_linears_not_plain_ones(monkeypatch, decided):
     """``cpu_linear="plain"`` runs ``F.linear`` on shared weights, at a third to two thirds of
-    vLLM's oneDNN speed; an engine whose load stays private (no registry, a configuration that
-    keeps weights private) shares nothing, so it runs vLLM's own kernels (``private``)."""
+    vLLM's oneDNN speed; an engine whose load stays private shares nothing, so it runs vLLM's
+    own kernels (``private``): whether `_context` decided the mode before the registry failed,
+    or returned before deciding it (a configuration that keeps weights private)."""
     import types
 
+    from torch import nn
     from vllm.config import VllmConfig
 
     loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"cpu_linear": "plain"}))
     config, model_config = VllmConfig(additional_config={}), types.SimpleNamespace(dtype="bfloat16")
     modes = []
 
-    def no_registry(vllm_config, model_config, prefix):
-        loader.cpu_linear(model_config, vllm_config)  # decided on the way, as `_context` does
+    def private_load(vllm_config, model_config, prefix):
+        if decided:
+            loader.cpu_linear(model_config, vllm_config)  # decided on the way, as `_context` does
         return None
 
-    monkeypatch.setattr(loader, "_context", no_registry)
-    monkeypatch.setattr(loader, "_load_as_usual", lambda *args: modes.append(loader.cpu_linear(model_config)))
+    def load_as_usual(*args):
+        modes.append(loader.cpu_linear(model_config))
+        return nn.Linear(2, 2)
+
+    monkeypatch.setattr(loader, "_context", private_load)
+    monkeypatch.setattr(loader, "_load_as_usual", load_as_usual)
     loader.load_model(config, model_config)
     assert modes == ["private"]
 
@@ -481,41 +489,61 @@ def test_a_load_that_fails_inside_vllm_dedup_loads_again_privately_unless_fail(m
     """vLLM's ``load_weights`` runs with vllm-dedup's own code around it (recording, provenance,
     the in-place layout): an error of that code must not stop an engine that could load
     privately.  The model given up (in reference cycles, as vLLM's layers are) is collected
-    before the private load makes the model again; under ``fail`` the error stops the load."""
+    before the private load makes the model again, and the layers it registered with vLLM by
+    name are forgotten (vLLM refuses a name twice: "Duplicate layer name"); under ``fail`` the
+    error stops the load.  Out of memory is raised at once: a second load would meet it too."""
     import gc
     import types
     import weakref
 
     import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
 
+    config = VllmConfig()
+    object.__setattr__(config, "model_config", types.SimpleNamespace(  # what Attention reads of it
+        dtype=torch.float32, hf_config=None, is_attention_free=False, use_mla=False, is_mm_prefix_lm=False,
+        rswa_window=None, get_sliding_window=lambda: None))
     given_up, seen = [], {}
 
+    def build():  # as create_model makes a decoder layer: its attention registers by name
+        layer = torch.nn.ModuleDict({"attn": Attention(4, 16, 0.25, prefix="model.layers.0.attn"),
+                                     "proj": torch.nn.Linear(64, 64)})
+        layer["proj"].weight.weight_loader = layer["proj"].forward  # the cycle vLLM's layers make
+        return layer
+
     def fails_inside(ctx, report):
-        layer = torch.nn.Linear(64, 64)
-        layer.weight.weight_loader = layer.forward  # the cycle vLLM's layers make
-        given_up.append(weakref.ref(layer))
+        given_up.append(weakref.ref(build()))
         raise RuntimeError("a bug in the recording (a test)")
 
     def load_as_usual(*args):
         seen["given up alive"] = given_up[0]() is not None
-        return "private model"
+        return build()
 
     loader = DedupModelLoader(LoadConfig(load_format="dedup", model_loader_extra_config={"on_registry_error": on_error}))
     ctx = types.SimpleNamespace(model_name="m", device_type="cpu", failures_stop_the_engine=on_error == "fail")
     monkeypatch.setattr(loader, "_context", lambda *args: ctx)
     monkeypatch.setattr(loader, "_load_and_share", fails_inside)
     monkeypatch.setattr(loader, "_load_as_usual", load_as_usual)
-    if on_error == "fail":
-        with pytest.raises(RuntimeError, match="a bug in the recording"):
-            loader.load_model(None, None)
-        return
-    gc.disable()  # only the loader's own collection may free the model given up
-    try:
-        assert loader.load_model(None, None) == "private model"
-    finally:
-        gc.enable()
-    assert seen == {"given up alive": False} and loader.report is None
-    assert "the load failed inside vllm-dedup (RuntimeError: a bug in the recording" in caplog.text
+    with set_current_vllm_config(config):
+        if on_error == "fail":
+            with pytest.raises(RuntimeError, match="a bug in the recording"):
+                loader.load_model(config, config.model_config)
+            return
+        gc.disable()  # only the loader's own collection may free the model given up
+        try:
+            model = loader.load_model(config, config.model_config)
+        finally:
+            gc.enable()
+        assert isinstance(model["attn"], Attention) and seen == {"given up alive": False} and loader.report is None
+        assert "the load failed (RuntimeError: a bug in the recording" in caplog.text
+
+        def out_of_memory(ctx, report):
+            raise torch.OutOfMemoryError("out of memory (a test)")
+
+        monkeypatch.setattr(loader, "_load_and_share", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            loader.load_model(config, config.model_config)
 
 
 @pytest.mark.parametrize("workers", [[0, 0], [0, 4096]])

@@ -76,6 +76,7 @@ from .in_place import InPlace
 from .in_place_packed import PACKED_ON_HOST_ENV, PackedInPlace
 from .meter import LoadMeter
 from .packed import packed_and_dropped
+from .meta_model import Registrations
 from .post_processing import post_processing_hooks
 from .recipe import RecipeDeclined
 from .recipe_builder import model_attrs
@@ -221,10 +222,12 @@ class DedupModelLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """Load on the path the registry's recipes allow, then share (module docstring).  A
-        load that fails inside vllm-dedup's own code (its recording, provenance or in-place
-        layout around vLLM's ``load_weights``, a oneDNN handler left unusable) is given up and
-        the engine loads again without sharing, unless ``on_registry_error`` is ``fail``; if
-        that load fails too, the error is vLLM's own.
+        load that fails, which may be vllm-dedup's own code around vLLM's (its recording,
+        provenance or in-place layout around ``load_weights``, a oneDNN handler left unusable),
+        is given up and the engine loads again without sharing, unless ``on_registry_error`` is
+        ``fail``; if that load fails too, the error is vLLM's own.  Out of memory, and a file
+        that cannot be opened, are raised at once (`_NOT_RETRIED`): a second load would fail
+        the same way.
 
         Raises:
             RegistryUnavailable: the registry cannot be reached, or fails, and
@@ -237,29 +240,33 @@ class DedupModelLoader(BaseModelLoader):
         self.report = None
         ctx = self._context(vllm_config, model_config, prefix)
         if ctx is None:
-            if self._cpu_linear == "plain":  # it shares nothing: vLLM's own graph and kernels, not F.linear's
+            if self.config.cpu_linear == "plain" and self._cpu_linear in (None, "plain"):
+                # It shares nothing: vLLM's own graph and kernels, not F.linear's (the model is
+                # not made yet, so nothing has keyed the compile cache for the plain graph).
                 logger.info("cpu_linear=plain is for shared weights; this engine's stay private, so its linear "
                             "layers run vLLM's own kernels (cpu_linear=private)")
                 self._cpu_linear = "private"
-            return self._load_as_usual(vllm_config, model_config, prefix)
+            return self._privately(vllm_config, model_config, prefix)
         report = self.report = LoadReport()
+        registrations = Registrations(vllm_config)
         failed = None
         try:
             model, meter = self._load_and_share(ctx, report)
         except Exception as e:
-            if ctx.failures_stop_the_engine:
+            if ctx.failures_stop_the_engine or isinstance(e, _NOT_RETRIED):
                 raise
             failed = f"{type(e).__name__}: {e}"
             # The traceback as text: a log record keeping the exception would keep the model given up.
-            logger.warning("%s: the load failed inside vllm-dedup (%s); loading again without sharing "
-                           "(if that fails too, the error is vLLM's own)\n%s", ctx.model_name, failed,
-                           traceback.format_exc())
+            logger.warning("%s: the load failed (%s); loading again without sharing, in case vllm-dedup's own "
+                           "code around it failed (if that load fails too, the error is vLLM's own)\n%s",
+                           ctx.model_name, failed, traceback.format_exc())
         if failed is not None:  # here, not in the handler: its traceback holds the model given up
             self.report = None
+            registrations.undo()  # its layers, registered by name in vLLM's config, are made again
             gc.collect()  # that model lives in reference cycles (a weight_loader is a bound method)
             with contextlib.suppress(Exception):
                 segment_class(ctx.device_type).return_cached(collect=False)
-            return self._load_as_usual(vllm_config, model_config, prefix)
+            return self._privately(vllm_config, model_config, prefix)
         report.load_seconds = meter.seconds
         report.peak_bytes = meter.peak_bytes
         try:
@@ -273,6 +280,14 @@ class DedupModelLoader(BaseModelLoader):
         ctx.lease.watch()  # re-registers what it holds with a registry that comes back
         session.describe(model)
         logger.info("%s: %s", ctx.model_name, report.summary())
+        return model
+
+    def _privately(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
+        """The inner loader's usual load, nothing shared, its model described as a shared one's
+        is (`EngineSession.describe`: with patches/ applied, vLLM reads the budget correction,
+        the start-up's end and the guard's figure from the model)."""
+        model = self._load_as_usual(vllm_config, model_config, prefix)
+        EngineSession.current().describe(model)
         return model
 
     def _load_and_share(self, ctx: LoadContext, report: LoadReport):
@@ -529,6 +544,10 @@ def _let_go(staging, in_place) -> None:
                 held.release()
             except Exception as e:  # the load's own error is the one to see
                 logger.warning("letting go of a failed load's segments: %s: %s", type(e).__name__, e)
+
+
+# Errors a second load, without sharing, would meet again: raised at once (`load_model`).
+_NOT_RETRIED = (MemoryError, torch.OutOfMemoryError, FileNotFoundError, PermissionError, IsADirectoryError)
 
 
 def _packed_and_dropped_here(module, name: str) -> bool:

@@ -89,6 +89,26 @@ def forget_layers(vllm_config, before: tuple[set[str], int]) -> None:
         del moe_layers[moe:]
 
 
+class Registrations:
+    """What building a model registers process-wide in vLLM, as it is when this is made: the
+    layers in the compilation config (`registered_layers`) and the rotary modules `get_rope`
+    caches (`rope_cache`).  `undo` goes back to it, for a model given up whose replacement is
+    built next in the same process (vLLM refuses a layer name registered twice: "Duplicate
+    layer name"; a cached rotary module may have been built on the meta device, or moved into
+    a segment since)."""
+
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+        self.layers = registered_layers(vllm_config)
+        self.ropes = dict(rope_cache())
+
+    def undo(self) -> None:
+        forget_layers(self.vllm_config, self.layers)
+        ropes = rope_cache()
+        ropes.clear()
+        ropes.update(self.ropes)
+
+
 def rope_cache() -> dict:
     """vLLM's process-wide cache of rotary embedding modules (``get_rope`` hands the same module
     to every model built with the same parameters, whatever the device it was built on)."""

@@ -55,7 +55,7 @@ from ..log import init_logger
 from ..segments import segment_class
 from .context import LoadContext, Placement
 from .heap import reused_heap, trim
-from .meta_model import check_no_meta, forget_layers, like_meta, registered_layers, retie, rope_cache
+from .meta_model import Registrations, check_no_meta, like_meta, retie
 from .packed import ZeroPages, install_replayed, keeps_weight
 from .post_processing import post_processing_hooks
 from .provenance import WriteGuard
@@ -116,9 +116,7 @@ class Replay:
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         model = None
-        ropes = rope_cache()
-        ropes_before = dict(ropes)
-        layers_before = registered_layers(self.ctx.vllm_config)
+        registrations = Registrations(self.ctx.vllm_config)
         try:
             with set_default_torch_dtype(self.ctx.model_config.dtype):
                 with torch.device("meta"):
@@ -170,9 +168,7 @@ class Replay:
             self.placement.clear()
             if self.in_place is not None:
                 self.in_place.discard()
-            forget_layers(self.ctx.vllm_config, layers_before)
-            ropes.clear()  # rotary modules made on the meta device must not be reused
-            ropes.update(ropes_before)
+            registrations.undo()  # the usual load builds them again (rotary modules made on the meta device too)
             if isinstance(e, RecipeDeclined):
                 raise
             raise RecipeDeclined(f"{type(e).__name__}: {e}") from e

@@ -220,7 +220,7 @@ class SharingPass:
             if self.ctx.failures_stop_the_engine:
                 raise RegistryUnavailable(str(e)) from None
             self._stop_publishing(str(e), "registry failed mid-load")
-        except SharedWeightsError:  # a handler left reading bytes nobody owns: no private load to go on with
+        except SharedWeightsError:  # a handler left reading bytes nobody owns: this model cannot go on (`load_model`)
             raise
         except Exception as e:  # no thread or descriptor left (EMFILE, a pids limit), a surprise:
             if self.ctx.failures_stop_the_engine:  # never an engine stopped that could load privately

@@ -444,9 +444,9 @@ def _copy_back(packed, fd: int, nbytes: int) -> None:
             done += got
     except OSError as e:
         raise SharedWeightsError(f"a packed weight moved into shared memory could not be restored after a failed "
-                                 f"move ({e}); its handler would read zeros, so the load stops; start the "
-                                 "engine again, and if it recurs, set cpu_linear='private' (packed weights "
-                                 "stay private) in the dedup config") from None
+                                 f"move ({e}); its handler would read zeros, so the load stops (the engine "
+                                 "loads again without sharing, unless on_registry_error='fail'); if it recurs, "
+                                 "set cpu_linear='private' (packed weights stay private) in the dedup config") from None
 
 
 def _reads(entry: Staged) -> bool:

@@ -262,9 +262,10 @@ def install(packed: PackedWeight, data, compare: bool = True) -> int:
     setattr(packed.handler, HOLDS, [*before, data])
     if lib.data_handle(packed.memory) != address:
         raise SharedWeightsError(
-            "vllm-dedup: oneDNN took a shared packed weight's data handle but reads another buffer, so a linear "
-            "layer would compute with bytes nobody owns; the load stops. Start the engine again; if it recurs, set "
-            "cpu_linear='private' in the dedup config (packed weights stay private) and report this oneDNN build")
+            "oneDNN took a shared packed weight's data handle but reads another buffer, so a linear layer would "
+            "compute with bytes nobody owns: this load stops (the engine loads again without sharing, unless "
+            "on_registry_error='fail'). If it recurs, set cpu_linear='private' in the dedup config (packed weights "
+            "stay private) and report this oneDNN build")
     # The handler reads ``data`` alone from now on: a segment it read before (one this engine
     # staged, `staging.py`) is let go of here, and freed with its last mapping.
     setattr(packed.handler, HOLDS, [data])

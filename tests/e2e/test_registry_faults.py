@@ -128,3 +128,41 @@ def test_a_hung_registry_never_hangs_start_up(smollm2, registry, reference):
         for engine in (a, b):
             if engine is not None:
                 engine.stop()
+
+
+# Made to fail in the engine's own process: the source recorder (vllm-dedup's code around vLLM's
+# load_weights) raises halfway through the checkpoint, as a bug in it would.
+_BROKEN_RECORDER = '''
+import wrapt
+
+
+def _break(module):
+    iterate = module.SourceRecorder.iterate
+
+    def failing(self, weights):
+        for i, item in enumerate(iterate(self, weights)):
+            if i == 20:
+                raise RuntimeError("a bug in the recording (a test)")
+            yield item
+
+    module.SourceRecorder.iterate = failing
+
+
+wrapt.register_post_import_hook(_break, "vllm_dedup.engine.sources")
+'''
+
+
+def test_a_load_that_fails_inside_vllm_dedup_loads_again_privately_and_serves(smollm2, registry, plain_smollm2,
+                                                                               same_tensors, tmp_path, monkeypatch):
+    """A failure of vllm-dedup's own code inside a load never stops an engine that can load
+    privately: the model given up, its layers forgotten by vLLM (which refuses a name twice),
+    the engine loads again without sharing and holds exactly a plain load's tensors."""
+    (tmp_path / "sitecustomize.py").write_text(_BROKEN_RECORDER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    with EngineProcess(smollm2, core=0) as engine:
+        engine.wait_ready()
+        log = engine.log()
+        assert "a bug in the recording (a test)" in log and "loading again without sharing" in log, log[-3000:]
+        same_tensors(engine, smollm2)
+        assert engine.generate() == plain_smollm2
+        assert engine.pid not in registry.engine_loads()  # nothing of it is in segments

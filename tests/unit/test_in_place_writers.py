@@ -100,6 +100,8 @@ def test_the_guards_refuse_only_the_engine_whose_model_maps_shared_weights(monke
 
     dedup, auto = worker(shared, drafter), worker(own)
     assert worker_hooks.shared_weight_bytes(dedup) == 65 << 20  # the drafter's too
+    v2 = SimpleNamespace(get_model=lambda: own, get_draft_model=lambda held=drafter: held)  # vLLM's V2 GPU runner
+    assert worker_hooks.shared_weight_bytes(SimpleNamespace(model_runner=v2)) == 1 << 20
     assert worker_hooks.shared_weight_bytes(worker(nn.Sequential(shared))) == 64 << 20  # a wrapper of it
     assert worker_hooks.shared_weight_bytes(auto) == 0
     assert worker_hooks.shared_weight_bytes(SimpleNamespace()) == 65 << 20  # no model to show: all of them
@@ -109,6 +111,6 @@ def test_the_guards_refuse_only_the_engine_whose_model_maps_shared_weights(monke
         Worker.sleep(dedup)  # the refusal names the setting that makes the operation work
     with pytest.raises(AttributeError):  # past the guard: vLLM's own method, on a stand-in worker
         Worker.reload_weights(auto)
-    del dedup, shared, drafter
+    del dedup, shared, drafter, v2
     gc.collect()
     assert session.segment_bytes == 0 and worker_hooks.shared_weight_bytes(SimpleNamespace()) == 0

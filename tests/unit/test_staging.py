@@ -465,5 +465,11 @@ def test_release_closes_every_staged_descriptor_even_where_a_handler_cannot_be_r
 
     monkeypatch.setattr(onednn, "find_packed", unreadable)
     assert staging.read_only() == (2, 2 * 8192)
-    staging.release()
+
+    def copy_failed():  # the copy in flight left a handler reading bytes nobody owns
+        raise SharedWeightsError("a packed weight could not be restored (a test)")
+
+    monkeypatch.setattr(staging, "_finish_copy", copy_failed)
+    with pytest.raises(SharedWeightsError, match="could not be restored"):  # its error, not a closing one
+        staging.release()
     assert all(seg.fileno() < 0 for seg in segments) and staging.staged == []

@@ -68,6 +68,7 @@ Note [a pack lives while a member does]
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -139,6 +140,9 @@ class PackedInPlace:
         self.skip = skip or (lambda module, name: False)
         self._packs: list[_Pack] = []  # placed, not sealed, not let go of
         self._let_go: list[tuple[int, tuple[_Member, ...]]] = []  # (segment size, its members): `_let_go_of`
+        # A pack moves from `_packs` to `_let_go` while the meter's thread counts both.  Reentrant:
+        # dropping a segment's last reference runs its finalizer in this thread, inside the lock.
+        self._counting = threading.RLock()
         self.placed_bytes = self.sealed_bytes = 0
         self.failures: list[str] = []
 
@@ -146,9 +150,9 @@ class PackedInPlace:
     def held_bytes(self) -> int:
         """Bytes of this load's packed segments that exist now (the load meter's ``live``): the
         sealed ones, those not let go of, and those let go of that a member still keeps."""
-        kept = sum(size for size, members in self._let_go if any(m.storage() is not None for m in members))
-        # The meter's thread asks while the load's thread lets packs go (``seg`` None first).
-        return self.sealed_bytes + sum(seg.size for p in list(self._packs) if (seg := p.seg) is not None) + kept
+        with self._counting:  # the meter's thread asks while the load's thread lets packs go: each counted once
+            kept = sum(size for size, members in self._let_go if any(m.storage() is not None for m in members))
+            return self.sealed_bytes + sum(seg.size for p in self._packs if (seg := p.seg) is not None) + kept
 
     def place(self, model, modules: list | None = None) -> None:
         """Move each of ``model``'s storages the sharing pass would take into a packed segment
@@ -275,8 +279,9 @@ class PackedInPlace:
         memory goes with the last member that maps it (Note [a pack lives while a member
         does])."""
         pack.seg.close_fd()
-        self._let_go.append((pack.seg.size, tuple(pack.members.values())))
-        pack.seg = None
+        with self._counting:
+            self._let_go.append((pack.seg.size, tuple(pack.members.values())))
+            pack.seg = None
 
     def seal(self, slots: list[Slot], offsets: list[int]):
         """Freeze the pack ``slots`` fill at ``offsets`` (one of `packs`) and hand it over.
@@ -303,11 +308,13 @@ class PackedInPlace:
             # them (counted while a member maps it), not at `release` (Note [one copy at a time]).
             self.failures.append(str(e))
             self._let_go_of(pack)
+            seg = None
+        else:
+            seg = pack.seg
+        with self._counting:
             self._packs.remove(pack)
-            return None
-        self._packs.remove(pack)
-        self.sealed_bytes += pack.seg.size
-        return pack.seg
+            self.sealed_bytes += seg.size if seg is not None else 0
+        return seg
 
     def discard(self) -> None:
         """Forget what was placed, for a model given up (a replay that declined): the segments

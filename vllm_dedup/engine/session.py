@@ -84,11 +84,16 @@ __all__ = ["EngineSession", "startup_devices", "startup_plan_warning"]
 logger = init_logger(__name__)
 
 
+def _registry_of(config: DedupConfig) -> tuple:
+    """Which registry ``config`` names: (namespace, address)."""
+    return config.registry_namespace, config.registry_address
+
+
 def _connection_for(config: DedupConfig, model: str, device_key: str, signature: str) -> tuple:
     """Whom a registry connection said hello for: an engine of another model, group or
     registry in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) needs a connection of its
     own."""
-    return (config.registry_namespace, config.registry_address, config.share_group, model, device_key, signature)
+    return (*_registry_of(config), config.share_group, model, device_key, signature)
 
 
 def _world_size(pc) -> int:
@@ -172,7 +177,7 @@ class EngineSession:
         if self.startup_client is not None and self.startup_for == _connection_for(config, model, device_key,
                                                                                     signature):
             return self.startup_client
-        if self.unreachable == (config.registry_namespace, config.registry_address):
+        if self.unreachable == _registry_of(config):
             logger.info("the registry did not answer earlier in this start-up; loading without sharing")
             return None
         import functools
@@ -334,7 +339,7 @@ class EngineSession:
             client.close()
             if self.startup_client is client:
                 self.startup_client = self.startup_for = None
-            self.unreachable = (config.registry_namespace, config.registry_address)
+            self.unreachable = _registry_of(config)
             fail_or_fall_back(config, RegistryUnavailable(
                 f"vllm-dedup: cannot reach the weight registry for the start-up lock ({e})"
                 + FALLBACK_ADVICE * (config.on_registry_error == "fail")), "starting without the start-up lock")
@@ -393,7 +398,7 @@ class EngineSession:
             return 0
         client = self.connect(config, str(vllm_config.model_config.model), device, signature)
         if client is None:
-            self.unreachable = (config.registry_namespace, config.registry_address)
+            self.unreachable = _registry_of(config)
             return 0
         self.startup_client = client
         self.startup_for = _connection_for(config, str(vllm_config.model_config.model), device, signature)

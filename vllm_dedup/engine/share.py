@@ -438,9 +438,8 @@ class SharingPass:
         try:
             seg_id = future.result()
         except BaseException:
-            if sealed:  # (a staged packed weight is counted as it is kept private: `keep_private`)
-                self.report.unpublished_bytes += sum(self.pending[k][0].nbytes for k in keys
-                                                     if _staged(self.pending[k][0]) is None)
+            if sealed:
+                self.report.unpublished_bytes += sum(_sealed_private(self.pending[k][0]) for k in keys)
             raise
         uid = self.lease.uid_of(seg_id)
         self.report.padding_bytes += seg.size - sum(self.pending[k][0].nbytes for k in keys)
@@ -448,15 +447,20 @@ class SharingPass:
         for key, offset in zip(keys, offsets):
             group = self.pending.pop(key)
             took, differ = self.adopt(group, seg, offset, Placement(key, uid), published=True)
-            if sealed and not took and _staged(group[0]) is None:
-                # The backend failed for its source: private now, but over the sealed bytes still
-                # (a staged packed weight is counted as it is kept private: `keep_private`).
-                self.report.unpublished_bytes += group[0].nbytes
+            if sealed and not took:  # the backend failed for its source: private, over the sealed bytes still
+                self.report.unpublished_bytes += _sealed_private(group[0])
             taken += took
             self.report.collisions += len(differ)  # same key in this model, other bytes
             self.keep_private(differ)
         if not taken:  # the backend failed for every member
             self.lease.release([seg_id])
+
+
+def _sealed_private(source) -> int:
+    """Bytes to count in ``unpublished_bytes`` for the first slot of a key whose segment was
+    sealed where it lies but is not adopted: all of them, but for a staged packed weight's,
+    which `keep_private` counts as it keeps it private."""
+    return source.nbytes if _staged(source) is None else 0
 
 
 def _staged(slot):

@@ -247,16 +247,19 @@ def shared_weight_bytes(worker=None) -> int:
 
 
 def _models_of(worker) -> list | None:
-    """The models ``worker`` runs (vLLM 0.32: ``model_runner.get_model()``, the drafter's
-    ``model_runner.drafter.model``), or None where it has none to show."""
+    """The models ``worker`` runs (vLLM 0.32: ``model_runner.get_model()`` and
+    ``get_draft_model()``, in both GPU runners, the drafter's at ``drafter.model`` or
+    ``speculator.model``; ``drafter.model`` where a runner has no ``get_draft_model``), or
+    None where it cannot show them all."""
     runner = getattr(worker, "model_runner", None)
     try:
         model = runner.get_model()
+        drafter = (runner.get_draft_model() if hasattr(runner, "get_draft_model")
+                   else getattr(getattr(runner, "drafter", None), "model", None))
     except Exception:  # no runner, or no model loaded yet ("Cannot get model before ...")
         return None
     if not hasattr(model, "modules"):
         return None
-    drafter = getattr(getattr(runner, "drafter", None), "model", None)
     return [model] + ([drafter] if hasattr(drafter, "modules") else [])
 
 

@@ -395,23 +395,24 @@ class Lease:
             if self._launch is not None:  # never connected: the launcher is reaped, its log closed
                 self._launch.close()
                 self._launch = None
-            if self._client is not None:
-                self._client.close()
-            for held in self._held.values():
-                if held.fd >= 0:
-                    os.close(held.fd)
-            self._held.clear()
+            self._close_descriptors()
 
     def forget_in_child(self) -> None:
         """In a forked child: close this process's copies of the connection and of the kept
         descriptors, sending nothing (the connection is the parent's, which keeps its own
-        copy open), and give this object a lock of its own: a thread of the parent may have
-        held the inherited one at the fork, and no thread survives it.  Every later call fails
-        as after `close`."""
+        copy open), and give this object a lock and a stop event of its own: a thread of the
+        parent may have held the inherited ones at the fork, and no thread survives it.  Every
+        later call fails as after `close`."""
         self._lock = threading.RLock()
+        self._stop = threading.Event()
         self._stop.set()
         self._watcher = None
         self._launch = None  # the parent's launcher: its process is not this child's to reap
+        self._close_descriptors()
+
+    def _close_descriptors(self) -> None:
+        """Close the connection and every descriptor kept (the caller holds ``self._lock``, or
+        is the only thread)."""
         if self._client is not None:
             with contextlib.suppress(OSError):
                 self._client.close()

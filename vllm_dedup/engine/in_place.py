@@ -124,7 +124,7 @@ from ..segments.host import HostSegment, seal, seals_future_writes, writable_mem
 from .proc_maps import AnonymousRanges
 from .slots import Slot, collect_slots, swap, swap_out
 
-__all__ = ["InPlace"]
+__all__ = ["InPlace", "placeable_slots"]
 
 logger = init_logger(__name__)
 
@@ -183,20 +183,9 @@ class InPlace:
         its own (module docstring, step 1); with ``modules``, only storages whose every place is
         in one of them (a replay's modules loaded from the checkpoint: the others are mapped).
         Never raises: a storage that cannot be moved stays."""
-        try:
-            slots, _, _ = collect_slots(model, "cpu", self.min_bytes)
-        except (RuntimeError, ValueError, TypeError) as e:  # the walk failed: nothing moved
-            self.failures.append(f"{type(e).__name__}: {e}")
-            logger.info("in place: the model's storages cannot be collected (%s); they load into private memory", e)
-            return
-        only = None if modules is None else {id(m) for m in modules}
         anonymous = AnonymousRanges()
         room = _descriptor_room()
-        for slot in slots:
-            if any(self.skip(module, name) for module, name, _ in slot.refs):
-                continue
-            if only is not None and not all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]):
-                continue
+        for slot in placeable_slots(model, "cpu", self.min_bytes, self.skip, modules, self.failures):
             if room < 2:  # Note [descriptors]
                 self.failures.append("the process's descriptor limit (RLIMIT_NOFILE) is near")
                 logger.info("in place: the descriptor limit is near; the other tensors load into private memory")
@@ -337,6 +326,23 @@ class InPlace:
         mb = 1e6
         return (f"{self.placed_bytes / mb:.1f} MB loaded into segments of its own, "
                 f"{self.sealed_bytes / mb:.1f} MB of it published where it lies")
+
+
+def placeable_slots(model, device_type: str, min_bytes: int, skip, modules, failures: list[str]) -> list[Slot]:
+    """The slots of ``model`` an in-place load moves (`collect_slots`), in the model's order:
+    none of whose places holds a tensor post-processing replaces (``skip(module, name)``), and
+    with ``modules`` (a replay's modules loaded from the checkpoint) every place in one of them.
+    ``[]`` where the model's storages cannot be collected (an uninitialized parameter): the
+    reason goes into ``failures`` and the log, and they load into private memory."""
+    try:
+        slots = collect_slots(model, device_type, min_bytes)[0]
+    except (RuntimeError, ValueError, TypeError) as e:  # the walk failed: nothing moves
+        failures.append(f"{type(e).__name__}: {e}")
+        logger.info("in place: the model's storages cannot be collected (%s); they load into private memory", e)
+        return []
+    only = None if modules is None else {id(m) for m in modules}
+    return [slot for slot in slots if not any(skip(module, name) for module, name, _ in slot.refs)
+            and (only is None or all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]))]
 
 
 def _descriptor_room() -> int:

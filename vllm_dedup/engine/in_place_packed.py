@@ -76,7 +76,8 @@ from ..content.views import typed_view
 from ..errors import SegmentError
 from ..log import init_logger
 from ..segments.packing import plan_packs
-from .slots import Slot, collect_slots, swap, swap_out
+from .in_place import placeable_slots
+from .slots import Slot, swap, swap_out
 
 __all__ = ["PACKED_ON_HOST_ENV", "PackedInPlace"]
 
@@ -158,15 +159,7 @@ class PackedInPlace:
         """Move each of ``model``'s storages the sharing pass would take into a packed segment
         (module docstring, step 1); with ``modules``, only storages whose every place is in one
         of them (a replay's modules loaded from the checkpoint).  Never raises."""
-        only = None if modules is None else {id(m) for m in modules}
-        try:
-            slots = [slot for slot in collect_slots(model, self.device_type, self.min_bytes)[0]
-                     if not any(self.skip(module, name) for module, name, _ in slot.refs)
-                     and (only is None or all(id(module) in only for module, _, _ in [*slot.refs, *slot.views]))]
-        except (RuntimeError, ValueError, TypeError) as e:  # the walk failed (an uninitialized parameter): nothing moved
-            self.failures.append(f"{type(e).__name__}: {e}")
-            logger.info("in place: the model's storages cannot be collected (%s); they load into private memory", e)
-            return
+        slots = placeable_slots(model, self.device_type, self.min_bytes, self.skip, modules, self.failures)
         if not slots:
             return
         plan = plan_packs([s.nbytes for s in slots], self.granularity, in_order=True)  # Note [one copy at a time]

@@ -10,7 +10,7 @@ it comes from.  `worker_hooks.py` wraps what is listed here; the loader and `ses
 from __future__ import annotations
 
 __all__ = ["CHECKED_VLLM_VERSIONS", "CPU_UNPACKED_CONV_WEIGHT", "GUARDED", "GUARDED_BEFORE_PAUSING", "GUARDED_RPC",
-           "GUARD_MARKER", "PATCHED_BY", "private_reason", "registered_load_formats"]
+           "GUARD_MARKER", "KEEPS_WEIGHTS_PRIVATE", "PATCHED_BY", "private_reason", "registered_load_formats"]
 
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
 
@@ -66,6 +66,13 @@ def registered_load_formats() -> dict:
     from vllm.model_executor import model_loader
 
     return getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
+
+
+# Guarded method -> the setting an engine starts with to use it: each keeps the engine's
+# weights private under --load-format dedup (`private_reason`), which a refusal names.
+KEEPS_WEIGHTS_PRIVATE = {"sleep": "--enable-sleep-mode", "start_weight_update": "a weight_transfer_config",
+                         "start_draft_weight_update": "a weight_transfer_config",
+                         "update_weights": "a weight_transfer_config", "rearrange": "--enable-eplb"}
 
 
 def private_reason(vllm_config) -> str | None:

@@ -58,7 +58,8 @@ import sys
 from ..errors import SharedWeightsError
 from ..log import init_logger
 from .session import EngineSession
-from .vllm_facts import CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, GUARDED_BEFORE_PAUSING, GUARDED_RPC, PATCHED_BY
+from .vllm_facts import (CHECKED_VLLM_VERSIONS, GUARD_MARKER, GUARDED, GUARDED_BEFORE_PAUSING, GUARDED_RPC,
+                         KEEPS_WEIGHTS_PRIVATE, PATCHED_BY)
 
 __all__ = ["STARTUP_HOOKS", "install", "shared_weight_bytes"]
 
@@ -274,15 +275,8 @@ def _workers_shared_weight_bytes(engine_core) -> int:
         return 0
 
 
-# What a user who wants the refused operation starts the engine with: each setting keeps the
-# engine's weights private under --load-format dedup (`vllm_facts.private_reason`).
-_KEEPS_PRIVATE = {"sleep": "--enable-sleep-mode", "start_weight_update": "a weight_transfer_config",
-                  "start_draft_weight_update": "a weight_transfer_config", "update_weights": "a weight_transfer_config",
-                  "rearrange": "--enable-eplb"}
-
-
 def _refusal(name: str, why: str, held: int) -> SharedWeightsError:
-    setting = _KEEPS_PRIVATE.get(name)
+    setting = KEEPS_WEIGHTS_PRIVATE.get(name)
     way = (f"Start this engine with {setting} (its weights then stay private) or with another --load-format "
            "(e.g. auto) to use it." if setting else
            "Start this engine with another --load-format (e.g. auto) to use it.")

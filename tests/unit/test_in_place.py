@@ -85,6 +85,19 @@ def _memfd_descriptors() -> int:
     return n
 
 
+def _placed_and_loaded(model, seed: int) -> tuple[InPlace, dict[str, torch.Tensor]]:
+    """``model``'s storages moved into memfds of their own (`InPlace`), then its weights loaded
+    from ``seed``: (the `InPlace`, what each weight holds)."""
+    placed = InPlace(min_bytes=4096)
+    placed.place(model)
+    return placed, model.load(seed)
+
+
+def _read_only(model) -> list[torch.Tensor]:
+    """Those of ``model``'s tensors that read a read-only mapping now."""
+    return [t for t in (model.up.weight, model.down.weight, model.cache) if _mapping(t).split()[1][:2] == "r-"]
+
+
 def _context(sock, name: str, on_registry_error: str = "fail") -> LoadContext:
     lease = Lease(RegistryClient(sock), name, "cpu", "default", "in-place-test")
     return LoadContext(DedupConfig(min_tensor_bytes=4096, on_registry_error=on_registry_error), lease,
@@ -301,9 +314,7 @@ def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_thei
 
     lease.publish = failing_after_one
     try:
-        placed = InPlace(min_bytes=4096)
-        placed.place(model)
-        weights = model.load(3)
+        placed, weights = _placed_and_loaded(model, 3)
         cache = model.cache.clone()
         report = share_model(model, ctx, in_place=placed)
         assert report.published_tensors == 1 and report.private_tensors >= 2, report
@@ -315,7 +326,7 @@ def test_a_registry_failing_mid_publish_leaves_the_rest_private_and_reading_thei
         assert group.resident_bytes == calls[0]  # only the first segment was published
         # The second was sealed, so its tensor is read-only: the engine must refuse to write
         # its weights (worker_hooks) as where they are shared, instead of faulting.
-        read_only = [t for t in (model.up.weight, model.down.weight, model.cache) if _mapping(t).split()[1][:2] == "r-"]
+        read_only = _read_only(model)
         assert len(read_only) >= 2 and report.unpublished_bytes > 0
         assert report.segment_bytes == sum(t.nbytes for t in read_only)
     finally:
@@ -336,14 +347,12 @@ def test_a_segment_published_where_it_lies_whose_bytes_cannot_be_wrapped_counts_
     model = _Model()
     ctx = _context(registry_server.path, "unwrapped", on_registry_error="fallback")
     try:
-        placed = InPlace(min_bytes=4096)
-        placed.place(model)
-        weights = model.load(3)
+        placed, weights = _placed_and_loaded(model, 3)
         monkeypatch.setattr(HostSegment, "tensor", refuse)
         report = share_model(model, ctx, in_place=placed)
         assert report.published_tensors == 0 and report.private_tensors >= 2, report
         assert torch.equal(model.up.weight, weights["up"]) and torch.equal(model.down.weight, weights["down"])
-        read_only = [t for t in (model.up.weight, model.down.weight, model.cache) if _mapping(t).split()[1][:2] == "r-"]
+        read_only = _read_only(model)
         assert read_only and report.unpublished_bytes == sum(t.nbytes for t in read_only), report
     finally:
         ctx.lease.close()
@@ -573,9 +582,7 @@ def test_no_thread_to_publish_with_leaves_every_tensor_private_and_writable(regi
     model = _Model()
     ctx = _context(registry_server.path, "no-thread", on_registry_error="fallback")
     try:
-        placed = InPlace(min_bytes=4096)
-        placed.place(model)
-        weights = model.load(4)
+        placed, weights = _placed_and_loaded(model, 4)
         report = share_model(model, ctx, in_place=placed)
         assert report.published_tensors == 0 and report.segment_bytes == 0, report
         assert any("can't start new thread" in e for e in report.errors), report.errors
@@ -629,7 +636,7 @@ def test_a_storage_the_bridge_cannot_seal_stays_writable_when_its_copy_fails_too
         assert report.published_tensors == (2 if failure == "outside view" else 0), report
         assert _mapping(model.down.weight).split()[1][:2] == "rw"
         # What is read-only is what the engine counts in segments (its writers refused there).
-        read_only = [t for t in (model.up.weight, model.down.weight, model.cache) if _mapping(t).split()[1][:2] == "r-"]
+        read_only = _read_only(model)
         assert report.segment_bytes == sum(t.nbytes for t in read_only)
         if viewer is not None:
             assert torch.equal(viewer, model.down.weight.view(-1))

@@ -62,6 +62,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # harness/ and a bare checkout's vllm_dedup (the lent GPU machines)
+# ... and in the processes the library starts itself (a registry daemon, `start_daemon`).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 KEY, EXTRA = "gpu-check-weight", "gpu-check-extra"  # the pack's two members; children map only KEY
 MB = 1 << 20
@@ -624,23 +626,13 @@ def _step_descriptor_only(run: Run, sock: Path, args, step: str, tolerance: int)
     registry is a standalone daemon, a process that never loads the CUDA driver, as in
     production (DESIGN.md: the registry holds descriptors, never a context): this parent
     has a context by now, which would not show that a descriptor alone keeps the memory."""
-    import subprocess
-
+    from harness.procs import reap
     from vllm_dedup.registry.client import registry_stats, shutdown_registry
+    from vllm_dedup.registry.daemon import start_daemon
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    daemon = subprocess.Popen([sys.executable, "-m", "vllm_dedup.registry.daemon", "--socket", str(sock),
-                               "--keep-warm-s", "600"], env=env, stdin=subprocess.DEVNULL)
+    start_daemon(sock, keep_warm_s=600, idle_exit_s=600, timeout_s=60)
+    daemon = registry_stats(sock).registry_pid
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                registry_stats(sock)
-                break
-            except Exception:
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the registry daemon did not start (exit status {daemon.poll()})") from None
-                time.sleep(0.1)
         before = run.read(step, "a registry keeping unheld segments warm")
         e = run.child("E", sock, args)
         made = e.ask("create")
@@ -651,17 +643,13 @@ def _step_descriptor_only(run: Run, sock: Path, args, step: str, tolerance: int)
         run.check(step, "F maps a segment whose creator exited before anyone mapped it, and reads its bytes",
                   "fingerprint" in made and got.get("fingerprint") == made.get("fingerprint"), json.dumps(got))
         run.check(step, "F exits normally", f.end() == 0)
-        maps = Path(f"/proc/{daemon.pid}/maps").read_text()
+        maps = Path(f"/proc/{daemon}/maps").read_text()
         run.check(step, "the registry holding the descriptor never loaded the CUDA driver", "libcuda" not in maps,
                   "; ".join(sorted({line.split()[-1] for line in maps.splitlines() if "libcuda" in line})))
     finally:
         run.end_children()
         shutdown_registry(sock)
-        try:
-            daemon.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        reap([daemon], grace_s=30)  # its descriptor closed before the memory is read
     freed = run.read(step, "the registry let go of the segment")
     if run.backend == "cuda":  # a memfd's pages that no process maps are in nobody's PSS
         run.check(step, "the segment's memory stays while only the registry's descriptor holds it",

@@ -41,7 +41,7 @@ def mark_session(name: str) -> str:
     return os.environ.setdefault(SESSION_ENV, f"{name}-{os.getpid()}-{time.time_ns()}")
 
 __all__ = ["PSS_PARTS", "ROOT", "ChildExited", "PeerProcess", "descendants", "fd_targets", "free_port", "memfd_holders", "processes_matching",
-           "mark_session", "pss_bytes", "pss_parts", "read_reply", "SESSION_ENV", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
+           "mark_session", "pss_bytes", "pss_parts", "read_reply", "reap", "SESSION_ENV", "serve_replica_pids", "tree_pss_bytes", "tree_pss_parts"]
 
 
 class ChildExited(RuntimeError):
@@ -272,7 +272,7 @@ def memfd_holders(name: str = SEGMENT_MEMFD_NAME) -> list[int]:
     return pids
 
 
-def _reap(pids: list[int], grace_s: float) -> None:
+def reap(pids: list[int], grace_s: float) -> None:
     """Wait up to ``grace_s`` for ``pids`` to exit, then SIGKILL those left."""
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
@@ -360,7 +360,7 @@ class PeerProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
         self._close()
-        _reap(family, grace_s=30)
+        reap(family, grace_s=30)
         return self.proc.returncode
 
     def kill(self) -> None:

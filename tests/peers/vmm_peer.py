@@ -99,11 +99,12 @@ class Peer:
         return {"bytes": self.client.expected_shared_bytes()}
 
     def resident(self, ordinal, keys) -> dict:
-        """Acquire ``keys`` and map what is resident (only as much of each segment as its hits
-        need); key -> (segment, hit)."""
+        """Acquire ``keys`` and map what is resident (as much of each segment as the engine maps,
+        `CudaSegment.mapped_bytes`); key -> (segment, hit)."""
         hits = {}
         for found in self.client.acquire(list(keys)):
-            seg = CudaSegment.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), cudadrv.device_key(ordinal))
+            needed = max(h.offset + h.nbytes for h in found.hits)
+            seg = CudaSegment.attach(found.fd, CudaSegment.mapped_bytes(needed, found.nbytes), cudadrv.device_key(ordinal))
             seg.close_fd()
             hits.update({hit.key: (seg, hit) for hit in found.hits})
         return hits

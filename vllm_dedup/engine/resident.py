@@ -64,7 +64,8 @@ def map_resident(lease, seg_cls, device_key: str, keys: list[str], uids: list[st
         for found in acquired:
             given += 1
             try:  # every reply's segment has hits (`messages.AcquireReply`)
-                segment = seg_cls.attach(found.fd, max(h.offset + h.nbytes for h in found.hits), device_key)
+                needed = max(h.offset + h.nbytes for h in found.hits)
+                segment = seg_cls.attach(found.fd, seg_cls.mapped_bytes(needed, found.nbytes), device_key)
             except Exception as e:  # not a sealed segment, or it cannot be mapped: never use it
                 # (`attach` owns the descriptor: it is closed already)
                 with contextlib.suppress(Exception):

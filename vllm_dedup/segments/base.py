@@ -77,7 +77,15 @@ class Segment(ABC):
     @classmethod
     @abstractmethod
     def attach(cls, fd: int, nbytes: int, device: str) -> Segment:
-        """Map a segment another process created, read-only.  Takes ownership of ``fd``."""
+        """Map a segment another process created, read-only: its first ``nbytes`` bytes (see
+        `mapped_bytes`).  Takes ownership of ``fd``."""
+
+    @classmethod
+    def mapped_bytes(cls, needed: int, segment_bytes: int) -> int:
+        """Bytes to `attach` of a segment of ``segment_bytes`` bytes (the registry's size) whose
+        first ``needed`` bytes this process uses: only those by default, so that a pack's other
+        members are not mapped."""
+        return needed
 
     # What differs between devices on the engine side, so that the engine never branches on one.
     @classmethod

@@ -364,14 +364,22 @@ class CudaSegment(Segment):
             logger.warning("could not unmap a CUDA segment that failed", exc_info=True)
 
     @classmethod
+    def mapped_bytes(cls, needed: int, segment_bytes: int) -> int:
+        """The whole allocation, ``segment_bytes``: the driver refuses to map part of an imported
+        allocation (``CUDA_ERROR_NOT_SUPPORTED`` from ``cuMemMap`` on an H200, driver 580.159.04:
+        docs/gpu-results.md), though the reference allows any ``size`` within it.  Mapping the
+        rest costs address space only."""
+        return segment_bytes
+
+    @classmethod
     def attach(cls, fd: int, nbytes: int, device: str) -> CudaSegment:
         """Map another engine's segment read-only.  Takes ownership of ``fd`` (closed on failure).
         The caller's current CUDA context is left as it was.
 
         Args:
             fd: the segment's exported POSIX descriptor (from the registry).
-            nbytes: bytes this process needs (the hit's offset plus its size); only those,
-                rounded up to the granularity, are mapped.
+            nbytes: bytes to map, rounded up to the granularity: the whole allocation
+                (`mapped_bytes`).
             device: the device key the registry filed the segment under.
 
         Raises:

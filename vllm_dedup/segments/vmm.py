@@ -267,7 +267,8 @@ def allocate(ordinal: int, nbytes: int, release_cached=None, capturing=_never) -
 
 def import_mapping(fd: int, nbytes: int, ordinal: int, capturing=_never) -> Mapping:
     """Map another process's allocation read-only: its first ``nbytes`` bytes, rounded up to the
-    granularity (a pack's member need not map the rest).  The caller keeps ``fd``.
+    granularity (the whole allocation: the driver may refuse a part, `CudaSegment.mapped_bytes`).
+    The caller keeps ``fd``.
 
     Raises:
         CudaError: the device cannot share memory, the descriptor is not an allocation this

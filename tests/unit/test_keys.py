@@ -172,3 +172,15 @@ def test_a_view_at_a_negative_offset_is_refused_not_counted_from_the_end():
     with pytest.raises(ValueError, match="offset -1024 is negative"):
         typed_view(raw, -1024, torch.int64, (64,), (1,))
     assert typed_view(raw, 1024, torch.int64, (64,), (1,))[0] == 128
+
+
+@pytest.mark.parametrize("changed_at", [None, 0, 5, 6, 11, 12])
+def test_same_bytes_compares_slice_by_slice(monkeypatch, changed_at):
+    from vllm_dedup.content import fingerprint
+
+    monkeypatch.setattr(fingerprint, "_COMPARE_WORDS", 3)  # 13 int64 words: five slices, the last short
+    a = torch.arange(13, dtype=torch.int64)
+    b = a.clone()
+    if changed_at is not None:
+        b[changed_at] += 1
+    assert same_bytes(a, b) is (changed_at is None)

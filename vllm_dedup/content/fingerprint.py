@@ -29,6 +29,7 @@ from .views import dtype_name, int_view
 __all__ = ["device_fingerprints", "fingerprint_key", "same_bytes"]
 
 _FP_COLUMNS = 1024
+_COMPARE_WORDS = 8 << 20  # words compared at once: the comparison's temporary is 8 MiB of bools
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / golden ratio, as a signed int64
 
 
@@ -104,8 +105,17 @@ def same_bytes(a, b) -> bool:
 
     Compares bits, not values: ``-0.0`` and ``0.0`` differ, a NaN equals the same NaN.  Both
     tensors must be contiguous, on one device; their dtypes and shapes may differ (only the
-    bytes count).  Runs at memory bandwidth on a GPU (reads both once).
+    bytes count).  Runs at memory bandwidth on a GPU (reads both once).  Compares in slices of
+    ``_COMPARE_WORDS`` words, so that its temporary stays 8 MiB, where one ``==`` over a whole
+    2 GiB embedding would hold 256 MiB of bools; the verdicts are combined on the device and
+    read once.
     """
+    import torch
+
     if a.numel() * a.element_size() != b.numel() * b.element_size():
         return False
-    return bool((int_view(a) == int_view(b)).all())
+    x, y = int_view(a), int_view(b)
+    equal = torch.ones((), dtype=torch.bool, device=x.device)
+    for start in range(0, x.numel(), _COMPARE_WORDS):
+        equal &= torch.eq(x[start:start + _COMPARE_WORDS], y[start:start + _COMPARE_WORDS]).all()
+    return bool(equal)

@@ -178,9 +178,20 @@ def test_a_view_at_a_negative_offset_is_refused_not_counted_from_the_end():
 def test_same_bytes_compares_slice_by_slice(monkeypatch, changed_at):
     from vllm_dedup.content import fingerprint
 
-    monkeypatch.setattr(fingerprint, "_COMPARE_WORDS", 3)  # 13 int64 words: five slices, the last short
+    monkeypatch.setattr(fingerprint, "_SLICE_BYTES", 24)  # 13 int64 words: five slices, the last short
     a = torch.arange(13, dtype=torch.int64)
     b = a.clone()
     if changed_at is not None:
         b[changed_at] += 1
     assert same_bytes(a, b) is (changed_at is None)
+
+
+@pytest.mark.parametrize("slice_rows", [1, 3, 10])
+def test_a_fingerprint_does_not_depend_on_the_slices(monkeypatch, slice_rows):
+    from vllm_dedup.content import fingerprint
+
+    gen = torch.Generator().manual_seed(5)  # full-range words: the int32 sums wrap
+    w = torch.randint(-2**31, 2**31 - 1, (10 * 1024 + 7,), dtype=torch.int32, generator=gen)
+    whole = device_fingerprints([w])[0]
+    monkeypatch.setattr(fingerprint, "_SLICE_BYTES", slice_rows * 1024 * 4)
+    assert device_fingerprints([w])[0] == whole

@@ -29,7 +29,7 @@ from .views import dtype_name, int_view
 __all__ = ["device_fingerprints", "fingerprint_key", "same_bytes"]
 
 _FP_COLUMNS = 1024
-_COMPARE_WORDS = 8 << 20  # words compared at once: the comparison's temporary is 8 MiB of bools
+_SLICE_BYTES = 256 << 20  # bytes of a tensor reduced or compared at once (Note [slices])
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2**64 / golden ratio, as a signed int64
 
 
@@ -51,10 +51,14 @@ def _fingerprint_pair(t):
     if rows:
         main = words[: rows * _FP_COLUMNS].view(rows, _FP_COLUMNS)
         acc = words.dtype if words.dtype == torch.int32 else torch.int32
-        row_sums = main.sum(dim=1, dtype=acc).to(torch.int64)
-        col_sums = main.sum(dim=0, dtype=acc).to(torch.int64)
-        out[0] = (row_sums * _weights(rows, 1, t.device)).sum()
-        out[1] = (col_sums * _weights(_FP_COLUMNS, 2, t.device)).sum()
+        col_sums = torch.zeros(_FP_COLUMNS, dtype=acc, device=t.device)
+        row_weights = _weights(rows, 1, t.device)
+        step = max(1, _SLICE_BYTES // (_FP_COLUMNS * words.element_size()))
+        for start in range(0, rows, step):  # Note [slices]; the sums wrap alike either way
+            part = main[start:start + step]
+            out[0] += (part.sum(dim=1, dtype=acc).to(torch.int64) * row_weights[start:start + step]).sum()
+            col_sums += part.sum(dim=0, dtype=acc)
+        out[1] = (col_sums.to(torch.int64) * _weights(_FP_COLUMNS, 2, t.device)).sum()
     tail = words[rows * _FP_COLUMNS :]
     if tail.numel():
         out[0] += (tail.to(torch.int64) * _weights(tail.numel(), 3, t.device)).sum()
@@ -105,17 +109,27 @@ def same_bytes(a, b) -> bool:
 
     Compares bits, not values: ``-0.0`` and ``0.0`` differ, a NaN equals the same NaN.  Both
     tensors must be contiguous, on one device; their dtypes and shapes may differ (only the
-    bytes count).  Runs at memory bandwidth on a GPU (reads both once).  Compares in slices of
-    ``_COMPARE_WORDS`` words, so that its temporary stays 8 MiB, where one ``==`` over a whole
-    2 GiB embedding would hold 256 MiB of bools; the verdicts are combined on the device and
-    read once.
+    bytes count).  Runs at memory bandwidth on a GPU (reads both once), a slice at a time
+    (Note [slices]); the slices' verdicts are combined on the device and read once.
     """
     import torch
 
     if a.numel() * a.element_size() != b.numel() * b.element_size():
         return False
     x, y = int_view(a), int_view(b)
+    step = max(1, _SLICE_BYTES // x.element_size())
     equal = torch.ones((), dtype=torch.bool, device=x.device)
-    for start in range(0, x.numel(), _COMPARE_WORDS):
-        equal &= torch.eq(x[start:start + _COMPARE_WORDS], y[start:start + _COMPARE_WORDS]).all()
+    for start in range(0, x.numel(), step):
+        equal &= torch.eq(x[start:start + step], y[start:start + step]).all()
     return bool(equal)
+
+
+# Note [slices]
+# ~~~~~~~~~~~~~
+# A whole-tensor ``==`` holds one bool per word (256 MiB for a 2 GiB embedding), and torch's
+# column sums of a [rows, 1024] matrix staged about an eighth of it (260 MiB for 2 GiB, measured
+# on an H200: benchmarks/gpu_check.py, docs/gpu-results.md) on top of a load.  Taken
+# ``_SLICE_BYTES`` at a time, both temporaries stay near 32 MiB; slices much smaller cost
+# bandwidth in launches (64 MiB slices compared at 1294 GB/s where one ``==`` ran at 1719).
+# Integer sums modulo 2**32 and 2**64 do not depend on how the rows are split, so the
+# fingerprint of a tensor is what it was unsliced.

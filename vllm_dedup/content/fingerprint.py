@@ -127,9 +127,9 @@ def same_bytes(a, b) -> bool:
 # Note [slices]
 # ~~~~~~~~~~~~~
 # A whole-tensor ``==`` holds one bool per word (256 MiB for a 2 GiB embedding), and torch's
-# column sums of a [rows, 1024] matrix staged about an eighth of it (260 MiB for 2 GiB, measured
-# on an H200: benchmarks/gpu_check.py, docs/gpu-results.md) on top of a load.  Taken
-# ``_SLICE_BYTES`` at a time, both temporaries stay near 32 MiB; slices much smaller cost
-# bandwidth in launches (64 MiB slices compared at 1294 GB/s where one ``==`` ran at 1719).
-# Integer sums modulo 2**32 and 2**64 do not depend on how the rows are split, so the
-# fingerprint of a tensor is what it was unsliced.
+# reductions of a whole 2 GiB tensor held 260 MiB of temporaries, on top of a load.  Measured on
+# an H200 (benchmarks/gpu_check.py, docs/gpu-results.md) for a 2 GiB tensor, ``_SLICE_BYTES`` at a
+# time: the compare's temporaries 32 MiB (was 256) at 1601 GB/s (1719 whole; 64 MiB slices gave
+# 1294: launches); the fingerprint's 136 MiB (was 260) at 1118 GB/s (1825 whole): memory before
+# speed, since a fingerprint is under 3% of a load either way.  Integer sums modulo 2**32 and
+# 2**64 do not depend on how the rows are split: a fingerprint is what it was unsliced.

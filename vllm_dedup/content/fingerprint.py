@@ -51,13 +51,15 @@ def _fingerprint_pair(t):
     if rows:
         main = words[: rows * _FP_COLUMNS].view(rows, _FP_COLUMNS)
         acc = words.dtype if words.dtype == torch.int32 else torch.int32
-        col_sums = torch.zeros(_FP_COLUMNS, dtype=acc, device=t.device)
-        row_weights = _weights(rows, 1, t.device)
         step = max(1, _SLICE_BYTES // (_FP_COLUMNS * words.element_size()))
+        row_parts, col_sums = [], None
         for start in range(0, rows, step):  # Note [slices]; the sums wrap alike either way
             part = main[start:start + step]
-            out[0] += (part.sum(dim=1, dtype=acc).to(torch.int64) * row_weights[start:start + step]).sum()
-            col_sums += part.sum(dim=0, dtype=acc)
+            row_parts.append(part.sum(dim=1, dtype=acc))
+            cols = part.sum(dim=0, dtype=acc)
+            col_sums = cols if col_sums is None else col_sums.add_(cols)
+        row_sums = row_parts[0] if len(row_parts) == 1 else torch.cat(row_parts)
+        out[0] = (row_sums.to(torch.int64) * _weights(rows, 1, t.device)).sum()
         out[1] = (col_sums.to(torch.int64) * _weights(_FP_COLUMNS, 2, t.device)).sum()
     tail = words[rows * _FP_COLUMNS :]
     if tail.numel():
@@ -130,6 +132,8 @@ def same_bytes(a, b) -> bool:
 # reductions of a whole 2 GiB tensor held 260 MiB of temporaries, on top of a load.  Measured on
 # an H200 (benchmarks/gpu_check.py, docs/gpu-results.md) for a 2 GiB tensor, ``_SLICE_BYTES`` at a
 # time: the compare's temporaries 32 MiB (was 256) at 1601 GB/s (1719 whole; 64 MiB slices gave
-# 1294: launches); the fingerprint's 136 MiB (was 260) at 1118 GB/s (1825 whole): memory before
-# speed, since a fingerprint is under 3% of a load either way.  Integer sums modulo 2**32 and
+# 1294: launches); the fingerprint's 136 MiB (was 260) at 1118 GB/s (1825 whole), with about
+# eight torch calls a slice where there are three now (not measured on a GPU since): memory before
+# speed, since a fingerprint is under 3% of a load either way.  A tensor of one slice makes the
+# calls it made unsliced.  Integer sums modulo 2**32 and
 # 2**64 do not depend on how the rows are split: a fingerprint is what it was unsliced.

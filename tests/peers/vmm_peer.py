@@ -20,7 +20,7 @@ answer carries the model's counters (``stats``) and this thread's current device
   device's granularity), each pack a `CudaSegment.allocate`, its members written where they lie
   (as vLLM's weight loaders write), then `CudaSegment.freeze` and publish;
 - ``create {ordinal, nbytes, members: [[key, offset, bytes], ...]}``: allocate, fill each member
-  with `pattern`, protect, publish; ``map {ordinal, keys}``: acquire and map only what they need;
+  with `pattern`, protect, publish; ``map {ordinal, keys}``: acquire and map as the engine maps (whole packs);
 - ``read``, ``write {key}`` (must fault), ``close``: every mapping held;
 - ``allocate {ordinal, nbytes}``: `vmm.allocate` counting ``release_cached`` calls;
 - ``fail {name, code, count}``: the model's next ``count`` calls of ``name`` return ``code``;

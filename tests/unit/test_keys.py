@@ -187,11 +187,13 @@ def test_same_bytes_compares_slice_by_slice(monkeypatch, changed_at):
 
 
 @pytest.mark.parametrize("slice_rows", [1, 3, 10])
-def test_a_fingerprint_does_not_depend_on_the_slices(monkeypatch, slice_rows):
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16])  # int16: 2-byte words, cast a slice at a time
+def test_a_fingerprint_does_not_depend_on_the_slices(monkeypatch, slice_rows, dtype):
     from vllm_dedup.content import fingerprint
 
     gen = torch.Generator().manual_seed(5)  # full-range words: the int32 sums wrap
-    w = torch.randint(-2**31, 2**31 - 1, (10 * 1024 + 7,), dtype=torch.int32, generator=gen)
+    info = torch.iinfo(dtype)
+    w = torch.randint(info.min, info.max, (80 * 1024 + 7,), dtype=dtype, generator=gen)
     whole = device_fingerprints([w])[0]
-    monkeypatch.setattr(fingerprint, "_SLICE_BYTES", slice_rows * 1024 * 4)
+    monkeypatch.setattr(fingerprint, "_SLICE_BYTES", slice_rows * 1024 * 4 * (1 if dtype == torch.int32 else 8))
     assert device_fingerprints([w])[0] == whole

@@ -17,8 +17,8 @@ changed word changes its row sum and its column sum; moving rows or columns arou
 the weighted folds.  Different bytes can still collide, and not only by chance: sums are
 linear, so four changes in a rectangle (+d, -d at two elements of one row, -d, +d in another
 row, same columns) leave every row and column sum as it was.  A fingerprint only proposes a
-candidate, and `same_bytes` decides (``verify: false`` gives that up).  Cost: two reads of the tensor, about what a
-device-to-device copy (one read, one write) costs.
+candidate, and `same_bytes` decides (``verify: false`` gives that up).  Cost: one read of the tensor a slice at a time
+(Note [slices]); on an H200 a 2 GiB tensor's fingerprint ran at 1118 GB/s, a copy at 2099.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def _fingerprint_pair(t):
     if rows:
         main = words[: rows * _FP_COLUMNS].view(rows, _FP_COLUMNS)
         acc = words.dtype if words.dtype == torch.int32 else torch.int32
-        step = max(1, _SLICE_BYTES // (_FP_COLUMNS * words.element_size()))
+        # Narrower words are cast to int32 a slice at a time: that copy is then the temporary.
+        step = max(1, (_SLICE_BYTES if words.dtype == acc else _SLICE_BYTES // 8) // (_FP_COLUMNS * 4))
         row_parts, col_sums = [], None
         for start in range(0, rows, step):  # Note [slices]; the sums wrap alike either way
             part = main[start:start + step]
@@ -128,12 +129,13 @@ def same_bytes(a, b) -> bool:
 
 # Note [slices]
 # ~~~~~~~~~~~~~
-# A whole-tensor ``==`` holds one bool per word (256 MiB for a 2 GiB embedding), and torch's
-# reductions of a whole 2 GiB tensor held 260 MiB of temporaries, on top of a load.  Measured on
-# an H200 (benchmarks/gpu_check.py, docs/gpu-results.md) for a 2 GiB tensor, ``_SLICE_BYTES`` at a
-# time: the compare's temporaries 32 MiB (was 256) at 1601 GB/s (1719 whole; 64 MiB slices gave
-# 1294: launches); the fingerprint's 136 MiB (was 260) at 1118 GB/s (1825 whole), with about
-# eight torch calls a slice where there are three now (not measured on a GPU since): memory before
-# speed, since a fingerprint is under 3% of a load either way.  A tensor of one slice makes the
-# calls it made unsliced.  Integer sums modulo 2**32 and
-# 2**64 do not depend on how the rows are split: a fingerprint is what it was unsliced.
+# A whole-tensor ``==`` holds one bool per 8-byte word (256 MiB for a 2 GiB embedding), and
+# torch's reductions of a whole 2 GiB tensor held 260 MiB of temporaries (measured), on top of a
+# load.  ``_SLICE_BYTES`` at a time, measured on an H200 for a 2 GiB tensor (gpu_check.py,
+# docs/gpu-results.md): the compare's temporaries 32 MiB at 1601 GB/s (1719 whole; 64 MiB slices
+# gave 1294: per-call overhead); the fingerprint's 136 MiB at 1118 GB/s (1825 whole), when it made
+# about eight torch calls a slice, where it makes three now (not measured on a GPU since).  Memory
+# before speed: a fingerprint is under 3% of a load either way.  A tensor of one slice makes the
+# calls it made unsliced.  Words narrower than 4 bytes are cast to int32 a slice at a time, so
+# their slices are an eighth as big.  Integer sums modulo 2**32 and 2**64 do not depend on how
+# the rows are split: a fingerprint is what it was unsliced.

@@ -42,7 +42,8 @@ class Mapped:
 def map_resident(lease, seg_cls, device_key: str, keys: list[str], uids: list[str] | None = None
                  ) -> Iterator[Mapped]:
     """Acquire ``keys`` (with ``uids``: each only in the segment of that uid) and map each
-    segment found, read-only, far enough to cover its hits.
+    segment found, read-only: as much of it as the backend maps to cover its hits
+    (`Segment.mapped_bytes`: those bytes on the host, the whole allocation on CUDA).
 
     Args:
         lease: the engine's registry connection.

@@ -212,8 +212,8 @@ class CudaSegment(Segment):
 
     Attributes:
         nbytes: usable bytes.
-        size: bytes mapped here, a multiple of the granularity (the whole allocation for the
-            creator; an importer maps only what it needs).
+        size: bytes mapped here, a multiple of the granularity (the whole allocation, for the
+            creator and for an importer: `mapped_bytes`).
         device: ``cuda:GPU-<uuid>``.
     """
 

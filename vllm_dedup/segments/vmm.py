@@ -291,8 +291,8 @@ def import_mapping(fd: int, nbytes: int, ordinal: int, capturing=_never) -> Mapp
     except BaseException as e:
         _release_handle(handle, ordinal, quiet=True)
         if isinstance(e, CudaError):
-            raise CudaError(f"cannot map {size} bytes of the received allocation: is it smaller than the registry "
-                            f"says? ({e})", e.status) from None
+            raise CudaError(f"cannot map {size} bytes of the received allocation (is the registry's size of it "
+                            f"wrong? a driver maps no part of one: CudaSegment.mapped_bytes) ({e})", e.status) from None
         raise
     try:
         _release_handle(handle, ordinal, quiet=False)

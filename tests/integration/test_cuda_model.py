@@ -221,6 +221,10 @@ def test_attach_refuses_what_it_cannot_map_and_closes_the_descriptor(model):
     assert "cannot map 4194304 bytes" in short["error"] and short["closed"] is True
     s = short["stats"]  # only the 2 MiB allocation's own mapping is left
     assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 1, 1, 0)
+    part = ask(p, "attach", ordinal=0, source="part")  # as an H200's driver answered
+    assert "CUDA_ERROR_NOT_SUPPORTED" in part["error"] and part["closed"] is True
+    s = part["stats"]  # the two allocations' own mappings
+    assert (s["allocations"], s["mappings"], s["reservations"], s["context_depth"]) == (0, 2, 2, 0)
 
 
 def test_out_of_memory_is_retried_once_after_returning_cached_blocks(model):

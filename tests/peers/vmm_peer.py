@@ -198,16 +198,17 @@ class Peer:
 
     def op_attach(self, ordinal, source):
         """`CudaSegment.attach` of a descriptor that cannot be mapped: a memfd that no driver
-        exported (``memfd``), or a 2 MiB allocation asked for 4 MiB (``small``).  Returns the
-        error and whether attach closed the descriptor it took."""
+        exported (``memfd``), a 2 MiB allocation asked for 4 MiB (``small``), or the first 2 MiB
+        of a 4 MiB one (``part``: the driver maps no part of an imported allocation).  Returns
+        the error and whether attach closed the descriptor it took."""
         if source == "memfd":
             fd = os.memfd_create("not-cuda")
             os.ftruncate(fd, 2 << 20)
         else:
-            mapping, fd = vmm.allocate(ordinal, 2 << 20)
+            mapping, fd = vmm.allocate(ordinal, 4 << 20 if source == "part" else 2 << 20)
             self.keep.append(mapping)
         try:
-            CudaSegment.attach(fd, 4 << 20 if source == "small" else 1 << 20, cudadrv.device_key(ordinal))
+            CudaSegment.attach(fd, {"small": 4 << 20, "part": 2 << 20}.get(source, 1 << 20), cudadrv.device_key(ordinal))
         except SegmentError as e:
             try:
                 os.fstat(fd)

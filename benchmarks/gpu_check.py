@@ -112,6 +112,7 @@ def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
     import torch
 
     from vllm_dedup.content.fingerprint import device_fingerprints
+    from vllm_dedup.engine.resident import map_resident
     from vllm_dedup.registry.client import RegistryClient
     from vllm_dedup.registry.lease import Lease
     from vllm_dedup.segments import segment_class
@@ -158,13 +159,12 @@ def child(sock: str, backend: str, segment_mb: int, model_size: str) -> None:
                 platform.release_cached()
                 reply({"fingerprint": digest, "size": seg.size, "read_only": seg.read_only, "context_ok": ctx_ok})
             elif op == "map":
-                (found,) = client.acquire([KEY])  # the pack's first member only
-                (hit,), fd = found.hits, found.fd
-                nbytes = seg_cls.mapped_bytes(hit.offset + hit.nbytes, found.nbytes)
-                made = []
-                ctx_ok = contexts.unchanged_after(lambda: made.append(seg_cls.attach(fd, nbytes, device_key)))
-                seg = made[0]
-                seg.close_fd()
+                made = []  # the pack's first member only, mapped as an engine maps it
+                ctx_ok = contexts.unchanged_after(lambda: made.extend(map_resident(client, seg_cls, device_key, [KEY])))
+                (mapped,) = made
+                if mapped.error is not None:
+                    raise mapped.error
+                seg, (hit,) = mapped.segment, mapped.found.hits
                 state["w"] = seg.tensor(hit.offset, torch.bfloat16, (rows, 4096), (4096, 1))
                 digest = fingerprint(state["w"])
                 platform.release_cached()  # the reading after it is the mapping's alone

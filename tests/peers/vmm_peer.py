@@ -47,6 +47,7 @@ if os.environ.get("VMM_PEER_BINDINGS"):
 
 import xxhash
 
+from vllm_dedup.engine.resident import map_resident
 from vllm_dedup.errors import SegmentError
 from vllm_dedup.registry.client import RegistryClient
 from vllm_dedup.segments import cudadrv, vmm
@@ -99,14 +100,13 @@ class Peer:
         return {"bytes": self.client.expected_shared_bytes()}
 
     def resident(self, ordinal, keys) -> dict:
-        """Acquire ``keys`` and map what is resident (as much of each segment as the engine maps,
-        `CudaSegment.mapped_bytes`); key -> (segment, hit)."""
+        """Acquire ``keys`` and map what is resident, as the engine does (`map_resident`); key ->
+        (segment, hit).  Raises the first segment's error that could not be mapped."""
         hits = {}
-        for found in self.client.acquire(list(keys)):
-            needed = max(h.offset + h.nbytes for h in found.hits)
-            seg = CudaSegment.attach(found.fd, CudaSegment.mapped_bytes(needed, found.nbytes), cudadrv.device_key(ordinal))
-            seg.close_fd()
-            hits.update({hit.key: (seg, hit) for hit in found.hits})
+        for mapped in map_resident(self.client, CudaSegment, cudadrv.device_key(ordinal), list(keys)):
+            if mapped.error is not None:
+                raise mapped.error
+            hits.update({hit.key: (mapped.segment, hit) for hit in mapped.found.hits})
         return hits
 
     def op_load(self, ordinal, tensors):

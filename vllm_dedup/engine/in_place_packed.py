@@ -300,12 +300,10 @@ class PackedInPlace:
             # Its members are copied instead: let go of now, so that it goes with the last of
             # them (counted while a member maps it), not at `release` (Note [one copy at a time]).
             self.failures.append(str(e))
-            self._let_go_of(pack)
-            seg = None
-        else:
-            seg = pack.seg
+            self._let_go_of(pack)  # its ``seg`` is None now
         with self._counting:
             self._packs.remove(pack)
+            seg = pack.seg
             self.sealed_bytes += seg.size if seg is not None else 0
         return seg
 
